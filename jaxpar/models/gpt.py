@@ -1,0 +1,291 @@
+"""A decoder-only GPT (Radford et al. 2019) with logical axis names on every parameter and key activation.
+
+Shape legend (suffixes in variable names): B batch, L sequence, D embed (``d_model``), H heads,
+K head dim, F MLP width, V padded vocabulary, N layers.
+
+The model is three pure functions over one params tree ``{"embed", "blocks", "head"}``, so a pipeline can
+run the layer stack as stages:
+
+* ``embed(params, tokens_BL) -> x_BLD``
+* ``stage(blocks, x_BLD) -> x_BLD`` over any slice of the stacked ``[layers, ...]`` block params
+* ``head_loss(params, x_BLD, targets_BL) -> (loss, aux)``
+
+Blocks are pre-norm (LayerNorm, Ba et al. 2016) with causal multi-head attention through
+``jax.nn.dot_product_attention`` and a GELU MLP; positions are learned or rotary (Su et al. 2021).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.sharding import constrain
+
+_REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 103          # characters (or tokens) in the corpus; padded to vocab_multiple
+    num_layers: int = 4            # N transformer blocks, stacked on a leading "layers" axis
+    num_heads: int = 4             # H attention heads (divisible by the tensor axis)
+    d_model: int = 128             # D model width
+    d_mlp: int = 0                 # F MLP width; 0 means 4 * d_model
+    max_seq_len: int = 128         # longest sequence (learned position table size)
+    positions: str = "learned"     # "learned" or "rotary"
+    tie_embeddings: bool = True    # logits = x @ embedding.T when True, else a separate head kernel
+    scan_layers: bool = False      # lax.scan over layers (fast compile at depth) or unrolled (fast on CPU)
+    remat: str = "none"            # activation checkpointing per block: "none", "full" or "dots"
+    dtype: Any = jnp.float32       # compute dtype, passed to every layer explicitly
+    param_dtype: Any = jnp.float32  # parameter storage dtype
+    vocab_multiple: int = 128      # pad the vocabulary to a multiple of this (mesh axes must divide it)
+    init_std: float = 0.02         # std of weight initialisation (GPT-2)
+    rope_base: float = 10000.0     # rotary base frequency
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
+        if self.positions not in ("learned", "rotary"):
+            raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
+        if self.remat not in _REMAT:
+            raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
+        if self.d_mlp < 0:
+            raise ValueError(f"d_mlp={self.d_mlp} must be >= 0 (0 means 4 * d_model)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.d_mlp or 4 * self.d_model
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def num_params(self, embeddings: bool = True) -> int:
+        D, F, N = self.d_model, self.mlp_dim, self.num_layers
+        block = 3 * D * D + D * D + D + 2 * D * F + F + D + 4 * D
+        emb = self.padded_vocab * D + (self.max_seq_len * D if self.positions == "learned" else 0)
+        head = 2 * D + (0 if self.tie_embeddings else D * self.padded_vocab)
+        return N * block + head + (emb if embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * (non-embedding params + unembedding) + 12 * N * L * D for attention
+        (Kaplan et al. 2020, sec. 2.1; PaLM, Chowdhery et al. 2022, app. B)."""
+        dense = self.num_params(embeddings=False) + self.padded_vocab * self.d_model
+        return 6.0 * dense + 12.0 * self.num_layers * seq_len * self.d_model
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, std: float | None):
+    init = nn.initializers.normal(std) if std is not None else (
+        nn.initializers.ones if name.endswith("scale") else nn.initializers.zeros)
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, module.cfg.param_dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """LayerNorm over the last axis with float32 statistics; returns ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope(x_BLHK: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles."""
+    L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
+    half = K // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.arange(L, dtype=jnp.float32)[:, None] * freq[None, :]
+    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
+
+
+class Embed(nn.Module):
+    """Token (and learned position) embedding: ``tokens_BL -> x_BLD``."""
+    cfg: GPTConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embedding = _param(self, "embedding", (c.padded_vocab, c.d_model), ("vocab", "embed"), c.init_std)
+        if c.positions == "learned":
+            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), (None, "embed"),
+                                        c.init_std / 2)
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        c = self.cfg
+        # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
+        # is a vocab-parallel gather whose output can take the batch sharding directly.
+        table_VD = constrain(self.embedding.astype(c.dtype), "vocab", None)
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
+        if c.positions == "learned":
+            x_BLD = x_BLD + self.pos_embedding[: tokens_BL.shape[1]].astype(c.dtype)[None]
+        return constrain(x_BLD, "batch", "seq", "embed")
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block ``x_BLD -> x_BLD`` (Megatron split: qkv/up by column, out/down by row)."""
+    cfg: GPTConfig
+
+    def setup(self):
+        c = self.cfg
+        D, H, K, F = c.d_model, c.num_heads, c.head_dim, c.mlp_dim
+        out_std = c.init_std / math.sqrt(2 * c.num_layers)
+        self.ln1_scale = _param(self, "ln1_scale", (D,), ("embed",), None)
+        self.ln1_bias = _param(self, "ln1_bias", (D,), ("embed",), None)
+        self.qkv_kernel = _param(self, "qkv_kernel", (D, H, 3, K), ("embed", "heads", None, "kv"), c.init_std)
+        self.out_kernel = _param(self, "out_kernel", (H, K, D), ("heads", "kv", "embed"), out_std)
+        self.out_bias = _param(self, "out_bias", (D,), ("embed",), None)
+        self.ln2_scale = _param(self, "ln2_scale", (D,), ("embed",), None)
+        self.ln2_bias = _param(self, "ln2_bias", (D,), ("embed",), None)
+        self.up_kernel = _param(self, "up_kernel", (D, F), ("embed", "mlp"), c.init_std)
+        self.up_bias = _param(self, "up_bias", (F,), ("mlp",), None)
+        self.down_kernel = _param(self, "down_kernel", (F, D), ("mlp", "embed"), out_std)
+        self.down_bias = _param(self, "down_bias", (D,), ("embed",), None)
+
+    def declare(self) -> None:
+        """Creates the parameters without running the block (used by ``init``)."""
+        self.ln1_scale  # noqa: B018  (touching an attribute runs setup, which declares every param)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        c = self.cfg
+        B, L, D = x_BLD.shape
+        H, K, F = c.num_heads, c.head_dim, c.mlp_dim
+        w = lambda p: p.astype(c.dtype)
+        # Matmul operands are kept 2-D ([B*L, D]): XLA:CPU is much faster on them than on 3-D operands.
+        h_TD = layer_norm(x_BLD, self.ln1_scale, self.ln1_bias).reshape(B * L, D)
+        qkv = (h_TD @ w(self.qkv_kernel).reshape(D, H * 3 * K)).reshape(B, L, H, 3, K)
+        q_BLHK, k_BLHK, v_BLHK = (constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
+        if c.positions == "rotary":
+            q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True)
+        a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
+        o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
+        x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
+        h_TD = layer_norm(x_BLD, self.ln2_scale, self.ln2_bias).reshape(B * L, D)
+        u_TF = constrain(jax.nn.gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), "batch", "mlp")
+        m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
+        return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
+
+
+class Head(nn.Module):
+    """Final LayerNorm and unembedding: ``x_BLD -> logits_BLV`` (float32)."""
+    cfg: GPTConfig
+
+    def setup(self):
+        c = self.cfg
+        self.ln_scale = _param(self, "ln_scale", (c.d_model,), ("embed",), None)
+        self.ln_bias = _param(self, "ln_bias", (c.d_model,), ("embed",), None)
+        if not c.tie_embeddings:
+            self.kernel = _param(self, "kernel", (c.d_model, c.padded_vocab), ("embed", "vocab"), c.init_std)
+
+    def __call__(self, x_BLD: jax.Array, embedding_VD: jax.Array | None = None) -> jax.Array:
+        c = self.cfg
+        B, L, D = x_BLD.shape
+        h_TD = layer_norm(x_BLD, self.ln_scale, self.ln_bias).reshape(B * L, D)
+        if c.tie_embeddings:
+            logits_TV = h_TD @ embedding_VD.astype(c.dtype).T
+        else:
+            logits_TV = h_TD @ self.kernel.astype(c.dtype)
+        return constrain(logits_TV.reshape(B, L, -1).astype(jnp.float32), "batch", "seq", "vocab")
+
+
+def _add_layers_axis(tree: Any) -> Any:
+    box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if box(b) else b, tree, is_leaf=box)
+
+
+class GPT:
+    """The GPT as pure functions over a params tree ``{"embed", "blocks", "head"}``.
+
+    ``blocks`` leaves carry a leading ``layers`` axis of size ``num_layers``.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        self.cfg = cfg
+
+    def init(self, rng: jax.Array) -> dict:
+        """Flax-boxed params (``nn.LogicallyPartitioned`` leaves carrying logical axis names)."""
+        c = self.cfg
+        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
+        block = Block(c)
+        blocks = jax.vmap(lambda k: block.init(k, method=Block.declare)["params"])(
+            jax.random.split(k_blocks, c.num_layers))
+        return {"embed": Embed(c).init(k_embed, method=lambda m: m.embedding)["params"],
+                "blocks": _add_layers_axis(blocks),
+                "head": Head(c).init(k_head, method=lambda m: m.ln_scale)["params"]}
+
+    def embed(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
+        return Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
+
+    def stage(self, blocks: dict, x_BLD: jax.Array) -> jax.Array:
+        """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers)."""
+        block = Block(self.cfg)
+        f = lambda p, x: block.apply({"params": p}, x)
+        if self.cfg.remat != "none":
+            f = jax.checkpoint(f, policy=_REMAT[self.cfg.remat])
+        if self.cfg.scan_layers:
+            return jax.lax.scan(lambda x, p: (f(p, x), None), x_BLD, blocks)[0]
+        for i in range(jax.tree.leaves(blocks)[0].shape[0]):
+            x_BLD = f(jax.tree.map(lambda a: a[i], blocks), x_BLD)
+        return x_BLD
+
+    def logits(self, params: dict, x_BLD: jax.Array) -> jax.Array:
+        """float32 logits ``[B, L, V]`` with padded vocabulary entries set to a large negative value."""
+        emb = params["embed"]["embedding"] if self.cfg.tie_embeddings else None
+        logits_BLV = Head(self.cfg).apply({"params": params["head"]}, x_BLD, emb)
+        valid = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
+        return jnp.where(valid, logits_BLV, -1e9)
+
+    def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array):
+        """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``."""
+        logits_BLV = self.logits(params, x_BLD)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        return loss, {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
+
+    def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
+        """``tokens_BL (int32) -> logits_BLV (float32)``."""
+        if tokens_BL.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+        return self.logits(params, self.stage(params["blocks"], self.embed(params, tokens_BL)))
+
+    def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
+        """``loss_fn`` for the train step: ``batch = {"inputs": int [B, L], "targets": int [B, L]}``."""
+        del rng
+        x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
+        return self.head_loss(params, x_BLD, batch["targets"])
+
+    def generate(self, params: dict, prompt: list[int], num_tokens: int, rng: jax.Array,
+                 temperature: float = 0.8) -> list[int]:
+        """Samples ``num_tokens`` tokens after ``prompt`` (a window of the last ``max_seq_len`` tokens)."""
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        L = self.cfg.max_seq_len
+
+        @jax.jit
+        def next_token(params, window, length, key):
+            logits = self.apply(params, window[None])[0, length - 1]
+            return jax.random.categorical(key, logits / temperature)
+
+        tokens = list(prompt)
+        for i in range(num_tokens):
+            ctx = tokens[-L:]
+            window = jnp.asarray(ctx + [0] * (L - len(ctx)), jnp.int32)
+            tokens.append(int(next_token(params, window, len(ctx), jax.random.fold_in(rng, i))))
+        return tokens[len(prompt):]

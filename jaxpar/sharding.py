@@ -1,0 +1,153 @@
+"""Logical axis rules and the shardings they give, built on Flax's logical partitioning.
+
+Models name every parameter and key activation dimension with a logical axis (``batch``, ``seq``,
+``embed``, ``mlp``, ``heads``, ``kv``, ``vocab``, ``layers``, ``stage``); a rules table maps logical names
+to mesh axes. Changing the layout is changing the rules, never the model. Rules are matched in order and
+a mesh axis is used at most once per array (Flax's ``logical_to_mesh_axes`` semantics), so an activation
+``[batch, seq, embed]`` takes ``data`` and ``fsdp`` on its batch dimension while a parameter
+``[embed, mlp]`` takes ``fsdp`` on ``embed`` (ZeRO-3 / FSDP) and ``tensor`` on ``mlp`` (Megatron split).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+Rules = tuple[tuple[str, Any], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),   # activations: batch over every data-parallel axis
+    ("seq", None),                 # no sequence parallelism
+    ("embed", "fsdp"),             # params: FSDP shards the model dimension of every weight
+    ("mlp", "tensor"),             # Megatron column split of the MLP up-projection, row split of down
+    ("heads", "tensor"),           # Megatron split of attention by heads
+    ("kv", None),                  # head_dim stays whole
+    ("vocab", "tensor"),           # vocab-parallel embedding / logits
+    ("layers", None),              # stacked layers live whole on each stage
+    ("stage", "pipe"),             # pipeline stages
+)
+
+
+def _mesh_axes_of(rules: Rules) -> set[str]:
+    axes: set[str] = set()
+    for _, target in rules:
+        if target is None:
+            continue
+        axes.update((target,) if isinstance(target, str) else target)
+    return axes
+
+
+def validate_rules(rules: Rules, mesh: Mesh) -> None:
+    """Raises ValueError if a rule names a mesh axis that ``mesh`` does not have, or is malformed."""
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"rule {rule!r} must be a pair (logical_name, mesh_axis | tuple | None)")
+    unknown = sorted(_mesh_axes_of(rules) - set(mesh.axis_names))
+    if unknown:
+        bad = [r for r in rules if r[1] is not None and set((r[1],) if isinstance(r[1], str) else r[1]) & set(unknown)]
+        raise ValueError(
+            f"rules name mesh axes {unknown} that the mesh {tuple(mesh.axis_names)} does not have "
+            f"(in {bad}); use axes of the mesh, e.g. jp.make_mesh(...) gives {tuple(mesh.axis_names)}")
+
+
+def batch_axes(rules: Rules, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the ``batch`` logical axis maps to, e.g. ``('data', 'fsdp')``."""
+    spec = nn.logical_to_mesh_axes(("batch",), rules)
+    target = spec[0]
+    if target is None:
+        return ()
+    return tuple(a for a in ((target,) if isinstance(target, str) else target) if a in mesh.axis_names)
+
+
+def batch_sharding(rules: Rules, mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Sharding of an array whose leading axis is the global batch (other axes replicated)."""
+    axes = batch_axes(rules, mesh)
+    return NamedSharding(mesh, P(axes if axes else None, *([None] * (ndim - 1))))
+
+
+def logical_specs(tree: Any) -> Any:
+    """Logical ``PartitionSpec`` of every leaf of a (possibly Flax-boxed) tree; unboxed leaves get ``P()``."""
+    return nn.get_partition_spec(tree)
+
+
+def mesh_specs(tree: Any, rules: Rules) -> Any:
+    """Mesh ``PartitionSpec`` of every leaf of a Flax-boxed tree under ``rules``."""
+    return nn.logical_to_mesh(logical_specs(tree), rules)
+
+
+def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """Tree of ``NamedSharding`` for a tree of Flax-boxed params (or their ``eval_shape``).
+
+    Leaves carrying ``nn.LogicallyPartitioned`` metadata are placed by ``rules``; plain leaves are replicated.
+    The result has the structure of the **unboxed** tree.
+
+    Raises:
+      ValueError: a rule names an axis ``mesh`` does not have, or a sharded dimension is not divisible by
+        the product of the mesh axes it is split over (the message names the parameter path).
+    """
+    validate_rules(rules, mesh)
+    specs = mesh_specs(tree, rules)
+    check_divisible(nn.meta.unbox(tree), specs, mesh, logical_specs(tree))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = None) -> None:
+    """Raises ValueError naming the path of the first leaf whose sharded dim does not divide evenly."""
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    flat_logical = (jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P))
+                    if logical is not None else [None] * len(flat_specs))
+    paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    for (path, leaf), spec, lspec in zip(paths, flat_specs, flat_logical):
+        for dim, axes in enumerate(spec):
+            if axes is None:
+                continue
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            n = math.prod(mesh.shape[a] for a in axes)
+            if leaf.shape[dim] % n:
+                name = lspec[dim] if lspec is not None and dim < len(lspec) else f"dim {dim}"
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}: its {name!r} dimension "
+                    f"({leaf.shape[dim]}) is not divisible by {'*'.join(axes)} = {n}; change the model size "
+                    f"or the mesh (e.g. a smaller {axes[-1]} axis)")
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Constrains an activation's sharding by logical axis names, e.g. ``constrain(x, 'batch', 'seq', 'embed')``.
+
+    Takes effect under a mesh and rules in context (jaxpar's init/step builders enter both); elsewhere it is
+    the identity, as Flax's ``with_logical_constraint`` is.
+    """
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain got {len(names)} names {names} for an array of rank {x.ndim}")
+    return nn.with_logical_constraint(x, names)
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Enters ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)``: the context for tracing jaxpar code."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    """For each parameter leaf: (path, global shape, PartitionSpec as text). Handy in notebooks."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        out.append((jax.tree_util.keystr(path), tuple(leaf.shape), str(spec)))
+    return out
+
+
+__all__: Sequence[str] = (
+    "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "mesh_specs",
+    "named_shardings", "check_divisible", "constrain", "use", "replicated", "describe_params")

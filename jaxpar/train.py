@@ -1,0 +1,395 @@
+"""Sharded training state and steps: data parallelism, FSDP and tensor parallelism through ``jax.jit``.
+
+The layout comes from the logical axis rules (``jaxpar.sharding``): params and optimizer state are placed by
+their logical names, the batch over the mesh axes ``batch`` maps to, and GSPMD inserts the collectives.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar import sharding as shd
+from jaxpar.precision import Policy
+
+LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a training step reads and writes.
+
+    Attributes:
+      step: int32 scalar, the number of updates applied so far.
+      params: the parameter tree, unboxed (plain arrays), stored in the policy's ``param_dtype``.
+      opt_state: the optax state, sharded like the params it mirrors.
+      rng: a typed PRNG key; step ``t`` uses ``jax.random.fold_in(rng, t)``.
+    """
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def _as_key(rng: Any) -> jax.Array:
+    if isinstance(rng, (int, np.integer)):
+        return jax.random.key(int(rng))
+    if isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    if isinstance(rng, (jax.Array, np.ndarray)) and rng.dtype == np.uint32:
+        return jax.random.wrap_key_data(rng)
+    raise TypeError(f"rng must be a typed key (jax.random.key(seed)), a raw uint32 key or an int seed; got {rng!r}")
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(k) for k in path)
+
+
+def _opt_state_shardings(opt_shapes: Any, param_shapes: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Gives every optimizer-state leaf the sharding of the parameter it mirrors.
+
+    A leaf mirrors a parameter when its key path ends with that parameter's path and the shapes agree (Adam's
+    ``mu``/``nu``, masks, EMA copies); every other leaf (counts, scales) is replicated.
+    """
+    by_path = {}
+    for (path, shape), sharding in zip(jax.tree_util.tree_flatten_with_path(param_shapes)[0],
+                                       jax.tree.leaves(param_shardings)):
+        by_path[_path_key(path)] = (shape.shape, sharding)
+
+    def pick(path, leaf):
+        key = _path_key(path)
+        for i in range(len(key)):
+            hit = by_path.get(key[i:])
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(pick, opt_shapes)
+
+
+def _abstract(init_fn, tx, rng, mesh, rules, policy):
+    """(state shapes, state shardings) without computing anything."""
+    with shd.use(mesh, rules):
+        boxed = jax.eval_shape(init_fn, rng)
+    param_shardings = shd.named_shardings(boxed, mesh, rules)
+    param_shapes = nn.meta.unbox(boxed)
+    if policy is not None:
+        param_shapes = policy.cast_to_param(param_shapes)
+    opt_shapes = jax.eval_shape(tx.init, param_shapes)
+    rep = NamedSharding(mesh, P())
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
+                        rng=jax.eval_shape(lambda k: k, rng))
+    shardings = TrainState(step=rep, params=param_shardings,
+                           opt_state=_opt_state_shardings(opt_shapes, param_shapes, param_shardings, mesh), rng=rep)
+    return shapes, shardings
+
+
+def _check_common(mesh, rules, policy):
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (from jp.make_mesh), got {type(mesh).__name__}")
+    shd.validate_rules(rules, mesh)
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a jp.precision.Policy or None, got {policy!r}")
+
+
+def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, *, mesh: Mesh,
+                   rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None) -> TrainState:
+    """The ``TrainState`` of ``jax.ShapeDtypeStruct`` leaves, each with its ``NamedSharding``.
+
+    It is what :func:`init_state` would return, without allocating anything: the restore target for
+    checkpoints on the current mesh.
+    """
+    _check_common(mesh, rules, policy)
+    shapes, shardings = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: Any, *, mesh: Mesh,
+               rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None) -> TrainState:
+    """Initializes params and optimizer state directly in their sharded layout.
+
+    The state's shapes come from ``jax.eval_shape`` and it is built by ``jax.jit(..., out_shardings=...)``, so
+    the whole unsharded parameter tree never exists on one device.
+
+    Args:
+      init_fn: ``init_fn(rng) -> params``; params may be Flax-boxed (``nn.with_logical_partitioning``) to carry
+        logical axis names, which ``rules`` map to mesh axes; plain leaves are replicated.
+      tx: the optax transformation.
+      rng: a typed key (``jax.random.key(seed)``) or an int seed. It is split into the init key and the
+        state's key.
+      mesh: from :func:`jaxpar.make_mesh`.
+      rules: logical-to-mesh axis rules.
+      policy: a mixed-precision policy; params are stored in its ``param_dtype``.
+
+    Raises:
+      ValueError: rules naming an axis the mesh lacks; a sharded parameter dimension not divisible by its
+        mesh axes (the message names the parameter).
+    """
+    _check_common(mesh, rules, policy)
+    init_rng, state_rng = jax.random.split(_as_key(rng))
+    _, shardings = _abstract(init_fn, tx, init_rng, mesh, rules, policy)
+
+    def _init(init_rng, state_rng):
+        params = nn.meta.unbox(init_fn(init_rng))
+        if policy is not None:
+            params = policy.cast_to_param(params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=state_rng)
+
+    with shd.use(mesh, rules):
+        return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+def _global_batch_size(batch: Any) -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch has no arrays; pass a pytree of arrays whose leading axis is the global batch")
+    sizes = set()
+    for leaf in leaves:
+        if np.ndim(leaf) == 0:
+            raise ValueError(f"batch leaf of shape {np.shape(leaf)} has no leading batch axis")
+        local = isinstance(leaf, jax.Array) and leaf.is_fully_addressable or not isinstance(leaf, jax.Array)
+        sizes.add(np.shape(leaf)[0] * (jax.process_count() if local and not isinstance(leaf, jax.Array) else 1))
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}; give every leaf the same "
+                         "leading (global batch) axis")
+    return sizes.pop()
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules, grad_accum_steps: int = 1) -> None:
+    """Raises ValueError unless the global batch splits evenly over the batch mesh axes and microbatches."""
+    axes = shd.batch_axes(rules, mesh)
+    n = math.prod(mesh.shape[a] for a in axes)
+    names = "*".join(axes) or "1"
+    if batch_size % grad_accum_steps:
+        raise ValueError(f"batch {batch_size} is not divisible by grad_accum_steps = {grad_accum_steps}; "
+                         f"use a batch that is a multiple of {grad_accum_steps}")
+    micro = batch_size // grad_accum_steps
+    if micro % n:
+        what = f"batch {batch_size}" if grad_accum_steps == 1 else \
+            f"microbatch {micro} (batch {batch_size} / grad_accum_steps {grad_accum_steps})"
+        raise ValueError(f"{what} is not divisible by {names} = {n}; use a batch that is a multiple of "
+                         f"{n * grad_accum_steps}")
+
+
+def shard_batch(batch: Any, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES) -> Any:
+    """Places a batch on the mesh, leading axis split over the batch axes.
+
+    Host (numpy) leaves are this process's slice of the global batch (the whole batch in a single-process
+    run) and become global arrays through ``jax.make_array_from_process_local_data``; jax arrays are
+    taken as global and resharded if needed.
+    """
+    def place(x):
+        sharding = shd.batch_sharding(rules, mesh, np.ndim(x))
+        if isinstance(x, jax.Array):
+            return x if x.sharding == sharding else jax.device_put(x, sharding)
+        x = np.asarray(x)
+        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+    return jax.tree.map(place, batch)
+
+
+# ------------------------------------------------------------------------------------------------- steps
+
+def _loss_and_grads(loss_fn: LossFn, policy: Policy | None):
+    def compute(params, batch, rng):
+        def f(p):
+            if policy is not None:
+                p = policy.cast_to_compute(p)
+            loss, aux = loss_fn(p, batch, rng)
+            aux = {} if aux is None else dict(aux)
+            return loss.astype(jnp.float32), aux
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, aux, grads
+    return compute
+
+
+def _accumulate(compute, params, batch, rng, steps: int, batch_axes: tuple[str, ...]):
+    """Weighted mean of loss, aux and grads over ``steps`` strided microbatches (scan, constant memory).
+
+    Microbatch ``j`` holds rows ``j, j+steps, j+2*steps, ...`` so each stays spread over the batch axes.
+    A microbatch's weight is ``aux["weight"]`` when present (e.g. its token count), else 1.
+    """
+    def split(x):
+        x = x.reshape(x.shape[0] // steps, steps, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, P(None, batch_axes or None))
+    micro = jax.tree.map(split, batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    _, aux_shape, _ = jax.eval_shape(compute, params, first, rng)
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
+    init = (jnp.zeros((), jnp.float32), zeros(aux_shape), zeros(params), jnp.zeros((), jnp.float32))
+
+    def body(carry, xs):
+        mb, j = xs
+        loss_sum, aux_sum, grad_sum, w_sum = carry
+        loss, aux, grads = compute(params, mb, jax.random.fold_in(rng, j))
+        w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
+        aux_w = {k: v if k == "weight" else w * v for k, v in aux.items()}
+        add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(jnp.float32), a, b)
+        grad_sum = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + w * loss, add(aux_sum, aux_w), grad_sum, w_sum + w), None
+
+    (loss_sum, aux_sum, grad_sum, w_sum), _ = jax.lax.scan(body, init, (micro, jnp.arange(steps)))
+    aux = {k: v if k == "weight" else v / w_sum for k, v in aux_sum.items()}
+    grads = jax.tree.map(lambda g, p: (g / w_sum).astype(p.dtype), grad_sum, params)
+    return loss_sum / w_sum, aux, grads
+
+
+class _Jitted:
+    """Calls a jitted function inside the mesh + rules context, building it once per input structure."""
+
+    def __init__(self, build: Callable[[Any], Callable], mesh: Mesh, rules: shd.Rules):
+        self._build, self._mesh, self._rules, self._cache = build, mesh, rules, {}
+
+    def get(self, state: Any) -> Callable:
+        key = jax.tree.structure(state)
+        if key not in self._cache:
+            self._cache[key] = self._build(jax.tree.map(lambda x: x.sharding, state))
+        return self._cache[key]
+
+    def __call__(self, state, *args):
+        fn = self.get(state)
+        with shd.use(self._mesh, self._rules):
+            return fn(state, *args)
+
+    def lower(self, state, *args):
+        """``jax.jit(...).lower`` of the step on these arguments, inside the mesh + rules context."""
+        with shd.use(self._mesh, self._rules):
+            return self.get(state).lower(state, *args)
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: Mesh,
+                    rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
+                    grad_accum_steps: int = 1, donate: bool = True):
+    """Builds ``step(state, batch) -> (state, metrics)``, jitted with the state's shardings.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, rng) -> (loss, aux)``; ``loss`` a scalar mean over the batch it gets,
+        ``aux`` a dict of scalars (or None). If ``aux["weight"]`` exists (e.g. a token count), microbatches are
+        weighted by it so the accumulated loss and gradient are the whole-batch mean.
+      tx: the optax transformation.
+      mesh, rules, policy: as for :func:`init_state`.
+      grad_accum_steps: split the batch into this many microbatches (rows ``j::grad_accum_steps``) and
+        accumulate gradients in float32 before one update.
+      donate: donate the input state's buffers to the output.
+
+    The returned step accepts ``batch``: a pytree of numpy or jax arrays whose leading axis is the global
+    batch. In a multi-process run each process passes its own slice (numpy) of the global batch, in process
+    order. Metrics (global, replicated scalars): ``loss``, ``grad_norm`` (global L2 norm of the gradient),
+    and every ``aux`` entry (``weight`` summed, others weight-averaged).
+
+    Raises (on the first call with a bad batch, before tracing):
+      ValueError: a global batch not divisible by the batch mesh axes (``data*fsdp``) times
+        ``grad_accum_steps``; batch leaves of different leading sizes.
+    """
+    _check_common(mesh, rules, policy)
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be a positive int")
+    compute = _loss_and_grads(loss_fn, policy)
+    axes = shd.batch_axes(rules, mesh)
+
+    def _step(state: TrainState, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+        if grad_accum_steps == 1:
+            loss, aux, grads = compute(state.params, batch, rng)
+        else:
+            loss, aux, grads = _accumulate(compute, state.params, batch, rng, grad_accum_steps, axes)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def build(state_shardings):
+        return jax.jit(_step, in_shardings=(state_shardings, None),
+                       out_shardings=(state_shardings, NamedSharding(mesh, P())),
+                       donate_argnums=(0,) if donate else ())
+
+    jitted = _Jitted(build, mesh, rules)
+
+    def step(state: TrainState, batch: Any):
+        check_batch_size(_global_batch_size(batch), mesh, rules, grad_accum_steps)
+        return jitted(state, shard_batch(batch, mesh, rules))
+
+    step.lower = lambda state, batch: jitted.lower(state, shard_batch(batch, mesh, rules))
+    return step
+
+
+def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
+                   policy: Policy | None = None):
+    """Builds ``eval_step(state, batch) -> metrics`` (``loss`` and ``aux`` entries), no update.
+
+    The batch follows :func:`make_train_step`'s conventions and checks.
+    """
+    _check_common(mesh, rules, policy)
+
+    def _eval(state: TrainState, batch):
+        params = state.params if policy is None else policy.cast_to_compute(state.params)
+        loss, aux = loss_fn(params, batch, jax.random.fold_in(state.rng, state.step))
+        return {"loss": loss.astype(jnp.float32), **({} if aux is None else dict(aux))}
+
+    jitted = _Jitted(lambda s: jax.jit(_eval, in_shardings=(s, None), out_shardings=NamedSharding(mesh, P())),
+                     mesh, rules)
+
+    def eval_step(state: TrainState, batch: Any):
+        check_batch_size(_global_batch_size(batch), mesh, rules)
+        return jitted(state, shard_batch(batch, mesh, rules))
+    return eval_step
+
+
+# -------------------------------------------------------------------------------------------- the loop
+
+def run_steps(step_fn: Callable, state: TrainState, batch_fn: Callable[[int], Any], start: int, stop: int,
+              max_in_flight: int = 2) -> Iterator[tuple[int, dict[str, float], TrainState]]:
+    """Runs steps ``start .. stop-1`` and yields ``(step, host_metrics, state)`` in order.
+
+    Step ``t+1`` is dispatched before step ``t``'s metrics are pulled to the host, but never more than
+    ``max_in_flight`` steps are outstanding: XLA:CPU's collective rendezvous aborts ("termination timeout")
+    when many steps with collectives are queued. The yielded state is the newest dispatched one.
+    """
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
+    pending: collections.deque = collections.deque()
+    for t in range(start, stop):
+        state, metrics = step_fn(state, batch_fn(t))
+        pending.append((t, metrics))
+        if len(pending) >= max_in_flight:
+            t0, m = pending.popleft()
+            yield t0, {k: float(v) for k, v in jax.device_get(m).items()}, state
+    while pending:
+        t0, m = pending.popleft()
+        yield t0, {k: float(v) for k, v in jax.device_get(m).items()}, state
+
+
+def decay_mask(params: Any) -> Any:
+    """True for weight matrices (leaves named ``kernel``); False for norms, biases and embeddings."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: bool(path) and getattr(path[-1], "key", None) == "kernel", params)
+
+
+def adamw(learning_rate: float, *, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.1,
+          b1: float = 0.9, b2: float = 0.95, clip_norm: float | None = 1.0,
+          final_lr_ratio: float = 0.1) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter 2019) with linear warm-up then cosine decay, for the experiments.
+
+    Weight decay applies to kernels only (:func:`decay_mask`). ``clip_norm`` clips the global gradient norm
+    first (Pascanu et al. 2013) when given. The learning rate peaks at ``learning_rate`` after
+    ``warmup_steps`` and decays to ``final_lr_ratio * learning_rate`` at ``total_steps``.
+    """
+    if total_steps < 1 or warmup_steps < 0 or warmup_steps >= total_steps + 1:
+        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps <= total_steps, got "
+                         f"{total_steps=}, {warmup_steps=}")
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup_steps, total_steps, end_value=learning_rate * final_lr_ratio)
+    opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), opt) if clip_norm else opt
