@@ -1,10 +1,10 @@
 """jaxpar: run pure JAX training functions on a device mesh with every standard parallelism."""
 
-from jaxpar import data, models, precision, sharding, train
+from jaxpar import data, metrics, models, plot, precision, sharding, train
 from jaxpar.mesh import AXES, describe, make_mesh
 from jaxpar.precision import Policy
 from jaxpar.train import TrainState
 
 __version__ = "0.1.0"
-__all__ = ["AXES", "Policy", "TrainState", "data", "describe", "make_mesh", "models", "precision",
+__all__ = ["AXES", "Policy", "TrainState", "data", "describe", "make_mesh", "metrics", "models", "plot", "precision",
            "sharding", "train"]
