@@ -36,11 +36,12 @@ class Config:
     tie_embeddings: bool = True    # share the input embedding and the output projection
     scan_layers: bool = False      # lax.scan over layers (faster compile) instead of unrolling
     remat: str = "none"            # activation checkpointing: "none", "full", "dots"
+    precision: str = "f32"         # "f32"; "bf16" (params f32, compute bf16); "fp16" (same, f16, dynamic loss scaling)
     steps: int = 800               # optimizer steps
     batch_size: int = 32           # global batch (sequences per step), independent of the mesh
     grad_accum_steps: int = 1      # microbatches per step
     learning_rate: float = 3e-3    # peak AdamW learning rate
-    warmup_steps: int = 100        # linear warm-up steps
+    warmup_steps: int = -1         # linear warm-up steps; -1: min(100, steps // 8)
     weight_decay: float = 0.1      # decoupled weight decay on kernels
     clip_norm: float = 1.0         # global-norm gradient clipping (0 disables)
     seed: int = 0                  # seeds init, data order and sampling
@@ -54,10 +55,12 @@ class Config:
         for name in ("steps", "batch_size", "grad_accum_steps", "eval_interval", "eval_batches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(f"--warmup-steps {self.warmup_steps} must lie in [0, steps={self.steps}]")
+        if self.warmup_steps < -1 or self.warmup_steps > self.steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} must lie in [0, steps={self.steps}] (or -1: auto)")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
+        if self.precision not in ("f32", "bf16", "fp16"):
+            raise ValueError(f"--precision {self.precision!r}: use f32, bf16 or fp16")
 
 
 def main(cfg: Config) -> float:
@@ -72,15 +75,22 @@ def main(cfg: Config) -> float:
     corpus = jp.data.CharCorpus.load(cfg.text)
     mesh = jp.make_mesh(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor)
     log_devices(mesh)
+    policy = jp.Policy.from_string({"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}[cfg.precision])
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                           d_model=cfg.d_model, max_seq_len=cfg.seq_len, positions=cfg.positions,
-                          tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers, remat=cfg.remat))
-    tx = jp.train.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                          tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers, remat=cfg.remat,
+                          dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+                          output_dtype=policy.output_dtype))
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else min(100, cfg.steps // 8)
+    tx = jp.train.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=warmup,
                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+    if cfg.precision == "fp16":
+        tx = jp.precision.loss_scaling(tx, jp.precision.DynamicLossScale())
     jp.train.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps)
-    state = jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh)
-    train_step = jp.train.make_train_step(model.loss, tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps)
-    eval_step = jp.train.make_eval_step(model.loss, mesh=mesh)
+    state = jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy)
+    train_step = jp.train.make_train_step(model.loss, tx, mesh=mesh, policy=policy,
+                                          grad_accum_steps=cfg.grad_accum_steps)
+    eval_step = jp.train.make_eval_step(model.loss, mesh=mesh, policy=policy)
 
     out = Path(cfg.out_dir)
     writer = jp.metrics.MetricsWriter(out)

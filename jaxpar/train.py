@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar import precision
 from jaxpar import sharding as shd
 from jaxpar.precision import Policy
 
@@ -85,13 +86,20 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy):
     param_shapes = nn.meta.unbox(boxed)
     if policy is not None:
         param_shapes = policy.cast_to_param(param_shapes)
-    opt_shapes = jax.eval_shape(tx.init, param_shapes)
+    opt_shapes = jax.eval_shape(_effective_tx(tx, policy).init, param_shapes)
     rep = NamedSharding(mesh, P())
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
                         rng=jax.eval_shape(lambda k: k, rng))
     shardings = TrainState(step=rep, params=param_shardings,
                            opt_state=_opt_state_shardings(opt_shapes, param_shapes, param_shardings, mesh), rng=rep)
     return shapes, shardings
+
+
+def _effective_tx(tx: optax.GradientTransformation, policy: Policy | None) -> optax.GradientTransformation:
+    """Keeps optimizer state in float32 when the policy stores params in a 16-bit dtype."""
+    if policy is not None and policy.param_dtype.itemsize < 4:
+        return precision.f32_optimizer_state(tx)
+    return tx
 
 
 def _check_common(mesh, rules, policy):
@@ -143,7 +151,8 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         params = nn.meta.unbox(init_fn(init_rng))
         if policy is not None:
             params = policy.cast_to_param(params)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=state_rng)
+        opt_state = _effective_tx(tx, policy).init(params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng)
 
     with shd.use(mesh, rules):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
@@ -203,19 +212,24 @@ def shard_batch(batch: Any, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES) ->
 # ------------------------------------------------------------------------------------------------- steps
 
 def _loss_and_grads(loss_fn: LossFn, policy: Policy | None):
-    def compute(params, batch, rng):
+    """``compute(params, batch, rng, scale) -> (loss, aux, grads)``: grads of ``scale * loss``, loss unscaled.
+
+    Params are cast to the policy's compute dtype inside the differentiated function, so gradients come
+    back in the param dtype; the loss is taken in float32.
+    """
+    def compute(params, batch, rng, scale):
         def f(p):
             if policy is not None:
                 p = policy.cast_to_compute(p)
             loss, aux = loss_fn(p, batch, rng)
-            aux = {} if aux is None else dict(aux)
-            return loss.astype(jnp.float32), aux
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
+            loss = loss.astype(jnp.float32)
+            return loss * scale, (loss, {} if aux is None else dict(aux))
+        (_, (loss, aux)), grads = jax.value_and_grad(f, has_aux=True)(params)
         return loss, aux, grads
     return compute
 
 
-def _accumulate(compute, params, batch, rng, steps: int, batch_axes: tuple[str, ...]):
+def _accumulate(compute, params, batch, rng, scale, steps: int, batch_axes: tuple[str, ...]):
     """Weighted mean of loss, aux and grads over ``steps`` strided microbatches (scan, constant memory).
 
     Microbatch ``j`` holds rows ``j, j+steps, j+2*steps, ...`` so each stays spread over the batch axes.
@@ -226,14 +240,14 @@ def _accumulate(compute, params, batch, rng, steps: int, batch_axes: tuple[str, 
         return jax.lax.with_sharding_constraint(x, P(None, batch_axes or None))
     micro = jax.tree.map(split, batch)
     first = jax.tree.map(lambda x: x[0], micro)
-    _, aux_shape, _ = jax.eval_shape(compute, params, first, rng)
+    _, aux_shape, _ = jax.eval_shape(compute, params, first, rng, scale)
     zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
     init = (jnp.zeros((), jnp.float32), zeros(aux_shape), zeros(params), jnp.zeros((), jnp.float32))
 
     def body(carry, xs):
         mb, j = xs
         loss_sum, aux_sum, grad_sum, w_sum = carry
-        loss, aux, grads = compute(params, mb, jax.random.fold_in(rng, j))
+        loss, aux, grads = compute(params, mb, jax.random.fold_in(rng, j), scale)
         w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
         aux_w = {k: v if k == "weight" else w * v for k, v in aux.items()}
         add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(jnp.float32), a, b)
@@ -244,6 +258,11 @@ def _accumulate(compute, params, batch, rng, steps: int, batch_axes: tuple[str, 
     aux = {k: v if k == "weight" else v / w_sum for k, v in aux_sum.items()}
     grads = jax.tree.map(lambda g, p: (g / w_sum).astype(p.dtype), grad_sum, params)
     return loss_sum / w_sum, aux, grads
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    """L2 norm over all leaves, accumulated in float32."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 class _Jitted:
@@ -297,17 +316,22 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be a positive int")
     compute = _loss_and_grads(loss_fn, policy)
+    tx = _effective_tx(tx, policy)
     axes = shd.batch_axes(rules, mesh)
 
     def _step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
+        found = precision.loss_scale(state.opt_state)
+        scale = jnp.ones((), jnp.float32) if found is None else found.astype(jnp.float32)
         if grad_accum_steps == 1:
-            loss, aux, grads = compute(state.params, batch, rng)
+            loss, aux, grads = compute(state.params, batch, rng, scale)
         else:
-            loss, aux, grads = _accumulate(compute, state.params, batch, rng, grad_accum_steps, axes)
+            loss, aux, grads = _accumulate(compute, state.params, batch, rng, scale, grad_accum_steps, axes)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux}
+        if found is not None:
+            metrics.update(loss_scale=scale, skipped=precision.skipped(opt_state).astype(jnp.float32))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def build(state_shardings):

@@ -45,6 +45,7 @@ class GPTConfig:
     remat: str = "none"            # activation checkpointing per block: "none", "full" or "dots"
     dtype: Any = jnp.float32       # compute dtype, passed to every layer explicitly
     param_dtype: Any = jnp.float32  # parameter storage dtype
+    output_dtype: Any = jnp.float32  # logits dtype (the cross-entropy is always taken in float32)
     vocab_multiple: int = 128      # pad the vocabulary to a multiple of this (mesh axes must divide it)
     init_std: float = 0.02         # std of weight initialisation (GPT-2)
     rope_base: float = 10000.0     # rotary base frequency
@@ -97,8 +98,13 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, s
     return module.param(name, nn.with_logical_partitioning(init, names), shape, module.cfg.param_dtype)
 
 
+@jax.checkpoint
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last axis with float32 statistics; returns ``x``'s dtype."""
+    """LayerNorm over the last axis with float32 statistics; returns ``x``'s dtype.
+
+    Rematerialised in the backward pass: it saves only its input (in the compute dtype), not float32
+    intermediates, which would otherwise be most of a bf16 model's saved activations.
+    """
     xf = x.astype(jnp.float32)
     mean = xf.mean(-1, keepdims=True)
     var = jnp.square(xf - mean).mean(-1, keepdims=True)
@@ -174,7 +180,11 @@ class Block(nn.Module):
         q_BLHK, k_BLHK, v_BLHK = (constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
         if c.positions == "rotary":
             q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True)
+        if jnp.dtype(c.dtype) == jnp.float16:
+            # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
+            # take attention in float32.
+            q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True).astype(c.dtype)
         a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
         o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
@@ -185,7 +195,7 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and unembedding: ``x_BLD -> logits_BLV`` (float32)."""
+    """Final LayerNorm and unembedding: ``x_BLD -> logits_BLV`` (``output_dtype``)."""
     cfg: GPTConfig
 
     def setup(self):
@@ -203,7 +213,7 @@ class Head(nn.Module):
             logits_TV = h_TD @ embedding_VD.astype(c.dtype).T
         else:
             logits_TV = h_TD @ self.kernel.astype(c.dtype)
-        return constrain(logits_TV.reshape(B, L, -1).astype(jnp.float32), "batch", "seq", "vocab")
+        return constrain(logits_TV.reshape(B, L, -1).astype(c.output_dtype), "batch", "seq", "vocab")
 
 
 def _add_layers_axis(tree: Any) -> Any:
@@ -247,15 +257,15 @@ class GPT:
         return x_BLD
 
     def logits(self, params: dict, x_BLD: jax.Array) -> jax.Array:
-        """float32 logits ``[B, L, V]`` with padded vocabulary entries set to a large negative value."""
+        """Logits ``[B, L, V]`` (``output_dtype``) with padded vocabulary entries set to a large negative value."""
         emb = params["embed"]["embedding"] if self.cfg.tie_embeddings else None
         logits_BLV = Head(self.cfg).apply({"params": params["head"]}, x_BLD, emb)
         valid = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
-        return jnp.where(valid, logits_BLV, -1e9)
+        return jnp.where(valid, logits_BLV, jnp.finfo(logits_BLV.dtype).min / 2)
 
     def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array):
         """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``."""
-        logits_BLV = self.logits(params, x_BLD)
+        logits_BLV = self.logits(params, x_BLD).astype(jnp.float32)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
         return loss, {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
 
