@@ -53,7 +53,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
@@ -63,8 +63,8 @@ class GPTConfig:
             raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
         if self.remat not in _REMAT:
             raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
-        if self.d_mlp < 0:
-            raise ValueError(f"d_mlp={self.d_mlp} must be >= 0 (0 means 4 * d_model)")
+        if not isinstance(self.d_mlp, int) or isinstance(self.d_mlp, bool) or self.d_mlp < 0:
+            raise ValueError(f"GPTConfig.d_mlp={self.d_mlp!r} must be an int >= 0 (0 means 4 * d_model)")
 
     @property
     def head_dim(self) -> int:
@@ -242,6 +242,12 @@ class GPT:
                 "head": Head(c).init(k_head, method=lambda m: m.ln_scale)["params"]}
 
     def embed(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
+        """``tokens_BL (int) -> x_BLD``. Raises ValueError for sequences longer than ``max_seq_len``."""
+        if tokens_BL.ndim != 2:
+            raise ValueError(f"tokens have shape {tuple(tokens_BL.shape)}; need [batch, seq]")
+        if tokens_BL.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
+                             "use shorter sequences or a larger GPTConfig.max_seq_len")
         return Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
 
     def stage(self, blocks: dict, x_BLD: jax.Array) -> jax.Array:
@@ -270,9 +276,7 @@ class GPT:
         return loss, {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
 
     def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
-        """``tokens_BL (int32) -> logits_BLV (float32)``."""
-        if tokens_BL.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+        """``tokens_BL (int32) -> logits_BLV`` (``output_dtype``)."""
         return self.logits(params, self.stage(params["blocks"], self.embed(params, tokens_BL)))
 
     def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):

@@ -1,0 +1,83 @@
+"""Shared test helpers: tree comparison with the suite's parity tolerance, small models and batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.models import GPT, GPTConfig, MLP, classification_loss
+
+# DESIGN.md "Tests": per leaf max|got - ref| <= 1e-5 * max|ref|. Elementwise rtol cannot hold when a layout
+# changes the reduction order (sums split over devices), so the error is scaled by the leaf's largest value.
+RTOL = 1e-5
+
+
+def max_rel_err(got: Any, ref: Any) -> float:
+    """``max|got - ref| / max|ref|`` of one array (``0`` when both are all zero, ``inf`` when only ref is)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    err, scale = np.max(np.abs(got - ref), initial=0.0), np.max(np.abs(ref), initial=0.0)
+    if scale == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return float(err / scale)
+
+
+def assert_tree_close(got: Any, ref: Any, rtol: float = RTOL, what: str = "") -> float:
+    """Asserts per leaf ``max|got - ref| <= rtol * max|ref|`` and returns the worst ratio over the leaves.
+
+    Leaves whose reference is exactly zero must be exactly zero in ``got`` too. The trees must have the same
+    structure; ``got`` may be sharded (it is fetched to the host).
+    """
+    got, ref = jax.device_get(got), jax.device_get(ref)
+    assert jax.tree.structure(got) == jax.tree.structure(ref), (
+        f"{what}: tree structures differ:\n{jax.tree.structure(got)}\n{jax.tree.structure(ref)}")
+    worst, failures = 0.0, []
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
+        e = max_rel_err(g, r)
+        worst = max(worst, e)
+        if not e <= rtol:
+            failures.append(f"{jax.tree_util.keystr(path)}: max|got-ref|/max|ref| = {e:.3g} > {rtol:g}")
+    assert not failures, f"{what}: {len(failures)} leaves differ:\n" + "\n".join(failures)
+    return worst
+
+
+def assert_scalar_close(got: Any, ref: Any, rtol: float = RTOL, what: str = "") -> float:
+    got, ref = float(np.asarray(got)), float(np.asarray(ref))
+    e = abs(got - ref) / abs(ref) if ref != 0 else abs(got)
+    assert e <= rtol, f"{what}: got {got!r}, reference {ref!r} (relative error {e:.3g} > {rtol:g})"
+    return e
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+SMALL_GPT = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16)
+SMALL_GPT_VARIANT = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16,
+                              positions="rotary", tie_embeddings=False, scan_layers=True)
+MLP_FEATURES = 64
+
+
+def gpt_batch(rng: np.random.Generator, batch_size: int, cfg: GPTConfig = SMALL_GPT,
+              seq_len: int | None = None) -> dict[str, np.ndarray]:
+    seq_len = seq_len or cfg.max_seq_len
+    return {"inputs": rng.integers(0, cfg.vocab_size, (batch_size, seq_len), dtype=np.int32),
+            "targets": rng.integers(0, cfg.vocab_size, (batch_size, seq_len), dtype=np.int32)}
+
+
+def mlp_batch(rng: np.random.Generator, batch_size: int, num_classes: int = 10) -> dict[str, np.ndarray]:
+    return {"x": rng.normal(size=(batch_size, MLP_FEATURES)).astype(np.float32),
+            "y": rng.integers(0, num_classes, (batch_size,), dtype=np.int32)}
+
+
+def mlp_parts(hidden=(64, 128, 32), num_classes: int = 10):
+    """(init_fn, loss_fn) for an MLP whose every sharded width divides by 8."""
+    model = MLP(hidden=hidden, num_classes=num_classes)
+    init_fn = lambda rng: model.init(rng, jnp.zeros((1, MLP_FEATURES), jnp.float32))["params"]
+    return init_fn, classification_loss(model)
+
+
+def gpt_parts(cfg: GPTConfig = SMALL_GPT):
+    model = GPT(cfg)
+    return model.init, model.loss
