@@ -5,9 +5,20 @@ Command (CPU: simulates 8 devices, mesh data=2 x fsdp=2 x tensor=2)::
     python experiments/charlm.py                      # the main job; see --help for every option
     python experiments/charlm.py --steps 200 --out-dir runs/quick
 
+Resuming and preemption: a run restarted with the same ``--out-dir`` continues from its latest checkpoint
+(``<out-dir>/checkpoints``, every ``--checkpoint-interval`` steps) bit-identically; ``--resume`` insists on
+one. SIGTERM finishes the current step, saves and exits 0 (a second SIGTERM exits at once). Multi-process
+(two local processes, 4 simulated CPU devices each, gloo collectives)::
+
+    python -m jaxpar.launch -n 2 experiments/charlm.py --steps 200 --out-dir runs/mh
+
+Pipeline parallelism (data=2 x pipe=2 x tensor=2; 2 layers per stage, 1F1B over 4 microbatches)::
+
+    python experiments/charlm.py --pipe 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
+
 Expected (2-core CPU, defaults): about 8 minutes, final validation loss about 1.5 nats/character on
 CPython's ``pydoc_data.topics`` text; writes metrics.jsonl, TensorBoard events, loss.png and config.json to
-``--out-dir`` and prints a generated sample.
+``--out-dir`` (with checkpoints/) and prints a generated sample.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import log_devices, simulate_cpu_devices  # noqa: E402
@@ -27,6 +39,9 @@ class Config:
     data: int = -1                 # data-parallel axis size (-1: the devices left over)
     fsdp: int = 2                  # FSDP axis size (params and optimizer state sharded over it)
     tensor: int = 2                # tensor-parallel axis size (Megatron split of attention and MLP)
+    pipe: int = 1                  # pipeline stages (layers split over them); > 1 trains through jp.pipeline
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # pipeline schedule (pipe > 1)
+    microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
     simulate_devices: int = 8      # host CPU devices to simulate when running on CPU
     num_layers: int = 4            # transformer blocks
     num_heads: int = 4             # attention heads (divisible by tensor)
@@ -49,21 +64,36 @@ class Config:
     eval_batches: int = 8          # validation batches per evaluation (final evaluation uses 4x)
     sample_chars: int = 300        # characters to generate at the end
     text: str | None = None        # a UTF-8 text file; None = CPython's pydoc_data.topics
-    out_dir: str = "runs/charlm"   # where metrics, plots and the config are written
+    out_dir: str = "runs/charlm"   # where metrics, plots, the config and checkpoints/ are written
+    resume: bool = False           # require a checkpoint in <out-dir>/checkpoints (one there is always resumed)
+    checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end and on SIGTERM)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum_steps", "eval_interval", "eval_batches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < -1 or self.warmup_steps > self.steps:
-            raise ValueError(f"--warmup-steps {self.warmup_steps} must lie in [0, steps={self.steps}] (or -1: auto)")
+        if self.warmup_steps < -1 or self.warmup_steps >= self.steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} must lie in [0, steps={self.steps}) (or -1: auto)")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed} must be >= 0")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
         if self.precision not in ("f32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: use f32, bf16 or fp16")
+        if self.pipe < 1 or self.microbatches < 1:
+            raise ValueError(f"--pipe {self.pipe} and --microbatches {self.microbatches} must be >= 1")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"--schedule {self.schedule!r}: use gpipe or 1f1b")
+        if self.num_layers % self.pipe:
+            raise ValueError(f"--num-layers {self.num_layers} is not divisible by --pipe {self.pipe}: each stage "
+                             "runs num_layers / pipe layers")
+        if self.pipe > 1 and self.schedule == "1f1b" and self.microbatches < self.pipe:
+            raise ValueError(f"--schedule 1f1b needs --microbatches >= --pipe ({self.pipe}), got {self.microbatches}")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"--checkpoint-interval must be >= 0 (0: only at the end), got {self.checkpoint_interval}")
 
 
-def main(cfg: Config) -> float:
+def main(cfg: Config) -> float | None:
     simulate_cpu_devices(cfg.simulate_devices)
     import jax
     import numpy as np
@@ -72,8 +102,12 @@ def main(cfg: Config) -> float:
     import jaxpar as jp
     from jaxpar.models import GPT, GPTConfig
 
+    jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.launch` or on a cluster
     corpus = jp.data.CharCorpus.load(cfg.text)
-    mesh = jp.make_mesh(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor)
+    if min(len(corpus.train), len(corpus.val)) <= cfg.seq_len + 1:
+        raise ValueError(f"--seq-len {cfg.seq_len} is too long for this text ({len(corpus.train)} train / "
+                         f"{len(corpus.val)} validation characters); use a shorter --seq-len or a longer text")
+    mesh = jp.make_mesh(data=cfg.data, pipe=cfg.pipe, fsdp=cfg.fsdp, tensor=cfg.tensor)
     log_devices(mesh)
     policy = jp.Policy.from_string({"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}[cfg.precision])
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -87,45 +121,69 @@ def main(cfg: Config) -> float:
     if cfg.precision == "fp16":
         tx = jp.precision.loss_scaling(tx, jp.precision.DynamicLossScale())
     jp.train.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps)
-    state = jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy)
+    out = Path(cfg.out_dir)
+    ckpt = jp.checkpoint.CheckpointManager(out / "checkpoints", save_interval_steps=cfg.checkpoint_interval)
+    state, step0 = jp.checkpoint.restore_or_init(  # resumes from the latest checkpoint when there is one
+        ckpt, lambda: jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy),
+        lambda: jp.train.abstract_state(model.init, tx, mesh=mesh, policy=policy), require=cfg.resume)
+    schedule = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}[cfg.schedule]
+    pipeline = model.pipeline(schedule(cfg.pipe, cfg.microbatches)) if cfg.pipe > 1 else None
     train_step = jp.train.make_train_step(model.loss, tx, mesh=mesh, policy=policy,
-                                          grad_accum_steps=cfg.grad_accum_steps)
+                                          grad_accum_steps=cfg.grad_accum_steps, pipeline=pipeline)
     eval_step = jp.train.make_eval_step(model.loss, mesh=mesh, policy=policy)
 
-    out = Path(cfg.out_dir)
-    writer = jp.metrics.MetricsWriter(out)
+    writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size} "
-          f"(padded {model.cfg.padded_vocab}); model: {model.cfg.num_params():,} params", flush=True)
+          f"(padded {model.cfg.padded_vocab}); model: {model.cfg.num_params():,} params"
+          + (f"; resumed from step {step0}" if step0 else ""), flush=True)
+    rows = jp.data.process_slice(cfg.batch_size, mesh)  # this process's rows of every global batch
 
     def evaluate(state, n):
-        losses = [float(eval_step(state, corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val"))["loss"])
-                  for i in range(n)]
+        batches = (corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows) for i in range(n))
+        losses = [float(eval_step(state, b)["loss"]) for b in batches]
         return float(np.mean(losses))
 
-    batch_fn = lambda t: corpus.batch(cfg.seed, t, cfg.batch_size, cfg.seq_len)
+    batch_fn = lambda t: corpus.batch(cfg.seed, t, cfg.batch_size, cfg.seq_len, rows=rows)
+    extras = lambda t: {"data_step": t, "config": dataclasses.asdict(cfg)}
+    val = None
     speed = jp.metrics.Throughput(cfg.batch_size * cfg.seq_len, model.cfg.flops_per_token(cfg.seq_len))
-    with tqdm(total=cfg.steps, desc="train", disable=jax.process_index() != 0, mininterval=1.0) as bar:
-        for start in range(0, cfg.steps, cfg.eval_interval):
-            stop = min(start + cfg.eval_interval, cfg.steps)
-            for t, m, state in jp.train.run_steps(train_step, state, batch_fn, start, stop):
+    bar = tqdm(total=cfg.steps, initial=step0, desc="train", disable=jax.process_index() != 0, mininterval=1.0)
+    with jp.checkpoint.PreemptionHandler() as preemption, bar:  # SIGTERM: finish the step, save, exit 0
+        for start in range(step0 - step0 % cfg.eval_interval, cfg.steps, cfg.eval_interval):
+            start, stop = max(start, step0), min(start + cfg.eval_interval, cfg.steps)
+            for t, m, state in jp.checkpoint.run_steps(train_step, state, batch_fn, start, stop, ckpt,
+                                                       preemption=preemption, extras_fn=extras):
                 m.update(speed.tick())
                 writer.write(t + 1, m)
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m.get('tokens_per_s', 0):,.0f}")
+            if preemption.stopped_at is not None:
+                break
             n_eval = cfg.eval_batches * (4 if stop == cfg.steps else 1)
             val = evaluate(state, n_eval)
             writer.write(stop, {"loss": val}, "val")
-            bar.write(f"step {stop}: validation loss {val:.4f} nats/char")
+            if jax.process_index() == 0:
+                bar.write(f"step {stop}: validation loss {val:.4f} nats/char")
+    if preemption.stopped_at is not None:
+        writer.close()
+        ckpt.close()
+        print(f"preempted: saved a checkpoint at step {preemption.stopped_at} in {out / 'checkpoints'}; run the "
+              "same command again to resume", flush=True)
+        return None
+    ckpt.save(cfg.steps, state, extras(cfg.steps), force=True)
+    ckpt.close()
+    if val is None:  # resumed at the last step: nothing was trained
+        val = evaluate(state, cfg.eval_batches * 4)
     writer.close()
 
+    prompt = "The "
+    sample = model.generate(state.params, corpus.encode(prompt), cfg.sample_chars,  # every process: SPMD
+                            jax.random.key(cfg.seed + 1))
     if writer.active:
         jp.plot.loss_curve(jp.metrics.read_jsonl(out / "metrics.jsonl"), out / "loss.png",
                            title=f"char-GPT on {jp.describe(mesh)}")
-        prompt = "The "
-        sample = model.generate(state.params, corpus.encode(prompt), cfg.sample_chars,
-                                jax.random.key(cfg.seed + 1))
         print("\n--- sample ---\n" + prompt + corpus.decode(sample) + "\n--------------")
         print(f"final validation loss: {val:.4f} nats/character after {cfg.steps} steps "
               f"({cfg.steps * cfg.batch_size * cfg.seq_len:,} training characters); outputs in {out}/")

@@ -35,6 +35,10 @@ class Config:
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
+        if not self.hidden or min(self.hidden) < 1:
+            raise ValueError(f"--hidden {self.hidden} needs at least one layer, every width >= 1")
+        if self.learning_rate <= 0 or self.seed < 0:
+            raise ValueError(f"need --learning-rate > 0 and --seed >= 0, got {self.learning_rate}, {self.seed}")
 
 
 def main(cfg: Config) -> float:

@@ -1,10 +1,12 @@
 """jaxpar: run pure JAX training functions on a device mesh with every standard parallelism."""
 
 from jaxpar import data, metrics, models, plot, precision, sharding, train
-from jaxpar.mesh import AXES, describe, make_mesh
+from jaxpar import pipeline, pruning
+from jaxpar import checkpoint
+from jaxpar.mesh import AXES, describe, initialize_distributed, make_mesh
 from jaxpar.precision import Policy
 from jaxpar.train import TrainState
 
 __version__ = "0.1.0"
-__all__ = ["AXES", "Policy", "TrainState", "data", "describe", "make_mesh", "metrics", "models", "plot", "precision",
-           "sharding", "train"]
+__all__ = ["AXES", "Policy", "TrainState", "checkpoint", "data", "describe", "initialize_distributed", "make_mesh",
+           "metrics", "models", "pipeline", "plot", "precision", "pruning", "sharding", "train"]

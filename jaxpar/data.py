@@ -13,6 +13,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
+
+from jaxpar import sharding as shd
 
 
 def default_text() -> str:
@@ -45,8 +48,19 @@ def load_text(path: str | os.PathLike | None = None) -> str:
         raise ValueError(f"{str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
 
 
-def process_slice(global_batch: int) -> slice:
-    """The rows of a global batch this process builds (contiguous, in process order)."""
+def process_slice(global_batch: int, mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> slice:
+    """The rows of a global batch this process builds.
+
+    With a ``mesh``: the rows this process's devices hold under the batch sharding
+    (:func:`jaxpar.sharding.process_batch_rows`; the whole batch when the batch axes lie within each
+    process). Without: block ``process_index`` of ``process_count`` equal blocks, which is the same for
+    meshes whose batch axes span the processes in order (``jp.make_mesh`` with data/fsdp outermost).
+
+    Raises:
+      ValueError: ``global_batch`` not divisible by the processes (or the mesh's batch axes).
+    """
+    if mesh is not None:
+        return shd.process_batch_rows(global_batch, mesh, rules)
     n, i = jax.process_count(), jax.process_index()
     if global_batch % n:
         raise ValueError(f"global batch {global_batch} is not divisible by the {n} processes")
@@ -102,6 +116,10 @@ class CharCorpus:
         :func:`process_slice`); the window offsets are drawn for the whole global batch from
         ``numpy.random.default_rng([seed, step, split])`` so they do not depend on the process count.
         """
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r}; use 'train' or 'val'")
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
         data = self.train if split == "train" else self.val
         if len(data) <= seq_len + 1:
             raise ValueError(f"the {split} split has {len(data)} tokens, too few for seq_len {seq_len}; "

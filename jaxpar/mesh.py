@@ -7,6 +7,7 @@ inter-host links), fast links inside (fsdp gathers every layer, tensor all-reduc
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -62,6 +63,9 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices= is empty; pass at least one device")
+    if len({id(d) for d in devices}) != len(devices) or len(set(devices)) != len(devices):
+        raise ValueError(f"devices= lists a device more than once ({len(devices)} entries, {len(set(devices))} "
+                         "distinct); pass each device once")
     sizes = _resolve_sizes(dict(data=data, pipe=pipe, fsdp=fsdp, tensor=tensor), len(devices))
     if axis_types is None:
         axis_types = (AxisType.Auto,) * len(AXES)
@@ -77,3 +81,68 @@ def describe(mesh: Mesh) -> str:
     axes = " ".join(f"{n}={s}" for n, s in mesh.shape.items())
     kind = mesh.devices.flat[0].platform
     return f"{axes} ({mesh.devices.size} x {kind}, {jax.process_count()} process(es))"
+
+
+# ------------------------------------------------------------------------------------------ multi-process
+
+# Set by ``python -m jaxpar.launch`` for each process it starts.
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
+    "JAXPAR_COORDINATOR_ADDRESS", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID")
+
+
+def _cluster_detected() -> bool:
+    """Whether JAX's own auto-detection would find a cluster (SLURM, Open MPI, TPU, k8s, ...)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    try:
+        from jax._src import clusters  # noqa: PLC0415  (JAX's detection; private, hence guarded)
+        return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
+    except Exception:  # a future JAX moving the module: fall back to the common variables
+        return any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"))
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
+                           **kwargs) -> bool:
+    """Joins a multi-process run: a thin layer over ``jax.distributed.initialize``.
+
+    Where the parameters come from, first match wins: the arguments; the ``JAXPAR_*`` variables that
+    ``python -m jaxpar.launch`` sets; JAX's own auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes,
+    ``JAX_COORDINATOR_ADDRESS``). With none of these it is a single-process run: nothing happens and the
+    result is False, so entry points may call it unconditionally. On CPU it selects gloo cross-process
+    collectives (``jax_cpu_collectives_implementation``; the default since jax 0.5, set explicitly so a
+    changed default cannot leave CPU collectives without an implementation).
+
+    Must run before anything touches devices (``jax.devices()``, any computation). Calling it again after
+    a successful initialization returns True.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: the number of processes.
+      process_id: this process's index in ``[0, num_processes)``.
+      local_device_ids: the local devices this process uses (GPU ids; None: all).
+      **kwargs: passed to ``jax.distributed.initialize`` (e.g. ``initialization_timeout`` in seconds).
+
+    Returns:
+      True when running as one of several processes (or a cluster of one) after the call; False otherwise.
+
+    Raises:
+      RuntimeError: devices were already initialized (call it first thing in the program).
+      ValueError: a malformed ``JAXPAR_*`` variable.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ
+    if coordinator_address is None and ENV_COORDINATOR in env:
+        try:
+            coordinator_address = env[ENV_COORDINATOR]
+            num_processes = int(env[ENV_NUM_PROCESSES]) if num_processes is None else num_processes
+            process_id = int(env[ENV_PROCESS_ID]) if process_id is None else process_id
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID} are missing or "
+                             f"not ints ({e}); start processes with python -m jaxpar.launch") from None
+    if coordinator_address is None and num_processes is None and not _cluster_detected():
+        return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU client only; GPUs use NCCL
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids, **kwargs)
+    return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -13,21 +14,28 @@ import jax
 class MetricsWriter:
     """Writes scalar metrics per step to ``<dir>/metrics.jsonl`` and TensorBoard events in ``<dir>/tb``.
 
-    Each JSONL line is ``{"step": int, "split": str, <name>: float, ...}``. In multi-process runs only
-    process 0 writes; other processes' calls are no-ops.
+    Each JSONL line is ``{"step": int, "split": str, <name>: float, ...}``; lines are flushed as written.
+    In multi-process runs only process 0 writes; other processes' calls are no-ops.
+
+    ``resume_step``: the run continues from a checkpoint at this step, so rows of later steps (written by
+    the interrupted run after that checkpoint) and a torn last line are dropped from ``metrics.jsonl``,
+    and TensorBoard purges its events after that step: the files then hold one trajectory.
     """
 
-    def __init__(self, directory: str | Path, tensorboard: bool = True):
+    def __init__(self, directory: str | Path, tensorboard: bool = True, resume_step: int | None = None):
         self.active = jax.process_index() == 0
         self.directory = Path(directory)
         self._tb = None
         if not self.active:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.directory / "metrics.jsonl", "a", encoding="utf-8")
+        if resume_step is not None:
+            _drop_rows_after(self.directory / "metrics.jsonl", resume_step)
+        self._jsonl = open(self.directory / "metrics.jsonl", "a", encoding="utf-8", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(self.directory / "tb"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(str(self.directory / "tb"), purge_step=purge)
 
     def write(self, step: int, metrics: dict[str, Any], split: str = "train") -> None:
         if not self.active:
@@ -44,6 +52,23 @@ class MetricsWriter:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrites a metrics.jsonl keeping the complete rows of steps <= ``step`` (atomically, by rename)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a killed process
+            continue
+        if isinstance(row, dict) and row.get("step", step + 1) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

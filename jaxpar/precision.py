@@ -61,7 +61,14 @@ class Policy:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, jnp.dtype(getattr(self, f.name)))
+            value = getattr(self, f.name)
+            try:
+                dtype = jnp.dtype(value) if value is not None else None
+            except TypeError:
+                dtype = None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4:
+                raise ValueError(f"Policy {f.name}={value!r} must be float32, bfloat16 or float16")
+            object.__setattr__(self, f.name, dtype)
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating leaves to ``param_dtype``; ints, bools and Python scalars are untouched."""
@@ -87,7 +94,9 @@ class Policy:
         Raises:
           ValueError: an empty string, an unknown key or an unknown dtype.
         """
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise TypeError(f"policy must be given as a str, got {type(text).__name__}")
+        if not text.strip():
             raise ValueError(f"empty policy string {text!r}; e.g. 'params=float32,compute=bfloat16,output=float32'")
         if text.strip().lower() in PRESETS:
             return cls.from_string(PRESETS[text.strip().lower()])
@@ -99,6 +108,8 @@ class Policy:
             key, sep, value = part.partition("=")
             if not sep or key.strip().lower() not in _KEYS:
                 raise ValueError(f"unknown policy key in {part!r}; use params=, compute=, output= (or p=, c=, o=)")
+            if _KEYS[key.strip().lower()] in found:
+                raise ValueError(f"policy {text!r} sets {_KEYS[key.strip().lower()]} twice; give each key once")
             found[_KEYS[key.strip().lower()]] = _parse_dtype(value)
         p = found.get("param_dtype", jnp.float32)
         c = found.get("compute_dtype", p)
@@ -180,6 +191,13 @@ class DynamicLossScale:
     dtype: Any = jnp.float32
 
     def __post_init__(self):
+        _check_scale_dtype(self.dtype)
+        for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            _check_finite(name, getattr(self, name))
+        top = float(jnp.finfo(jnp.dtype(self.dtype)).max)
+        if self.initial_scale > top or self.min_scale > top:
+            raise ValueError(f"initial_scale {self.initial_scale} / min_scale {self.min_scale} exceed the largest "
+                             f"{jnp.dtype(self.dtype).name} value {top}; lower them or keep the scale in float32")
         if not (self.min_scale > 0 and self.min_scale <= self.initial_scale <= self.max_scale):
             raise ValueError(f"need 0 < min_scale <= initial_scale <= max_scale, got {self.min_scale}, "
                              f"{self.initial_scale}, {self.max_scale}")
@@ -195,14 +213,31 @@ class StaticLossScale:
     dtype: Any = jnp.float32
 
     def __post_init__(self):
-        if not self.scale > 0:
-            raise ValueError(f"StaticLossScale({self.scale}) must be positive")
+        _check_scale_dtype(self.dtype)
+        _check_finite("scale", self.scale)
+        if not self.scale > 0 or self.scale > float(jnp.finfo(jnp.dtype(self.dtype)).max):
+            raise ValueError(f"StaticLossScale({self.scale}) must be positive and finite in {jnp.dtype(self.dtype).name}")
 
 
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
     """Scale 1 and no skipping logic beyond the finite check (for f32 / bf16 training)."""
     dtype: Any = jnp.float32
+
+
+def _check_finite(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool) \
+            or not np.isfinite(value):
+        raise ValueError(f"loss scale {name}={value!r} must be a finite number")
+
+
+def _check_scale_dtype(dtype: Any) -> None:
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"loss scale dtype {dtype!r} must be a floating dtype (float32 or float16)")
 
 
 def _scale_params(ls) -> tuple[float, int, float, float, float, float, Any]:
@@ -266,12 +301,27 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale) -> optax.Gradi
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _loss_scale_states(tree: Any) -> list[LossScaleState]:
+    """Every LossScaleState in ``tree``, nested ones (inside another's inner_state) included."""
+    top = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+           if isinstance(x, LossScaleState)]
+    return [s for t in top for s in [t, *_loss_scale_states(t.inner_state)]]
+
+
 def _find_loss_scale_state(opt_state: Any) -> LossScaleState | None:
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-             if isinstance(x, LossScaleState)]
+    found = _loss_scale_states(opt_state)
     if len(found) > 1:
         raise ValueError("opt_state holds more than one loss_scaling state; wrap the optimizer once, outermost")
     return found[0] if found else None
+
+
+def check_outermost(opt_state: Any) -> None:
+    """Raises ValueError unless a loss_scaling state, if any, is the whole ``opt_state`` (the outermost
+    transform): inside a chain, transforms before it (e.g. clipping) would see scaled gradients."""
+    found = _find_loss_scale_state(opt_state)
+    if found is not None and not isinstance(opt_state, LossScaleState):
+        raise ValueError("jp.precision.loss_scaling must be the outermost transform: "
+                         "tx = loss_scaling(optax.chain(clip, optimizer, ...), loss_scale), not inside a chain")
 
 
 def loss_scale(opt_state: Any) -> jax.Array | None:

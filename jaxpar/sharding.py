@@ -45,9 +45,17 @@ def _mesh_axes_of(rules: Rules) -> set[str]:
 
 def validate_rules(rules: Rules, mesh: Mesh) -> None:
     """Raises ValueError if a rule names a mesh axis that ``mesh`` does not have, or is malformed."""
+    if not isinstance(rules, (tuple, list)):
+        raise ValueError(f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {type(rules).__name__}")
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ValueError(f"rule {rule!r} must be a pair (logical_name, mesh_axis | tuple | None)")
+        target = rule[1]
+        axes = () if target is None else (target,) if isinstance(target, str) else target
+        if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes) \
+                or len(set(axes)) != len(axes):
+            raise ValueError(f"rule {tuple(rule)!r}: the target must be None, a mesh axis name, or a tuple of "
+                             "distinct mesh axis names")
     unknown = sorted(_mesh_axes_of(rules) - set(mesh.axis_names))
     if unknown:
         bad = [r for r in rules if r[1] is not None and set((r[1],) if isinstance(r[1], str) else r[1]) & set(unknown)]
@@ -71,6 +79,38 @@ def batch_sharding(rules: Rules, mesh: Mesh, ndim: int = 1) -> NamedSharding:
     return NamedSharding(mesh, P(axes if axes else None, *([None] * (ndim - 1))))
 
 
+def process_batch_rows(global_batch: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> slice:
+    """The rows of a global batch that this process's devices hold under :func:`batch_sharding`.
+
+    They are what this process must load in a multi-process run. It is the process's contiguous share of
+    the batch when the batch axes span processes (process ``i`` of ``n`` gets block ``i`` on meshes from
+    :func:`jaxpar.make_mesh`, whose device order follows the process order), and the whole batch when
+    the batch axes lie within each process (e.g. only ``tensor`` crosses processes).
+
+    Raises:
+      ValueError: the rows are not contiguous (a hand-made mesh interleaving processes along the batch
+        axes); ``global_batch`` not divisible by the batch axes.
+    """
+    n = math.prod(mesh.shape[a] for a in batch_axes(rules, mesh))
+    if global_batch % n:
+        raise ValueError(f"global batch {global_batch} is not divisible by the batch mesh axes "
+                         f"({'*'.join(batch_axes(rules, mesh))} = {n})")
+    index_map = batch_sharding(rules, mesh, 1).addressable_devices_indices_map((global_batch,))
+    spans = sorted({(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop) for s in index_map.values()})
+    lo, hi = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != hi - lo:
+        raise ValueError(f"this process's devices hold rows {spans} of the batch, not one contiguous block; build "
+                         "the mesh with jp.make_mesh (devices in process order) so each process loads one slice")
+    return slice(lo, hi)
+
+
+def global_batch_rows(local_rows: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """The global batch size of which this process's :func:`process_batch_rows` share has ``local_rows`` rows."""
+    n = math.prod(mesh.shape[a] for a in batch_axes(rules, mesh))
+    share = process_batch_rows(n, mesh, rules)
+    return local_rows * n // (share.stop - share.start)
+
+
 def logical_specs(tree: Any) -> Any:
     """Logical ``PartitionSpec`` of every leaf of a (possibly Flax-boxed) tree; unboxed leaves get ``P()``."""
     return nn.get_partition_spec(tree)
@@ -84,17 +124,35 @@ def mesh_specs(tree: Any, rules: Rules) -> Any:
 def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """Tree of ``NamedSharding`` for a tree of Flax-boxed params (or their ``eval_shape``).
 
-    Leaves carrying ``nn.LogicallyPartitioned`` metadata are placed by ``rules``; plain leaves are replicated.
-    The result has the structure of the **unboxed** tree.
+    Leaves carrying ``nn.LogicallyPartitioned`` metadata are placed by ``rules`` (as :func:`effective_rules`
+    applies them on ``mesh``: with ``pipe > 1``, unsharded stacked ``layers`` go over ``pipe``); plain leaves
+    are replicated. The result has the structure of the **unboxed** tree.
 
     Raises:
       ValueError: a rule names an axis ``mesh`` does not have, or a sharded dimension is not divisible by
         the product of the mesh axes it is split over (the message names the parameter path).
     """
     validate_rules(rules, mesh)
+    rules = effective_rules(rules, mesh)
     specs = mesh_specs(tree, rules)
     check_divisible(nn.meta.unbox(tree), specs, mesh, logical_specs(tree))
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def effective_rules(rules: Rules, mesh: Mesh) -> Rules:
+    """The rules as applied to parameters on ``mesh``.
+
+    With a ``pipe`` axis larger than 1, a ``layers`` axis the rules leave unsharded goes over ``pipe``: the
+    contiguous split of stacked ``[layers, ...]`` parameters over ``pipe`` is exactly the pipeline's stage
+    split (stage ``s`` holds layers ``s*L/p .. (s+1)*L/p - 1``), so the pipeline reshapes them to
+    ``[stages, layers/stages, ...]`` without moving data. (``stage`` keeps precedence for arrays with both.)
+    With ``pipe == 1`` the rules are returned unchanged.
+    """
+    if mesh.shape.get("pipe", 1) == 1 or ("layers", None) not in tuple(tuple(r) for r in rules):
+        return rules
+    stage = tuple(r for r in rules if r[0] == "stage")
+    rest = tuple(("layers", "pipe") if tuple(r) == ("layers", None) else r for r in rules if r[0] != "stage")
+    return stage + rest
 
 
 def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = None) -> None:
@@ -150,4 +208,5 @@ def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
 
 __all__: Sequence[str] = (
     "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "mesh_specs",
-    "named_shardings", "check_divisible", "constrain", "use", "replicated", "describe_params")
+    "named_shardings", "effective_rules", "check_divisible", "constrain", "use", "replicated", "describe_params",
+    "process_batch_rows", "global_batch_rows")

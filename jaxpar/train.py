@@ -102,6 +102,11 @@ def _effective_tx(tx: optax.GradientTransformation, policy: Policy | None) -> op
     return tx
 
 
+def _check_tx(tx: Any) -> None:
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax.GradientTransformation (e.g. optax.adamw(1e-3), called), got {tx!r}")
+
+
 def _check_common(mesh, rules, policy):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (from jp.make_mesh), got {type(mesh).__name__}")
@@ -118,6 +123,7 @@ def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransf
     checkpoints on the current mesh.
     """
     _check_common(mesh, rules, policy)
+    _check_tx(tx)
     shapes, shardings = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -144,6 +150,7 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         mesh axes (the message names the parameter).
     """
     _check_common(mesh, rules, policy)
+    _check_tx(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
     _, shardings = _abstract(init_fn, tx, init_rng, mesh, rules, policy)
 
@@ -160,7 +167,7 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
 
 # ----------------------------------------------------------------------------------------------- batches
 
-def _global_batch_size(batch: Any) -> int:
+def _global_batch_size(batch: Any, mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> int:
     leaves = jax.tree.leaves(batch)
     if not leaves:
         raise ValueError("batch has no arrays; pass a pytree of arrays whose leading axis is the global batch")
@@ -169,7 +176,10 @@ def _global_batch_size(batch: Any) -> int:
         if np.ndim(leaf) == 0:
             raise ValueError(f"batch leaf of shape {np.shape(leaf)} has no leading batch axis")
         local = isinstance(leaf, jax.Array) and leaf.is_fully_addressable or not isinstance(leaf, jax.Array)
-        sizes.add(np.shape(leaf)[0] * (jax.process_count() if local and not isinstance(leaf, jax.Array) else 1))
+        n = np.shape(leaf)[0]
+        if local and not isinstance(leaf, jax.Array):  # a host leaf holds this process's rows
+            n = shd.global_batch_rows(n, mesh, rules) if mesh is not None else n * jax.process_count()
+        sizes.add(n)
     if len(sizes) != 1:
         raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}; give every leaf the same "
                          "leading (global batch) axis")
@@ -181,6 +191,8 @@ def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules, grad_accum_s
     axes = shd.batch_axes(rules, mesh)
     n = math.prod(mesh.shape[a] for a in axes)
     names = "*".join(axes) or "1"
+    if batch_size < 1:
+        raise ValueError(f"batch {batch_size} is empty; pass at least {n * grad_accum_steps} rows")
     if batch_size % grad_accum_steps:
         raise ValueError(f"batch {batch_size} is not divisible by grad_accum_steps = {grad_accum_steps}; "
                          f"use a batch that is a multiple of {grad_accum_steps}")
@@ -195,16 +207,16 @@ def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules, grad_accum_s
 def shard_batch(batch: Any, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES) -> Any:
     """Places a batch on the mesh, leading axis split over the batch axes.
 
-    Host (numpy) leaves are this process's slice of the global batch (the whole batch in a single-process
-    run) and become global arrays through ``jax.make_array_from_process_local_data``; jax arrays are
-    taken as global and resharded if needed.
+    Host (numpy) leaves are this process's rows of the global batch (``jp.data.process_slice(batch, mesh)``;
+    the whole batch in a single-process run) and become global arrays through
+    ``jax.make_array_from_process_local_data``; jax arrays are taken as global and resharded if needed.
     """
     def place(x):
         sharding = shd.batch_sharding(rules, mesh, np.ndim(x))
         if isinstance(x, jax.Array):
             return x if x.sharding == sharding else jax.device_put(x, sharding)
         x = np.asarray(x)
-        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        global_shape = (shd.global_batch_rows(x.shape[0], mesh, rules), *x.shape[1:])
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
     return jax.tree.map(place, batch)
 
@@ -221,12 +233,37 @@ def _loss_and_grads(loss_fn: LossFn, policy: Policy | None):
         def f(p):
             if policy is not None:
                 p = policy.cast_to_compute(p)
-            loss, aux = loss_fn(p, batch, rng)
+            loss, aux = check_loss_output(loss_fn(p, batch, rng))
             loss = loss.astype(jnp.float32)
-            return loss * scale, (loss, {} if aux is None else dict(aux))
+            return loss * scale, (loss, aux)
         (_, (loss, aux)), grads = jax.value_and_grad(f, has_aux=True)(params)
         return loss, aux, grads
     return compute
+
+
+RESERVED_METRICS = ("loss", "grad_norm", "loss_scale", "skipped")
+
+
+def check_loss_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Validates ``loss_fn``'s return value (at trace time): ``(scalar float loss, dict of scalars or None)``."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"loss_fn must return (loss, aux) with aux a dict (or None); got {type(out).__name__}")
+    loss, aux = out
+    if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"loss_fn's loss must be a floating scalar array (a mean over the batch), got "
+                         f"{getattr(loss, 'shape', type(loss).__name__)} {getattr(loss, 'dtype', '')}")
+    aux = {} if aux is None else aux
+    if not isinstance(aux, dict):
+        raise ValueError(f"loss_fn's aux must be a dict of scalars (or None), got {type(aux).__name__}")
+    out_aux = {}
+    for k, v in aux.items():
+        if not isinstance(k, str) or k in RESERVED_METRICS:
+            raise ValueError(f"aux key {k!r} is not allowed: keys are strings other than {RESERVED_METRICS}")
+        v = jnp.asarray(v)
+        if v.shape != ():
+            raise ValueError(f"aux[{k!r}] has shape {v.shape}; aux values must be scalars (reduce them first)")
+        out_aux[k] = v.astype(jnp.float32) if not jnp.issubdtype(v.dtype, jnp.floating) else v
+    return loss, out_aux
 
 
 def _accumulate(compute, params, batch, rng, scale, steps: int, batch_axes: tuple[str, ...]):
@@ -249,12 +286,15 @@ def _accumulate(compute, params, batch, rng, scale, steps: int, batch_axes: tupl
         loss_sum, aux_sum, grad_sum, w_sum = carry
         loss, aux, grads = compute(params, mb, jax.random.fold_in(rng, j), scale)
         w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
-        aux_w = {k: v if k == "weight" else w * v for k, v in aux.items()}
+        # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
+        wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
+        aux_w = {k: v if k == "weight" else wx(v) for k, v in aux.items()}
         add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(jnp.float32), a, b)
-        grad_sum = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grad_sum, grads)
-        return (loss_sum + w * loss, add(aux_sum, aux_w), grad_sum, w_sum + w), None
+        grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
+        return (loss_sum + wx(loss), add(aux_sum, aux_w), grad_sum, w_sum + w), None
 
     (loss_sum, aux_sum, grad_sum, w_sum), _ = jax.lax.scan(body, init, (micro, jnp.arange(steps)))
+    w_sum = jnp.where(w_sum > 0, w_sum, 1.0)   # an all-empty batch: zero loss and gradients, not NaN
     aux = {k: v if k == "weight" else v / w_sum for k, v in aux_sum.items()}
     grads = jax.tree.map(lambda g, p: (g / w_sum).astype(p.dtype), grad_sum, params)
     return loss_sum / w_sum, aux, grads
@@ -272,7 +312,15 @@ class _Jitted:
         self._build, self._mesh, self._rules, self._cache = build, mesh, rules, {}
 
     def get(self, state: Any) -> Callable:
-        key = jax.tree.structure(state)
+        leaves = jax.tree.leaves(state)
+        if any(not isinstance(x, jax.Array) for x in leaves):
+            raise TypeError("the state must hold jax arrays placed on the mesh (from jp.train.init_state or a "
+                            "checkpoint restore); got host values")
+        if any(x.is_deleted() for x in leaves):
+            raise ValueError("this state was donated to an earlier step and its buffers are gone: use the state "
+                             "that step returned (state, metrics = step(state, batch)), or build the step with "
+                             "donate=False")
+        key = (jax.tree.structure(state), tuple(x.sharding for x in leaves))
         if key not in self._cache:
             self._cache[key] = self._build(jax.tree.map(lambda x: x.sharding, state))
         return self._cache[key]
@@ -290,7 +338,7 @@ class _Jitted:
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: Mesh,
                     rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
-                    grad_accum_steps: int = 1, donate: bool = True):
+                    grad_accum_steps: int = 1, donate: bool = True, pipeline: Any = None):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted with the state's shardings.
 
     Args:
@@ -302,6 +350,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
       grad_accum_steps: split the batch into this many microbatches (rows ``j::grad_accum_steps``) and
         accumulate gradients in float32 before one update.
       donate: donate the input state's buffers to the output.
+      pipeline: a ``jp.pipeline.Pipeline`` (the model as embed / stage / head-loss parts and a schedule) to
+        train with pipeline parallelism over the mesh's ``pipe`` axis; ``loss_fn`` is then unused (pass None).
+        Required when the mesh has ``pipe > 1``. Composes with ``grad_accum_steps`` (each accumulation batch
+        is split into the schedule's microbatches) and with ``policy``.
 
     The returned step accepts ``batch``: a pytree of numpy or jax arrays whose leading axis is the global
     batch. In a multi-process run each process passes its own slice (numpy) of the global batch, in process
@@ -310,17 +362,27 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
 
     Raises (on the first call with a bad batch, before tracing):
       ValueError: a global batch not divisible by the batch mesh axes (``data*fsdp``) times
-        ``grad_accum_steps``; batch leaves of different leading sizes.
+        ``grad_accum_steps``; batch leaves of different leading sizes; with a pipeline, the checks of
+        ``jp.pipeline.BoundPipeline.check`` (layers not divisible by stages, microbatches, stage shapes).
+      ValueError (at once): a mesh with ``pipe > 1`` and no ``pipeline``; a pipeline whose schedule's
+        ``num_stages`` is not the mesh's ``pipe`` size.
     """
     _check_common(mesh, rules, policy)
-    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+    _check_tx(tx)
+    if not isinstance(grad_accum_steps, (int, np.integer)) or isinstance(grad_accum_steps, bool) \
+            or grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be a positive int")
+    grad_accum_steps = int(grad_accum_steps)
     compute = _loss_and_grads(loss_fn, policy)
+    bound = _bind_pipeline(pipeline, mesh, rules, policy, grad_accum_steps)
+    if bound is not None:
+        compute = bound.loss_and_grads
     tx = _effective_tx(tx, policy)
     axes = shd.batch_axes(rules, mesh)
 
     def _step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
+        precision.check_outermost(state.opt_state)
         found = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if found is None else found.astype(jnp.float32)
         if grad_accum_steps == 1:
@@ -342,11 +404,28 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
     jitted = _Jitted(build, mesh, rules)
 
     def step(state: TrainState, batch: Any):
-        check_batch_size(_global_batch_size(batch), mesh, rules, grad_accum_steps)
-        return jitted(state, shard_batch(batch, mesh, rules))
+        check_batch_size(_global_batch_size(batch, mesh, rules), mesh, rules, grad_accum_steps)
+        batch = shard_batch(batch, mesh, rules)
+        if bound is not None:
+            bound.check(state.params, batch)
+        return jitted(state, batch)
 
     step.lower = lambda state, batch: jitted.lower(state, shard_batch(batch, mesh, rules))
     return step
+
+
+def _bind_pipeline(pipeline: Any, mesh: Mesh, rules: shd.Rules, policy: Policy | None, grad_accum_steps: int):
+    """The pipeline bound to the step's mesh (None without one); ValueError for ``pipe > 1`` without one."""
+    from jaxpar.pipeline import Pipeline  # the pipeline package imports jaxpar.sharding only; no cycle
+    if pipeline is None:
+        if mesh.shape.get("pipe", 1) > 1:
+            raise ValueError(f"the mesh has pipe={mesh.shape['pipe']} but no pipeline was given: pass "
+                             "pipeline=jp.pipeline.Pipeline(embed_fn, stage_fn, head_loss_fn, schedule) (the GPT: "
+                             "model.pipeline(schedule)), or build the mesh with pipe=1")
+        return None
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"pipeline must be a jp.pipeline.Pipeline, got {type(pipeline).__name__}")
+    return pipeline.bind(mesh=mesh, rules=rules, policy=policy, grad_accum_steps=grad_accum_steps)
 
 
 def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
@@ -359,14 +438,14 @@ def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAUL
 
     def _eval(state: TrainState, batch):
         params = state.params if policy is None else policy.cast_to_compute(state.params)
-        loss, aux = loss_fn(params, batch, jax.random.fold_in(state.rng, state.step))
-        return {"loss": loss.astype(jnp.float32), **({} if aux is None else dict(aux))}
+        loss, aux = check_loss_output(loss_fn(params, batch, jax.random.fold_in(state.rng, state.step)))
+        return {"loss": loss.astype(jnp.float32), **aux}
 
     jitted = _Jitted(lambda s: jax.jit(_eval, in_shardings=(s, None), out_shardings=NamedSharding(mesh, P())),
                      mesh, rules)
 
     def eval_step(state: TrainState, batch: Any):
-        check_batch_size(_global_batch_size(batch), mesh, rules)
+        check_batch_size(_global_batch_size(batch, mesh, rules), mesh, rules)
         return jitted(state, shard_batch(batch, mesh, rules))
     return eval_step
 
@@ -410,9 +489,17 @@ def adamw(learning_rate: float, *, total_steps: int, warmup_steps: int = 0, weig
     first (Pascanu et al. 2013) when given. The learning rate peaks at ``learning_rate`` after
     ``warmup_steps`` and decays to ``final_lr_ratio * learning_rate`` at ``total_steps``.
     """
-    if total_steps < 1 or warmup_steps < 0 or warmup_steps >= total_steps + 1:
-        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps <= total_steps, got "
+    if total_steps < 1 or warmup_steps < 0 or warmup_steps >= total_steps:
+        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got "
                          f"{total_steps=}, {warmup_steps=}")
+    values = dict(learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2,
+                  final_lr_ratio=final_lr_ratio, clip_norm=0.0 if clip_norm is None else clip_norm)
+    ok = dict(learning_rate=learning_rate > 0, weight_decay=weight_decay >= 0, b1=0 <= b1 < 1, b2=0 <= b2 < 1,
+              final_lr_ratio=0 <= final_lr_ratio <= 1, clip_norm=values["clip_norm"] >= 0)
+    for name, value in values.items():
+        if not ok[name] or not math.isfinite(value):
+            raise ValueError(f"adamw {name}={value!r} is out of range: need learning_rate > 0, weight_decay >= 0, "
+                             "0 <= b1, b2 < 1, 0 <= final_lr_ratio <= 1, clip_norm >= 0 or None (0/None: no clipping)")
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, learning_rate, warmup_steps, total_steps, end_value=learning_rate * final_lr_ratio)
     opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)

@@ -23,7 +23,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxpar.sharding import constrain
 
@@ -59,6 +58,21 @@ class GPTConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
+        for name in ("dtype", "param_dtype", "output_dtype"):
+            value = getattr(self, name)
+            try:
+                ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a floating dtype (float32, bfloat16, float16)")
+        for name in ("init_std", "rope_base"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive finite number")
+        for name in ("tie_embeddings", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.positions not in ("learned", "rotary"):
             raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
         if self.remat not in _REMAT:
@@ -216,6 +230,18 @@ class Head(nn.Module):
         return constrain(logits_TV.reshape(B, L, -1).astype(c.output_dtype), "batch", "seq", "vocab")
 
 
+def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
+    """Per-token softmax cross-entropy ``[B, L]``: ``logsumexp(logits) - logits[target]``.
+
+    The target logit is taken by a one-hot contraction, not a gather: the numbers are those of
+    ``optax.softmax_cross_entropy_with_integer_labels`` (a sum of one value and zeros is exact), and it
+    partitions over a vocab-sharded axis inside ``shard_map`` over ``pipe``, where XLA's SPMD partitioner
+    aborts on the gather (jax 0.10.2, operand sharded over a batch axis and the gathered axis).
+    """
+    one_hot_BLV = jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype)
+    return jax.nn.logsumexp(logits_BLV, axis=-1) - jnp.sum(logits_BLV * one_hot_BLV, axis=-1)
+
+
 def _add_layers_axis(tree: Any) -> Any:
     box = lambda x: isinstance(x, nn.LogicallyPartitioned)
     return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if box(b) else b, tree, is_leaf=box)
@@ -272,7 +298,7 @@ class GPT:
     def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array):
         """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``."""
         logits_BLV = self.logits(params, x_BLD).astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        loss = cross_entropy(logits_BLV, targets_BL).mean()
         return loss, {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
 
     def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
@@ -285,11 +311,24 @@ class GPT:
         x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
         return self.head_loss(params, x_BLD, batch["targets"])
 
+    def pipeline(self, schedule: Any, **kwargs: Any) -> Any:
+        """This model as a ``jp.pipeline.Pipeline`` of its three parts (``embed``, ``stage``, ``head_loss``).
+
+        For ``jp.train.make_train_step(None, tx, mesh=mesh, pipeline=model.pipeline(schedule))``: stage ``s`` of
+        ``schedule.num_stages`` runs blocks ``s*N/p .. (s+1)*N/p - 1``; the batch is ``{"inputs", "targets"}``
+        as for :meth:`loss`. ``kwargs`` go to ``Pipeline`` (e.g. ``stash="inputs"``).
+        """
+        from jaxpar.pipeline import Pipeline  # local: the models do not depend on the pipeline otherwise
+        return Pipeline(self.embed, self.stage, self.head_loss, schedule, **kwargs)
+
     def generate(self, params: dict, prompt: list[int], num_tokens: int, rng: jax.Array,
                  temperature: float = 0.8) -> list[int]:
         """Samples ``num_tokens`` tokens after ``prompt`` (a window of the last ``max_seq_len`` tokens)."""
-        if not prompt:
-            raise ValueError("prompt must hold at least one token")
+        prompt = [int(t) for t in prompt]
+        if not prompt or not all(0 <= t < self.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt must hold at least one token id in [0, {self.cfg.vocab_size}), got {prompt[:10]}")
+        if not temperature > 0 or num_tokens < 0:
+            raise ValueError(f"need temperature > 0 and num_tokens >= 0, got {temperature=}, {num_tokens=}")
         L = self.cfg.max_seq_len
 
         @jax.jit

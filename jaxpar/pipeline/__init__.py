@@ -1,0 +1,13 @@
+"""Pipeline parallelism: schedules as data (GPipe, 1F1B), one shard_map interpreter, train-step integration.
+
+* :mod:`jaxpar.pipeline.schedules`: ``Schedule`` tables, validation and analysis; ``gpipe``, ``one_f_one_b``.
+* :mod:`jaxpar.pipeline.runtime`: ``value_and_grad`` and ``apply`` run any valid table over the ``pipe`` axis.
+* :mod:`jaxpar.pipeline.model`: ``Pipeline``, a model given to ``jp.train.make_train_step`` as three parts.
+"""
+
+from jaxpar.pipeline.model import BoundPipeline, Pipeline
+from jaxpar.pipeline.runtime import apply, value_and_grad
+from jaxpar.pipeline.schedules import Action, B, F, Schedule, W, gpipe, one_f_one_b, validate
+
+__all__ = ["Action", "B", "BoundPipeline", "F", "Pipeline", "Schedule", "W", "apply", "gpipe", "one_f_one_b",
+           "validate", "value_and_grad"]

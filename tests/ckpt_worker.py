@@ -1,0 +1,173 @@
+"""A small checkpointed training job for the checkpoint and multi-host tests: imported, or run as a script.
+
+Script (also under ``python -m jaxpar.launch -n 2``)::
+
+    python tests/ckpt_worker.py --out DIR --steps 8 [--interval 1] [--mesh 2,2,2] [--precision fp16]
+        [--pruning] [--step-delay 0.2] [--check-resume-from K]
+
+Trains ``tests/helpers.SMALL_GPT`` on step-indexed random tokens (``batch(step)``: each process builds only
+its rows), resuming from ``DIR/ckpt`` when it holds a checkpoint, saving every ``--interval`` steps and on
+SIGTERM (then exits 0). Process 0 writes ``DIR/metrics.jsonl`` (one row per step: loss, loss scale, ...);
+every process writes ``DIR/rows_<process>.json`` (the batch rows it loaded). ``--check-resume-from K``
+afterwards restores checkpoint K onto the same mesh, replays steps K.. and writes
+``DIR/replay.json`` (the replayed losses), to check multi-process restore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The job: mesh sizes, precision, loss scaling, pruning, checkpoint interval, a slow-down."""
+    mesh: tuple[int, int, int] = (2, 2, 2)   # data, fsdp, tensor
+    precision: str = "fp16"                   # "f32" or "fp16" (mixed_fp16 policy)
+    pruning: bool = True                      # magnitude pruning chained after AdamW
+    loss_scale: bool = True                   # dynamic loss scaling (outermost)
+    batch_size: int = 16
+    seed: int = 0
+    interval: int = 1                         # checkpoint every this many steps
+    step_delay: float = 0.0                   # seconds to sleep before each step (lets a test kill mid-run)
+
+
+_JOBS: dict = {}
+
+
+def build(spec: Spec, mesh=None):
+    """(mesh, init_fn, loss_fn, tx, policy) of the job; built once per configuration (see :func:`step_fn`)."""
+    key = (spec.mesh, spec.precision, spec.pruning, spec.loss_scale, mesh)
+    if key not in _JOBS:
+        _JOBS[key] = _build(spec, mesh)
+    return _JOBS[key]
+
+
+def step_fn(spec: Spec, mesh=None):
+    """The jitted train step of the job, made once per configuration so a process compiles it once."""
+    key = ("step", spec.mesh, spec.precision, spec.pruning, spec.loss_scale, mesh)
+    if key not in _JOBS:
+        import jaxpar as jp
+        mesh, _, loss_fn, tx, policy = build(spec, mesh)
+        _JOBS[key] = jp.train.make_train_step(loss_fn, tx, mesh=mesh, policy=policy)
+    return _JOBS[key]
+
+
+def _build(spec: Spec, mesh=None):
+    import jax
+    import optax
+
+    import jaxpar as jp
+    from helpers import gpt_parts
+
+    data, fsdp, tensor = spec.mesh
+    mesh = mesh or jp.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:data * fsdp * tensor])
+    init_fn, loss_fn = gpt_parts()
+    tx = optax.adamw(3e-3)
+    if spec.pruning:  # the one line that adds magnitude pruning (its state is checkpointed like any other)
+        tx = optax.chain(tx, jp.pruning.magnitude_pruning(
+            jp.pruning.polynomial_sparsity(0.5, begin_step=0, end_step=6, frequency=2), distribution="global",
+            axis_names=jax.eval_shape(init_fn, jax.random.key(0))))
+    policy = jp.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
+    if spec.loss_scale:
+        tx = jp.precision.loss_scaling(tx, jp.precision.DynamicLossScale(initial_scale=2.0 ** 15, growth_interval=3))
+    return mesh, init_fn, loss_fn, tx, policy
+
+
+def batch(spec: Spec, step: int, mesh) -> dict:
+    """This process's rows of global batch ``step`` (random tokens drawn from ``(seed, step)``)."""
+    import numpy as np
+
+    import jaxpar as jp
+    from helpers import gpt_batch
+    full = gpt_batch(np.random.default_rng([spec.seed, step]), spec.batch_size)
+    rows = jp.data.process_slice(spec.batch_size, mesh)
+    return {k: v[rows] for k, v in full.items()}
+
+
+def train(spec: Spec, out: str | Path, steps: int, mesh=None):
+    """Runs (or resumes) the job to ``steps``; returns ``(state, start_step, stopped_at)``."""
+    import jax
+
+    import jaxpar as jp
+    out = Path(out)
+    step, (mesh, init_fn, _, tx, policy) = step_fn(spec, mesh), build(spec, mesh)
+    ckpt = jp.checkpoint.CheckpointManager(out / "ckpt", max_to_keep=3, save_interval_steps=spec.interval)
+    state, start = jp.checkpoint.restore_or_init(
+        ckpt, lambda: jp.train.init_state(init_fn, tx, jax.random.key(spec.seed), mesh=mesh, policy=policy),
+        lambda: jp.train.abstract_state(init_fn, tx, mesh=mesh, policy=policy))
+    writer = jp.metrics.MetricsWriter(out, tensorboard=False, resume_step=start)
+    (out / f"rows_{jax.process_index()}.json").write_text(json.dumps(
+        [jp.data.process_slice(spec.batch_size, mesh).start, jp.data.process_slice(spec.batch_size, mesh).stop]))
+
+    def batch_fn(t):
+        if spec.step_delay:
+            time.sleep(spec.step_delay)
+        return batch(spec, t, mesh)
+
+    with jp.checkpoint.PreemptionHandler() as preemption:
+        for t, m, state in jp.checkpoint.run_steps(step, state, batch_fn, start, steps, ckpt,
+                                                   preemption=preemption, extras_fn=lambda s: {"data_step": s}):
+            writer.write(t + 1, m)
+        if preemption.stopped_at is None:
+            ckpt.save(steps, state, {"data_step": steps}, force=True)
+    ckpt.close()
+    writer.close()
+    return state, start, preemption.stopped_at
+
+
+def replay(spec: Spec, out: str | Path, start: int, steps: int, mesh=None) -> list[float]:
+    """Restores checkpoint ``start`` and re-runs steps ``start .. steps-1``; returns their losses."""
+    import jaxpar as jp
+    step, (mesh, init_fn, _, tx, policy) = step_fn(spec, mesh), build(spec, mesh)
+    ckpt = jp.checkpoint.CheckpointManager(Path(out) / "ckpt")
+    state = ckpt.restore(start, target=jp.train.abstract_state(init_fn, tx, mesh=mesh, policy=policy))
+    return [m["loss"] for _, m, state in jp.train.run_steps(step, state, lambda t: batch(spec, t, mesh),
+                                                            start, steps)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--interval", type=int, default=1)
+    p.add_argument("--mesh", default="2,2,2")
+    p.add_argument("--precision", default="fp16")
+    p.add_argument("--pruning", action="store_true")
+    p.add_argument("--no-loss-scale", action="store_true")
+    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--check-resume-from", type=int, default=None)
+    a = p.parse_args(argv)
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    import jax
+
+    import jaxpar as jp
+    jp.initialize_distributed()
+    jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    spec = Spec(mesh=tuple(int(v) for v in a.mesh.split(",")), precision=a.precision, pruning=a.pruning,
+                loss_scale=not a.no_loss_scale, interval=a.interval, step_delay=a.step_delay)
+    _, start, stopped = train(spec, a.out, a.steps)
+    if jax.process_index() == 0:
+        print(f"worker: trained from step {start} to {stopped or a.steps}" +
+              (" (preempted)" if stopped else ""), flush=True)
+    if a.check_resume_from is not None:
+        losses = replay(dataclasses.replace(spec, step_delay=0.0), a.out, a.check_resume_from, a.steps)
+        if jax.process_index() == 0:
+            (Path(a.out) / "replay.json").write_text(json.dumps(losses))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Bad input found by adversarial testing: each gets a clear error (or a correct result), never a crash,
+a NaN, or silently wrong training."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar as jp
+from jaxpar.models import GPT, GPTConfig
+from jaxpar.precision import DynamicLossScale, Policy, StaticLossScale, loss_scaling
+
+from helpers import mlp_batch, mlp_parts
+
+
+@pytest.fixture
+def mesh(mesh_factory):
+    return mesh_factory(data=2, fsdp=2, tensor=2)
+
+
+def test_reusing_a_donated_state_is_a_clear_error(mesh):
+    init_fn, loss_fn = mlp_parts()
+    tx = optax.sgd(0.1)
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh)
+    batch = mlp_batch(np.random.default_rng(0), 16)
+    new, _ = step(state, batch)
+    with pytest.raises(ValueError, match="donated"):
+        step(state, batch)
+    step(new, batch)  # the returned state works
+
+
+def test_a_state_in_another_layout_is_accepted_by_the_same_step(mesh_factory):
+    init_fn, loss_fn = mlp_parts()
+    tx = optax.sgd(0.1)
+    a, b = mesh_factory(data=2, fsdp=2, tensor=2), mesh_factory(fsdp=8)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=a, donate=False)
+    batch = mlp_batch(np.random.default_rng(0), 16)
+    ref, _ = step(jp.train.init_state(init_fn, tx, 0, mesh=a), batch)
+    got, _ = step(jp.train.init_state(init_fn, tx, 0, mesh=b), batch)
+    for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_empty_microbatch_weight_zero_gives_finite_whole_batch_mean(mesh):
+    """A fully masked microbatch (weight 0, mean 0/0) must not poison the accumulated step."""
+    init_fn, _ = mlp_parts()
+    from jaxpar.models import MLP
+    model = MLP(hidden=(64, 128, 32))
+
+    def masked_loss(params, batch, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        w = batch["mask"].sum()
+        return (ce * batch["mask"]).sum() / w, {"weight": w}
+
+    tx = optax.sgd(0.1)
+    batch = mlp_batch(np.random.default_rng(1), 32)
+    batch["mask"] = np.ones(32, np.float32)
+    batch["mask"][0::4] = 0.0                        # microbatch 0 of 4 (rows 0::4) is empty
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    step4 = jp.train.make_train_step(masked_loss, tx, mesh=mesh, grad_accum_steps=4, donate=False)
+    step1 = jp.train.make_train_step(masked_loss, tx, mesh=mesh, donate=False)
+    s4, m4 = step4(state, batch)
+    s1, m1 = step1(state, batch)
+    assert np.isfinite(float(m4["loss"]))
+    np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(s4.params), jax.tree.leaves(s1.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda loss, aux: loss, "must return \\(loss, aux\\)"),
+    (lambda loss, aux: (jnp.stack([loss, loss]), aux), "floating scalar"),
+    (lambda loss, aux: (loss, [1.0]), "aux must be a dict"),
+    (lambda loss, aux: (loss, {"loss": 123.0}), "aux key 'loss' is not allowed"),
+    (lambda loss, aux: (loss, {"per_example": jnp.ones(4)}), "must be scalars"),
+])
+def test_malformed_loss_fn_output(mesh, bad, match):
+    init_fn, loss_fn = mlp_parts()
+    tx = optax.sgd(0.1)
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(lambda p, b, r: bad(*loss_fn(p, b, r)), tx, mesh=mesh, donate=False)
+    with pytest.raises(ValueError, match=match):
+        step(state, mlp_batch(np.random.default_rng(0), 16))
+
+
+def test_empty_batch(mesh):
+    with pytest.raises(ValueError, match="batch 0 is empty"):
+        jp.train.check_batch_size(0, mesh, jp.sharding.DEFAULT_RULES)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(clip_norm=-1.0), "clip_norm"), (dict(learning_rate=-1e-3), "learning_rate"),
+    (dict(learning_rate=float("nan")), "learning_rate"), (dict(b2=1.5), "b2"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(warmup_steps=100), "warmup_steps"),
+])
+def test_adamw_rejects_out_of_range_hyperparameters(kwargs, match):
+    args = {"learning_rate": 1e-3, "total_steps": 100, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        jp.train.adamw(args.pop("learning_rate"), **args)
+
+
+def test_tx_must_be_a_gradient_transformation(mesh):
+    init_fn, loss_fn = mlp_parts()
+    for tx in (None, optax.adam):
+        with pytest.raises(TypeError, match="optax.GradientTransformation"):
+            jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: DynamicLossScale(initial_scale=2.0 ** 16, dtype=jnp.float16), "exceed the largest float16"),
+    (lambda: DynamicLossScale(initial_scale=float("inf"), max_scale=float("inf")), "finite"),
+    (lambda: DynamicLossScale(growth_factor=float("nan")), "finite"),
+    (lambda: StaticLossScale(float("inf")), "finite"),
+    (lambda: DynamicLossScale(dtype=jnp.int32), "floating dtype"),
+])
+def test_loss_scale_configs_are_validated(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_loss_scaling_must_be_outermost(mesh):
+    init_fn, loss_fn = mlp_parts()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), loss_scaling(optax.sgd(0.1), StaticLossScale(1024.0)))
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh)
+    with pytest.raises(ValueError, match="outermost"):
+        step(state, mlp_batch(np.random.default_rng(0), 16))
+    nested = loss_scaling(loss_scaling(optax.sgd(0.1), StaticLossScale(2.0)), StaticLossScale(2.0))
+    with pytest.raises(ValueError, match="more than one"):
+        jp.precision.loss_scale(nested.init({"w": jnp.ones(3)}))
+
+
+@pytest.mark.parametrize("text, exc", [("params=int8", ValueError), ("p=f32,p=bf16", ValueError), (b"bf16", TypeError)])
+def test_policy_rejects(text, exc):
+    with pytest.raises(exc):
+        Policy.from_string(text)
+
+
+def test_policy_rejects_non_float_dtypes():
+    with pytest.raises(ValueError, match="must be float32, bfloat16 or float16"):
+        Policy(jnp.float32, jnp.int8, jnp.float32)
+    with pytest.raises(ValueError, match="must be float32"):
+        Policy(None)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype=jnp.int32), dict(init_std=float("nan")), dict(rope_base=0.0),
+                                    dict(tie_embeddings="no")])
+def test_gpt_config_rejects(kwargs):
+    with pytest.raises(ValueError, match="GPTConfig"):
+        GPTConfig(**kwargs)
+
+
+def test_generate_rejects_bad_arguments():
+    model = GPT(GPTConfig(vocab_size=11, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
+    params = jax.tree.map(lambda x: x.value, model.init(jax.random.key(0)), is_leaf=lambda x: hasattr(x, "value"))
+    for kwargs in (dict(temperature=0.0), dict(temperature=-1.0), dict(num_tokens=-1), dict(prompt=[11]),
+                   dict(prompt=[])):
+        args = {"prompt": [1, 2], "num_tokens": 3, "temperature": 1.0, **kwargs}
+        with pytest.raises(ValueError):
+            model.generate(params, args["prompt"], args["num_tokens"], jax.random.key(0), args["temperature"])
+    assert len(model.generate(params, [1, 2], 3, jax.random.key(0))) == 3
+
+
+def test_corpus_batch_rejects_bad_split_and_lengths():
+    corpus = jp.data.CharCorpus.from_text("hello world, " * 50)
+    with pytest.raises(ValueError, match="split"):
+        corpus.batch(0, 0, 4, 8, split="Train")
+    with pytest.raises(ValueError, match="seq_len"):
+        corpus.batch(0, 0, 4, 0)
+
+
+def test_make_mesh_rejects_duplicated_devices():
+    with pytest.raises(ValueError, match="more than once"):
+        jp.make_mesh(data=2, devices=[jax.devices()[0]] * 2)
+
+
+@pytest.mark.parametrize("rules", [None, "batch", (("batch", 3),), (("batch", ("data", "data")),)])
+def test_malformed_rules(mesh, rules):
+    with pytest.raises(ValueError, match="rule"):
+        jp.sharding.validate_rules(rules, mesh)

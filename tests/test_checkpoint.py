@@ -1,0 +1,360 @@
+"""Checkpoints: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
+
+The training job is ``tests/ckpt_worker.py`` (small GPT on data=2 x fsdp=2 x tensor=2, mixed fp16 with
+dynamic loss scaling, magnitude pruning), run in this process or as a subprocess that a test kills.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ckpt_worker as worker
+import jaxpar as jp
+from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_parts
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = worker.Spec(mesh=(2, 2, 2), precision="fp16", pruning=True)
+SUBPROCESS_TIMEOUT = 150  # seconds; every subprocess is killed after it
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def host(tree):
+    """The tree on the host, typed PRNG keys as their key data (so trees compare leaf by leaf)."""
+    unkey = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return jax.device_get(jax.tree.map(unkey, tree))
+
+
+def assert_bitwise(got, ref):
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(host(got))[0], jax.tree.leaves(host(ref))):
+        assert g.dtype == r.dtype and np.array_equal(g, r), f"{jax.tree_util.keystr(path)} differs"
+
+
+def bytes_per_device(tree) -> dict[int, int]:
+    """Bytes each device holds: summed over every array's addressable shards."""
+    out = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] += shard.data.nbytes
+    return dict(out)
+
+
+def train_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return [r for r in rows if r["split"] == "train"]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = SUBPROCESS_TIMEOUT) -> None:
+    """Polls ``condition()``; kills ``proc`` and fails if it exits first or ``timeout`` passes."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            out = proc.communicate()[0]
+            pytest.fail(f"waiting for {what}: process exited with {proc.returncode} or timed out:\n{out[-3000:]}")
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, timeout: float = SUBPROCESS_TIMEOUT) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"process did not exit within {timeout} s:\n{proc.communicate()[0][-3000:]}")
+
+
+# ------------------------------------------------------------------------------------- a saved state
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, devices):
+    """A state trained 3 steps on data=2 x fsdp=2 x tensor=2 (f32, loss scaling, pruning), saved at step 3."""
+    del devices
+    spec = dataclasses.replace(SPEC, precision="f32")
+    mesh, init_fn, loss_fn, tx, policy = worker.build(spec)
+    state = jp.train.init_state(init_fn, tx, jax.random.key(0), mesh=mesh, policy=policy)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, policy=policy, donate=False)
+    for t in range(3):
+        state, _ = step(state, worker.batch(spec, t, mesh))
+    directory = tmp_path_factory.mktemp("saved")
+    with jp.checkpoint.CheckpointManager(directory, max_to_keep=None) as ckpt:
+        assert ckpt.save(3, state, {"data_step": 3, "note": "three steps"})
+    return dict(spec=spec, dir=directory, state=state, step=step, init_fn=init_fn, loss_fn=loss_fn, tx=tx,
+                policy=policy)
+
+
+def test_round_trip_keeps_types_and_bits(saved):
+    ckpt = jp.checkpoint.CheckpointManager(saved["dir"])
+    assert ckpt.all_steps() == [3] and ckpt.latest_step() == 3
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
+    target = jp.train.abstract_state(saved["init_fn"], saved["tx"], mesh=mesh)
+    state = ckpt.restore(target=target)
+    assert type(state) is jp.TrainState
+    assert type(state.opt_state) is jp.precision.LossScaleState
+    adam, pruning = state.opt_state.inner_state
+    assert type(adam[0]) is optax.ScaleByAdamState and type(pruning) is jp.pruning.MagnitudePruningState
+    assert jnp.issubdtype(state.rng.dtype, jax.dtypes.prng_key)
+    assert_bitwise(state, saved["state"])
+    assert all(x.sharding == t.sharding for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(target)))
+    assert int(state.opt_state.inner_state[1].count) == 3
+    assert ckpt.restore_extras() == {"data_step": 3, "note": "three steps"}
+    assert ckpt.restore_extras(3)["data_step"] == 3
+
+
+@pytest.mark.parametrize("layout", [dict(data=8), dict(fsdp=4), dict()], ids=["data8", "fsdp4", "single"])
+def test_reshard_on_restore(saved, layout):
+    n = int(np.prod(list(layout.values()))) if layout else 1
+    mesh = jp.make_mesh(**{"data": 1, **layout}, devices=jax.devices()[:n])
+    args = (saved["init_fn"], saved["tx"])
+    state = jp.checkpoint.CheckpointManager(saved["dir"]).restore(target=jp.train.abstract_state(*args, mesh=mesh))
+    assert_bitwise(state, saved["state"])
+    fresh = jp.train.init_state(*args, jax.random.key(0), mesh=mesh)
+    assert bytes_per_device(state) == bytes_per_device(fresh)
+    assert set(bytes_per_device(state)) == {d.id for d in mesh.devices.flat}
+    # Training goes on from the restored state: step 4 here equals step 4 on the saving layout.
+    batch = worker.batch(saved["spec"], 3, mesh)
+    step = jp.train.make_train_step(saved["loss_fn"], saved["tx"], mesh=mesh)
+    got, m = step(state, batch)
+    ref, m_ref = saved["step"](saved["state"], batch)
+    assert_scalar_close(m["loss"], m_ref["loss"], what="loss after restore")
+    assert_tree_close(got.params, ref.params, what="params one step after restore")
+
+
+def test_restore_into_another_model_names_the_path(saved):
+    ckpt = jp.checkpoint.CheckpointManager(saved["dir"])
+    init_fn, _ = gpt_parts(dataclasses.replace(SMALL_GPT, d_model=32, num_heads=4))
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
+    with pytest.raises(ValueError, match=r"\.params\['blocks'\]\['down_bias'\].*saved shape \(2, 64\) float32, "
+                                         r"target shape \(2, 32\) float32"):
+        ckpt.restore(target=jp.train.abstract_state(init_fn, saved["tx"], mesh=mesh))
+    with pytest.raises(ValueError, match=r"has no leaf \.opt_state\[0\]\.count \(the target's is \(\) int32\)"):
+        ckpt.restore(target=jp.train.abstract_state(saved["init_fn"], optax.adamw(1e-3), mesh=mesh))
+
+
+def test_restore_without_target_is_a_type_error(saved):
+    ckpt = jp.checkpoint.CheckpointManager(saved["dir"])
+    with pytest.raises(TypeError, match="target="):
+        ckpt.restore()
+    with pytest.raises(TypeError, match="target="):
+        ckpt.restore(3, target=None)
+    with pytest.raises(TypeError, match="no sharding"):
+        ckpt.restore(target={"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+
+
+def test_not_a_checkpoint_is_a_clear_error(tmp_path):
+    target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jp.sharding.replicated(jp.make_mesh()))}
+    with pytest.raises(jp.checkpoint.CheckpointError, match="no checkpoint in"):
+        jp.checkpoint.CheckpointManager(tmp_path / "empty").restore(target=target)
+    (tmp_path / "other" / "7").mkdir(parents=True)
+    (tmp_path / "other" / "7" / "weights.bin").write_bytes(b"\x00" * 64)
+    with pytest.raises(jp.checkpoint.CheckpointError, match="is not a jaxpar checkpoint"):
+        jp.checkpoint.CheckpointManager(tmp_path / "other").restore(target=target)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        jp.checkpoint.CheckpointManager(tmp_path / "file")
+    with pytest.raises(TypeError, match="JSON"):
+        jp.checkpoint.CheckpointManager(tmp_path / "x").save(1, {"w": jnp.ones(8)}, extras={"bad": object()})
+
+
+def test_corrupted_latest_checkpoint_is_a_clear_error(tmp_path):
+    """Policy: a corrupted or truncated checkpoint raises CheckpointError naming the step and the earlier
+    steps to use instead; there is no silent fallback."""
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "fsdp"))
+    make = lambda v: {"w": jax.device_put(jnp.arange(4096.0).reshape(64, 64) + v, sharding),
+                      "rng": jax.random.key(v)}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), make(0))
+    ckpt = jp.checkpoint.CheckpointManager(tmp_path, max_to_keep=None, async_save=False)
+    for s in (1, 2, 3, 4):
+        ckpt.save(s, make(s))
+    ckpt.wait()
+
+    # A value that does not match its checksum (as a flipped bit would give).
+    meta_file = tmp_path / "2" / "jaxpar" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["leaves"][1]["checksum"] ^= 1
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(jp.checkpoint.CheckpointError, match=r"step 2 .* is corrupted: \['w'\].*restore\(step=1"):
+        ckpt.restore(2, target=target)
+    # Truncated array files.
+    for f in (tmp_path / "3" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(jp.checkpoint.CheckpointError, match=r"step 3 .*(truncated or corrupted|is corrupted)"):
+        ckpt.restore(3, target=target)
+    # Overwritten bytes in the middle of the array files, the latest checkpoint: never a silent wrong restore.
+    for f in (tmp_path / "4" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64:
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2: len(data) // 2 + 16] = bytes(16)
+            f.write_bytes(bytes(data))
+    with pytest.raises(jp.checkpoint.CheckpointError, match=r"step 4 .*restore\(step=3"):
+        ckpt.restore(target=target)
+    assert_bitwise(ckpt.restore(1, target=target), make(1))
+
+
+def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+    script = textwrap.dedent("""
+        import os, signal, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, jax.numpy as jnp
+        import jaxpar as jp
+        mesh = jp.make_mesh(data=8)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        ckpt = jp.checkpoint.CheckpointManager(sys.argv[1])
+        ckpt.save(1, {"w": jax.device_put(jnp.arange(1024.0), sharding)})
+        ckpt.wait()
+        big = jax.device_put(jax.random.normal(jax.random.key(0), (32 * 1024 * 1024,)), sharding)  # 128 MiB
+        ckpt.save(2, {"w": big})  # returns once copied to host memory; the files are written in the background
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = start(["-c", script, str(tmp_path)])
+    out = finish(proc)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("2.")]
+    assert leftovers, f"expected an unfinished temporary directory for step 2, found {os.listdir(tmp_path)}"
+    ckpt = jp.checkpoint.CheckpointManager(tmp_path)
+    assert ckpt.all_steps() == [1]
+    sharding = jax.sharding.NamedSharding(jp.make_mesh(data=4, devices=jax.devices()[:4]),
+                                          jax.sharding.PartitionSpec("data"))
+    w = ckpt.restore(target={"w": jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=sharding)})["w"]
+    np.testing.assert_array_equal(np.asarray(w), np.arange(1024.0))
+    assert ckpt.save(2, {"w": w})  # the directory takes new checkpoints (the leftover was cleaned up)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2] and not [p for p in tmp_path.iterdir() if p.name.startswith("2.")]
+
+
+# ------------------------------------------------------------------------------------------ resume parity
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path, devices):
+    """2N steps straight == N steps, SIGKILL, resume, N more: params, optimizer, loss-scale and pruning state
+    bitwise, and the same loss curve; fp16 with dynamic loss scaling and magnitude pruning on 2x2x2."""
+    del devices
+    n = 4
+    ref, _, _ = worker.train(SPEC, tmp_path / "straight", 2 * n)
+    run = tmp_path / "killed"
+    proc = start(["tests/ckpt_worker.py", "--out", str(run), "--steps", str(2 * n), "--pruning",
+                  "--step-delay", "0.3"])
+    try:
+        wait_until(lambda: (run / "ckpt" / str(n)).is_dir(), proc, f"checkpoint {n}")  # renamed when complete
+        assert proc.poll() is None, "the worker finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    saved_step = jp.checkpoint.CheckpointManager(run / "ckpt").latest_step()
+    assert n <= saved_step < 2 * n
+    resumed, start_step, _ = worker.train(SPEC, run, 2 * n)
+    assert start_step == saved_step
+    assert_bitwise(resumed, ref)
+    got, want = train_rows(run), train_rows(tmp_path / "straight")
+    assert [r["step"] for r in got] == list(range(1, 2 * n + 1))
+    assert got == want  # loss, loss scale, gradient norm: exactly the same floats
+    assert len({r["loss_scale"] for r in want}) > 1  # the loss scale changed along the way
+
+
+def test_sigterm_saves_the_step_reached_and_exits_zero(tmp_path):
+    run = tmp_path / "run"
+    proc = start(["tests/ckpt_worker.py", "--out", str(run), "--steps", "200", "--interval", "0", "--pruning",
+                  "--step-delay", "0.05"])
+    wait_until(lambda: len(train_rows(run)) >= 3, proc, "three training steps")
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    reached = train_rows(run)[-1]["step"]
+    assert 3 <= reached < 200 and "(preempted)" in out
+    ckpt = jp.checkpoint.CheckpointManager(run / "ckpt")
+    assert ckpt.all_steps() == [reached]  # --interval 0: the preemption save is the only one
+    assert ckpt.restore_extras() == {"data_step": reached}
+
+
+def test_second_sigterm_exits_at_once(tmp_path):
+    script = textwrap.dedent("""
+        import time
+        import jaxpar as jp
+        handler = jp.checkpoint.PreemptionHandler()
+        print("ready", flush=True)
+        while not handler.requested:
+            time.sleep(0.01)
+        print("stopping", flush=True)
+        time.sleep(120)  # a long final save
+    """)
+    proc = start(["-c", script])
+    lines = []
+    try:
+        for expected in ("ready", "stopping"):
+            while expected not in lines:
+                line = proc.stdout.readline()
+                assert line, f"exited early: {''.join(lines)}"
+                lines.append(line.strip())
+            proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.wait(timeout=10)
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+
+
+# ------------------------------------------------------------------------------------------------ charlm
+
+def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
+    """charlm: SIGTERM mid-run exits 0 with a checkpoint at the step reached; rerunning the same command
+    (``--resume``) continues to the same losses, validation losses and final params as a straight run."""
+    from test_experiments import load
+    charlm = load("charlm")
+    small = dict(steps=100, eval_interval=40, eval_batches=1, batch_size=16, seq_len=32, d_model=32, num_layers=1,
+                 num_heads=2, warmup_steps=2, sample_chars=5, checkpoint_interval=15)
+    straight = charlm.main(charlm.Config(**small, out_dir=str(tmp_path / "straight")))
+    run = tmp_path / "run"
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in small.items()]
+    proc = start(["experiments/charlm.py", *args, "--out-dir", str(run)])
+    wait_until(lambda: len(train_rows(run)) >= 2, proc, "two charlm steps")
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    reached = train_rows(run)[-1]["step"]
+    assert f"preempted: saved a checkpoint at step {reached}" in out
+    ckpt = jp.checkpoint.CheckpointManager(run / "checkpoints")
+    assert ckpt.latest_step() == reached
+    assert ckpt.restore_extras()["config"]["d_model"] == 32
+    resumed = charlm.main(charlm.Config(**small, out_dir=str(run), resume=True))
+    assert resumed == straight
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+    assert strip(train_rows(run)) == strip(train_rows(tmp_path / "straight"))
+    a, b = (jp.checkpoint.CheckpointManager(d / "checkpoints") for d in (run, tmp_path / "straight"))
+    assert a.latest_step() == b.latest_step() == 100
+    assert a.metadata()["leaves"] == b.metadata()["leaves"]  # same shapes, dtypes and checksums of every leaf
+    with pytest.raises(jp.checkpoint.CheckpointError, match="asked to resume"):
+        charlm.main(charlm.Config(**small, out_dir=str(tmp_path / "fresh"), resume=True))

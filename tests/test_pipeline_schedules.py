@@ -1,0 +1,140 @@
+"""Pipeline schedules as data: builders, the validator, and the analysis derived from the table."""
+
+from __future__ import annotations
+
+import pytest
+
+import jaxpar as jp
+from jaxpar.pipeline import B, F, Schedule, W, gpipe, one_f_one_b
+from jaxpar.pipeline.runtime import control_table
+
+GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def _valid_for(name, p, m):
+    return name == "gpipe" or m >= p
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1(name):
+    """Computed from the table (idle slots / all slots, unit-cost actions), over a grid of (p, m)."""
+    checked = 0
+    for p, m in GRID:
+        if not _valid_for(name, p, m):
+            continue
+        s = BUILDERS[name](p, m)
+        assert s.num_ticks == 2 * (m + p - 1), (name, p, m)
+        assert s.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (name, p, m, str(s))
+        checked += 1
+    assert checked >= 50
+
+
+def test_stash_gpipe_holds_every_microbatch_1f1b_holds_p_minus_s():
+    for p, m in GRID:
+        assert gpipe(p, m).peak_stash == (m,) * p
+        if m >= p:
+            assert one_f_one_b(p, m).peak_stash == tuple(p - s for s in range(p)), (p, m)
+
+
+def test_receive_slots():
+    """Unit-cost GPipe and 1F1B consume every activation and cotangent the tick after it arrives, except the
+    loss cotangents GPipe's last stage keeps from its forwards until its backwards."""
+    for p, m in [(2, 2), (4, 8), (4, 16), (3, 5)]:
+        g, f = gpipe(p, m).recv_slots, one_f_one_b(p, m).recv_slots
+        assert g == ((0, 1),) + ((1, 1),) * (p - 2) + ((1, m),), (p, m, g)
+        assert f == ((0, 1),) + ((1, 1),) * (p - 1), (p, m, f)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_runtime_buffers_come_from_the_table(name):
+    """The interpreter's slot assignment uses exactly the table's peak counts (maximum over stages)."""
+    for p, m in [(1, 3), (2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (3, 7)]:
+        s = BUILDERS[name](p, m)
+        ctrl, sizes = control_table(s)
+        assert ctrl.shape == (s.num_ticks, p, 9)
+        assert sizes == {"stash": max(s.peak_stash), "activations": max(max(a for a, _ in s.recv_slots), 1),
+                         "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
+
+
+def test_1f1b_phases_follow_narayanan():
+    """Stage s: p-1-s warm-up forwards, then alternating F/B, then the remaining backwards."""
+    p, m = 4, 8
+    s = one_f_one_b(p, m)
+    for stage in range(p):
+        order = [row[stage] for row in s.table if row[stage] is not None]
+        warm = p - 1 - stage
+        assert order[:warm] == [F(j) for j in range(warm)]
+        steady = order[warm:warm + 2 * (m - warm)]
+        assert steady[0::2] == [F(j) for j in range(warm, m)] and steady[1::2] == [B(j) for j in range(m - warm)]
+        assert order[warm + 2 * (m - warm):] == [B(j) for j in range(m - warm, m)]
+
+
+def test_gpipe_runs_all_forwards_first():
+    s = gpipe(3, 5)
+    for stage in range(3):
+        kinds = [row[stage].kind for row in s.table if row[stage] is not None]
+        assert kinds == ["F"] * 5 + ["B"] * 5
+
+
+def test_forward_only_table():
+    s = one_f_one_b(4, 8).forward_only()
+    assert not s.has_backward and s.num_ticks == 8 + 3
+    assert s.bubble_fraction == pytest.approx(3 / 11)
+    assert s.peak_stash == (0, 0, 0, 0) and s.recv_slots == ((0, 0), (1, 0), (1, 0), (1, 0))
+
+
+def test_text_gantt():
+    text = str(one_f_one_b(2, 2))
+    assert text.splitlines()[1:] == ["s0 | F0 F1 .  B0 .  B1", "s1 | .  F0 B0 F1 B1 . "]
+
+
+def test_hand_written_table_with_w_actions_and_chunks():
+    """The table model goes beyond the two builders: split W actions and two chunks per stage validate."""
+    table = [(F(0, 0), None), (None, F(0, 0)), (F(0, 1), None), (None, F(0, 1)), (None, B(0, 1)),
+             (B(0, 1), W(0, 1)), (W(0, 1), B(0, 0)), (B(0, 0), W(0, 0)), (W(0, 0), None)]
+    s = Schedule("zb-like", 2, 1, table, num_chunks=2)
+    assert s.num_ticks == 9 and s.peak_stash == (2, 2)
+
+
+# ------------------------------------------------------------------------------------------- validator
+
+BAD_TABLES = [
+    ([(F(0), None), (None, F(0)), (None, B(0))], r"B0 never runs on stage 0"),
+    ([(F(0), None), (None, F(0)), (None, B(0)), (B(0), None), (F(0), None)], r"F0 on stage 0 appears twice"),
+    ([(F(0), F(0)), (None, B(0)), (B(0), None)], r"F0 on stage 1 at tick 0 needs F0 of stage 0 at an earlier tick"),
+    ([(F(0), None), (None, F(0)), (B(0), B(0))], r"B0 on stage 0 at tick 2 needs B0 of stage 1 at an earlier tick"),
+    ([(F(0), None), (None, B(0)), (None, F(0)), (B(0), None)], r"B0 on stage 1 at tick 1 needs F0 of stage 1"),
+    ([(F(0), None, None)], r"tick 0 has 3 entries; every row needs one per stage \(2\)"),
+    ([(F(1), None)], r"F1 is out of range"),
+    ([("F0", None)], r"holds 'F0'; use F\(mb, chunk\)"),
+    ([], r"empty table"),
+]
+
+
+@pytest.mark.parametrize("table,match", BAD_TABLES)
+def test_validator_rejects(table, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule("bad", 2, 1, table)
+
+
+def test_validator_rejects_w_before_b():
+    table = [(F(0),), (W(0),), (B(0),)]
+    with pytest.raises(ValueError, match=r"W0 on stage 0 at tick 1 needs B0 of stage 0"):
+        Schedule("bad", 1, 1, table)
+
+
+def test_builder_errors():
+    with pytest.raises(ValueError, match=r"1F1B needs num_microbatches >= num_stages, got 2 microbatches for 4"):
+        one_f_one_b(4, 2)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            gpipe(bad, 4)
+        with pytest.raises(ValueError, match="must be a positive int"):
+            one_f_one_b(2, bad)
+
+
+def test_public_names():
+    assert jp.pipeline.gpipe is gpipe and jp.pipeline.one_f_one_b is one_f_one_b
+    assert jp.pipeline.Schedule is Schedule
+    assert callable(jp.pipeline.value_and_grad) and callable(jp.pipeline.apply)
