@@ -47,11 +47,11 @@ class Config:
     num_heads: int = 4             # attention heads (divisible by tensor)
     d_model: int = 128             # model width
     seq_len: int = 128             # characters per training sequence
-    positions: str = "learned"     # "learned" or "rotary"
+    positions: Literal["learned", "rotary"] = "learned"  # learned position table or rotary (RoPE)
     tie_embeddings: bool = True    # share the input embedding and the output projection
     scan_layers: bool = False      # lax.scan over layers (faster compile) instead of unrolling
-    remat: str = "none"            # activation checkpointing: "none", "full", "dots"
-    precision: str = "f32"         # "f32"; "bf16" (params f32, compute bf16); "fp16" (same, f16, dynamic loss scaling)
+    remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing per block
+    precision: Literal["f32", "bf16", "fp16"] = "f32"  # bf16: params f32, compute bf16; fp16: same + loss scaling
     steps: int = 800               # optimizer steps
     batch_size: int = 32           # global batch (sequences per step), independent of the mesh
     grad_accum_steps: int = 1      # microbatches per step

@@ -27,7 +27,6 @@ computed on the devices, so it does not depend on the mesh the state is saved fr
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -169,7 +168,8 @@ def _check_extras(extras: Any) -> dict:
     if extras is None:
         return {}
     if not isinstance(extras, dict):
-        raise TypeError(f"extras must be a dict of JSON values (e.g. {{'data_step': 100}}), got {type(extras).__name__}")
+        raise TypeError(f"extras must be a dict of JSON values (e.g. {{'data_step': 100}}), "
+                        f"got {type(extras).__name__}")
     try:
         json.dumps(extras, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -182,8 +182,8 @@ class CheckpointManager:
     """Saves and restores training states (e.g. ``jp.train.TrainState``) in ``directory``, over orbax.
 
     Args:
-      directory: where step directories go; created on the first save (by process 0). A directory without
-        checkpoints is fine until something is restored from it.
+      directory: where step directories go (``<directory>/<step>``); created if missing (by process 0). A
+        directory without checkpoints is fine until something is restored from it.
       max_to_keep: keep this many most recent checkpoints (None: keep all).
       save_interval_steps: :meth:`should_save` is true every this many steps (0: never; ``save(...,
         force=True)`` still saves, e.g. at the end and on preemption).
@@ -211,6 +211,7 @@ class CheckpointManager:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                                create=True, cleanup_tmp_directories=self.directory.is_dir())
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        self._started: set[int] = set()  # steps saved (or being saved) through this manager
 
     # ------------------------------------------------------------------------------------------ listing
     def all_steps(self) -> list[int]:
@@ -231,9 +232,10 @@ class CheckpointManager:
         """Starts saving ``state`` (any pytree of jax arrays, typed PRNG keys included) as checkpoint ``step``.
 
         Returns False without saving when ``step`` is not due (:meth:`should_save`, unless ``force``) or
-        is already saved; True otherwise. Blocks until the state is computed and copied to host memory
-        (the caller may then donate its buffers); with ``async_save`` the files are written in the
-        background (:meth:`wait`). A previous save still in flight is waited for first.
+        is already saved or being saved; True otherwise. Blocks until the state is computed, checksummed and
+        copied to host memory (the caller may then donate its buffers); with ``async_save`` the files are
+        written in the background (:meth:`wait`). A previous save still in flight is waited for first.
+        Arrays keep their dtypes and global shapes; each process writes the shards it holds.
 
         Args:
           step: int >= 0, the number of updates ``state`` has applied.
@@ -249,8 +251,9 @@ class CheckpointManager:
             raise ValueError(f"step={step!r} must be an int >= 0")
         step = int(step)
         extras = _check_extras(extras)
-        if not (force or self.should_save(step)) or step in self._mgr.all_steps():
+        if not (force or self.should_save(step)) or step in self._started or step in self._mgr.all_steps():
             return False
+        self._started.add(step)
         tree, impls = _to_saveable(state)
         meta = {"format": FORMAT, "step": step, "prng_keys": impls,
                 "leaves": [dict(d, checksum=c) for d, c in zip(_describe(tree), _checksums(tree))]}
@@ -283,13 +286,15 @@ class CheckpointManager:
         if step is None:
             return steps[-1]
         if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {str(self.directory)!r}; available steps: {steps}")
+            raise CheckpointError(f"no checkpoint for step {step} in {str(self.directory)!r}; "
+                                  f"available steps: {steps}")
         return int(step)
 
     def _others(self, step: int) -> str:
         earlier = [s for s in self.all_steps() if s < step]
         if earlier:
-            return f"; restore an earlier one with restore(step={earlier[-1]}, ...) (available: {earlier})"
+            return (f"; restore an earlier one with restore(step={earlier[-1]}, ...) (available: {earlier}), or "
+                    f"delete {str(self.directory / str(step))!r} so that an automatic resume takes the previous one")
         return "; there is no earlier checkpoint"
 
     def _read_json(self, step: int, item: str) -> Any:
@@ -522,9 +527,10 @@ def run_steps(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], sta
     newest dispatched one). After step ``t`` is dispatched, the state that has applied ``t + 1`` updates
     is saved as checkpoint ``t + 1`` when ``manager.should_save(t + 1)``, before the next step can donate
     its buffers, and after the metrics of every step up to ``t`` are yielded (so a log written from them
-    never misses steps that a resumed run will not repeat). When ``preemption.should_stop()`` turns true, the remaining metrics are yielded, the state
-    reached is saved (forced), the save is waited for, ``preemption.stopped_at`` is set to its step, and
-    the iteration ends early; the caller then exits with status 0.
+    never misses steps that a resumed run will not repeat). When ``preemption.should_stop()`` turns true,
+    the remaining metrics are yielded, the state reached is saved (forced), the save is waited for,
+    ``preemption.stopped_at`` is set to its step, and the iteration ends early; the caller then exits with
+    status 0. ``should_stop`` is checked after every step (a collective in a multi-process run).
 
     Args:
       step_fn, state, batch_fn, start, stop, max_in_flight: as for :func:`jaxpar.train.run_steps`.

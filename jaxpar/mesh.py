@@ -31,14 +31,16 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
     desc = " x ".join(f"{n}={s}" for n, s in sizes.items())
     if fill:
         if num_devices % known:
+            others = " x ".join(f"{n}={s}" for n, s in sizes.items() if s != -1)
             raise ValueError(
-                f"cannot fill {fill[0]}=-1: the other axes ({desc}) multiply to {known}, "
-                f"which does not divide the {num_devices} devices")
+                f"cannot fill {fill[0]}=-1: the other axes ({others}) multiply to {known}, "
+                f"which does not divide the {num_devices} devices; change their sizes")
         sizes = {**sizes, fill[0]: num_devices // known}
     elif known != num_devices:
         raise ValueError(
-            f"mesh sizes {desc} multiply to {known}, but there are {num_devices} devices; "
-            f"change the sizes, set one axis to -1, or pass devices= with {known} devices")
+            f"mesh sizes {desc} multiply to {known}, but there are {num_devices} device{'s' if num_devices != 1 else ''}; "
+            f"change the sizes, set one axis to -1, or pass devices= with {known} devices (on CPU, simulate "
+            f"devices with XLA_FLAGS=--xla_force_host_platform_device_count={known} set before jax is imported)")
     return sizes
 
 

@@ -356,9 +356,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
         is split into the schedule's microbatches) and with ``policy``.
 
     The returned step accepts ``batch``: a pytree of numpy or jax arrays whose leading axis is the global
-    batch. In a multi-process run each process passes its own slice (numpy) of the global batch, in process
-    order. Metrics (global, replicated scalars): ``loss``, ``grad_norm`` (global L2 norm of the gradient),
-    and every ``aux`` entry (``weight`` summed, others weight-averaged).
+    batch. In a multi-process run each process passes (numpy) the rows of the global batch its devices hold,
+    ``jp.data.process_slice(batch_size, mesh)``. Metrics (global, replicated scalars): ``loss``,
+    ``grad_norm`` (global L2 norm of the gradient), and every ``aux`` entry (``weight`` summed, others
+    weight-averaged).
 
     Raises (on the first call with a bad batch, before tracing):
       ValueError: a global batch not divisible by the batch mesh axes (``data*fsdp``) times

@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-resume-from", type=int, default=None)
     a = p.parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     import jax
 
     import jaxpar as jp

@@ -267,7 +267,6 @@ def test_policy_from_string(text, expected):
 @pytest.mark.parametrize("text, pattern", [
     ("", r"empty policy string ''; e.g. 'params=float32,compute=bfloat16,output=float32'"),
     ("   ", r"empty policy string"),
-    (None, r"empty policy string None"),
     ("params=float64", r"unknown dtype 'float64' in policy; use one of \[.*'bfloat16'.*\]"),
     ("float8", r"unknown dtype 'float8'"),
     ("weights=float32", r"unknown policy key in 'weights=float32'; use params=, compute=, output="),
@@ -288,3 +287,8 @@ def test_policy_casts_floating_leaves_only():
     assert cast["i"].dtype == jnp.int32 and cast["s"] == 1.0
     sds = policy.cast_to_param(jax.ShapeDtypeStruct((3,), jnp.bfloat16))
     assert sds.dtype == jnp.float32 and sds.shape == (3,)
+
+
+def test_policy_from_string_rejects_non_strings():
+    with pytest.raises(TypeError, match="must be given as a str"):
+        Policy.from_string(None)

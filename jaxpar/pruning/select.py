@@ -3,8 +3,9 @@
 Nothing here sorts or gathers a tensor. Magnitudes are compared through their float32 bit patterns (for
 non-negative floats the int32 bit pattern orders like the value), so a bisection over the 31-bit range finds the
 exact k-th largest magnitude in 31 passes, each pass a count ``sum(bits >= t)`` that GSPMD reduces across
-shards (an all-reduce of one integer per tensor). Ties at the threshold are broken by flat index (a second
-bisection on an index bound), so every pool keeps exactly its target count even for bf16 weights.
+shards (an all-reduce of one integer per tensor). Ties at the threshold are broken by flat index (the key is
+``(magnitude, reversed index)``, bisected lexicographically: about 20 more passes), so every pool keeps exactly
+its target count, even for bf16 weights with many equal magnitudes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.sharding import AxisType
 
 INF_BITS = 0x7F800000          # bit pattern of +inf: the largest magnitude
 SENTINEL = INF_BITS + 1        # above every magnitude: marks weights that must be kept (N:M top-N)
-_THRESHOLD_ITERS = 31          # ceil(log2(SENTINEL + 2)): the bisection range [0, SENTINEL + 2)
+_THRESHOLD_ITERS = 31          # ceil(log2(SENTINEL + 1)): the bisection range [0, SENTINEL + 1)
 
 
 def magnitude_bits(x: jax.Array) -> jax.Array:
@@ -55,47 +56,42 @@ def flat_index(x: jax.Array) -> jax.Array:
     return idx
 
 
-def bisect(count_ge, targets: Sequence[jax.Array], lo: Sequence[jax.Array], hi: Sequence[jax.Array],
-           iters: int) -> list[jax.Array]:
-    """Elementwise the largest ``x`` in ``[lo, hi)`` with ``count_ge(x) >= target``.
+def _search(count_ge, targets: list[jax.Array], shapes: list[tuple[int, ...]], index_bound: int):
+    """Per pool, the largest key ``(t, r)`` (lexicographic) with ``count_ge(t, r) >= target``.
 
-    ``count_ge`` maps a list of int32 arrays to counts of the same shapes, non-increasing in ``x``; it must hold
-    that ``count_ge(lo) >= target``. ``iters`` must be at least ``ceil(log2(max(hi - lo)))``.
+    ``count_ge(ts, rs)`` counts, per pool, the weights whose key ``(bits, rank)`` is ``>= (t, r)``; ranks are
+    distinct within a pool and lie in ``[0, index_bound)``. The first 31 rounds bisect the magnitude key ``t``
+    (with ``r = 0`` the count is ``count(bits >= t)``), the rest bisect ``r`` among the ties at ``t``. Because
+    ranks are distinct the final count is exactly the target. One ``fori_loop``, one count per round.
     """
-    def body(_, carry):
-        lo, hi = carry
-        mid = [l + (h - l) // 2 for l, h in zip(lo, hi)]
-        ok = [c >= k for c, k in zip(count_ge(mid), targets)]
-        return ([jnp.where(o, m, l) for o, m, l in zip(ok, mid, lo)],
-                [jnp.where(o, h, m) for o, m, h in zip(ok, mid, hi)])
-    return jax.lax.fori_loop(0, iters, body, (list(lo), list(hi)))[0]
+    rank_iters = max(1, math.ceil(math.log2(index_bound + 1)))
+    zeros = [jnp.zeros(s, jnp.int32) for s in shapes]
+    carry = (zeros, [jnp.full(s, SENTINEL + 1, jnp.int32) for s in shapes],
+             zeros, [jnp.full(s, index_bound + 1, jnp.int32) for s in shapes])
+    half = lambda lo, hi: lo + jax.lax.shift_right_logical(hi - lo, 1)
+
+    def body(i, carry):
+        t_lo, t_hi, r_lo, r_hi = carry
+        first = i < _THRESHOLD_ITERS
+        t_mid = [jnp.where(first, half(l, h), l) for l, h in zip(t_lo, t_hi)]
+        r_mid = [jnp.where(first, 0, half(l, h)) for l, h in zip(r_lo, r_hi)]
+        ok = [c >= k for c, k in zip(count_ge(t_mid, r_mid), targets)]
+        pick = lambda cond, new, old: [jnp.where(c, n, o) for c, n, o in zip(cond, new, old)]
+        return (pick([o & first for o in ok], t_mid, t_lo), pick([~o & first for o in ok], t_mid, t_hi),
+                pick([o & ~first for o in ok], r_mid, r_lo), pick([~o & ~first for o in ok], r_mid, r_hi))
+
+    t, _, r, _ = jax.lax.fori_loop(0, _THRESHOLD_ITERS + rank_iters, body, carry)
+    return t, r
 
 
-def _count(pred: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return jnp.sum(pred, axis=axes, keepdims=True, dtype=jnp.int32)
-
-
-def _drop_ties(bits: list[jax.Array], thresholds: list[jax.Array], drops: list[jax.Array],
-               axes: list[tuple[int, ...]]) -> list[jax.Array]:
-    """Keep masks: ``bits > t``, plus the ties ``bits == t`` except the ``drop`` ties of largest flat index."""
-    idx = [flat_index(b) for b in bits]
-    ties = [b == t for b, t in zip(bits, thresholds)]
-
-    def bounds():
-        count_ge = lambda bs: [_count(tie & (i >= B), ax) for tie, i, B, ax in zip(ties, idx, bs, axes)]
-        lo = [jnp.zeros_like(d) for d in drops]
-        hi = [jnp.full_like(d, b.size + 1) for d, b in zip(drops, bits)]
-        iters = max(math.ceil(math.log2(b.size + 1)) for b in bits)
-        return bisect(count_ge, drops, lo, hi, iters)
-
-    none = lambda: [jnp.full_like(d, b.size) for d, b in zip(drops, bits)]
-    any_drop = jnp.any(jnp.stack([jnp.any(d > 0) for d in drops]))
-    limits = jax.lax.cond(any_drop, bounds, none)
-    return [(b > t) | (tie & (i < B)) for b, t, tie, i, B in zip(bits, thresholds, ties, idx, limits)]
+def _at_least(bits: jax.Array, rank: jax.Array, t: jax.Array, r: jax.Array) -> jax.Array:
+    return (bits > t) | ((bits == t) & (rank >= r))
 
 
 def top_k_per_slice(bits: list[jax.Array], axes: list[tuple[int, ...]], keep: list[jax.Array]) -> list[jax.Array]:
     """Per leaf and per slice (reducing over ``axes``), a mask of exactly ``keep`` largest keys.
+
+    Ties go to the lower flat index.
 
     Args:
       bits: int32 keys (:func:`magnitude_bits`, possibly raised to :data:`SENTINEL`).
@@ -103,31 +99,27 @@ def top_k_per_slice(bits: list[jax.Array], axes: list[tuple[int, ...]], keep: li
       keep: per leaf, an int32 count broadcastable to the slice counts ``(keepdims)``.
     """
     shapes = [tuple(1 if a in ax else n for a, n in enumerate(b.shape)) for b, ax in zip(bits, axes)]
-    count_ge = lambda ts: [_count(b >= t, ax) for b, t, ax in zip(bits, ts, axes)]
-    lo = [jnp.zeros(s, jnp.int32) for s in shapes]
-    hi = [jnp.full(s, SENTINEL + 1, jnp.int32) for s in shapes]
+    ranks = [b.size - 1 - flat_index(b) for b in bits]
+    count_ge = lambda ts, rs: [jnp.sum(_at_least(b, q, t, r), axis=ax, keepdims=True, dtype=jnp.int32)
+                               for b, q, t, r, ax in zip(bits, ranks, ts, rs, axes)]
     targets = [jnp.broadcast_to(k, s) for k, s in zip(keep, shapes)]
-    t = bisect(count_ge, targets, lo, hi, _THRESHOLD_ITERS)
-    drops = [c - k for c, k in zip(count_ge(t), targets)]
-    return _drop_ties(bits, t, drops, axes)
+    t, r = _search(count_ge, targets, shapes, max(b.size for b in bits))
+    return [_at_least(*args) for args in zip(bits, ranks, t, r)]
 
 
 def top_k_pooled(bits: list[jax.Array], keep: jax.Array) -> list[jax.Array]:
     """Masks keeping exactly ``keep`` largest keys over all leaves together (one global threshold).
 
-    Ties at the threshold are kept in leaf order then flat-index order.
+    Ties go to the earlier leaf, then the lower flat index.
     """
-    all_axes = [tuple(range(b.ndim)) for b in bits]
-    total = lambda t: [sum(jnp.sum(b >= t[0], dtype=jnp.int32) for b in bits)]
-    zero = jnp.zeros((), jnp.int32)
-    t = bisect(total, [keep], [zero], [jnp.full((), SENTINEL + 1, jnp.int32)], _THRESHOLD_ITERS)[0]
-    excess = total([t])[0] - keep
-    eq = jnp.stack([jnp.sum(b == t, dtype=jnp.int32) for b in bits])
-    after = jnp.cumsum(eq[::-1])[::-1] - eq                    # ties in later leaves
-    drops = jnp.clip(excess - after, 0, eq)                     # drop ties from the last leaves first
-    shape1 = lambda b: (1,) * b.ndim
-    return _drop_ties(bits, [jnp.reshape(t, shape1(b)) for b in bits],
-                      [jnp.reshape(drops[i], shape1(b)) for i, b in enumerate(bits)], all_axes)
+    total, offset, ranks = sum(b.size for b in bits), 0, []
+    for b in bits:
+        ranks.append(total - 1 - offset - flat_index(b))
+        offset += b.size
+    count_ge = lambda ts, rs: [sum(jnp.sum(_at_least(b, q, ts[0], rs[0]), dtype=jnp.int32)
+                                   for b, q in zip(bits, ranks))]
+    (t,), (r,) = _search(count_ge, [keep], [()], total)
+    return [_at_least(b, q, t, r) for b, q in zip(bits, ranks)]
 
 
 def top_n_in_groups(bits: jax.Array, reduction_axes: tuple[int, ...], n: int, m: int) -> jax.Array:

@@ -231,6 +231,11 @@ def masks(opt_state: Any) -> Any:
     return found[0].masks
 
 
+@jax.jit
+def _count_zeros(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.sum(x == 0, dtype=jnp.int32) for x in leaves]
+
+
 def _stats(zeros: int, size: int) -> dict[str, float | int]:
     return {"size": size, "zeros": zeros, "sparsity": zeros / size if size else 0.0}
 
@@ -250,7 +255,7 @@ def sparsity_report(params: Any, prunable: Callable[[Path], bool] | None = None,
     plans = make_plans(params, axis_names, prunable)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     floating = [i for i, (_, x) in enumerate(flat) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    counts = jax.jit(lambda xs: [jnp.sum(x == 0, dtype=jnp.int32) for x in xs])([flat[i][1] for i in floating])
+    counts = _count_zeros([flat[i][1] for i in floating])
     tensors, totals = {}, {True: [0, 0], False: [0, 0]}
     for i, zeros in zip(floating, jax.device_get(counts)):
         path, x = flat[i]
