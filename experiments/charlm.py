@@ -90,7 +90,8 @@ class Config:
         if self.pipe > 1 and self.schedule == "1f1b" and self.microbatches < self.pipe:
             raise ValueError(f"--schedule 1f1b needs --microbatches >= --pipe ({self.pipe}), got {self.microbatches}")
         if self.checkpoint_interval < 0:
-            raise ValueError(f"--checkpoint-interval must be >= 0 (0: only at the end), got {self.checkpoint_interval}")
+            raise ValueError(f"--checkpoint-interval must be >= 0 (0: only at the end and on SIGTERM), "
+                             f"got {self.checkpoint_interval}")
 
 
 def main(cfg: Config) -> float | None:
@@ -169,8 +170,9 @@ def main(cfg: Config) -> float | None:
     if preemption.stopped_at is not None:
         writer.close()
         ckpt.close()
-        print(f"preempted: saved a checkpoint at step {preemption.stopped_at} in {out / 'checkpoints'}; run the "
-              "same command again to resume", flush=True)
+        if jax.process_index() == 0:
+            print(f"preempted: saved a checkpoint at step {preemption.stopped_at} in {out / 'checkpoints'}; run "
+                  "the same command again to resume", flush=True)
         return None
     ckpt.save(cfg.steps, state, extras(cfg.steps), force=True)
     ckpt.close()

@@ -156,12 +156,15 @@ def _checksums(tree: Any) -> list[int]:
 def _handlers() -> dict[str, Any]:
     # Replica-parallel saving slices every replicated shard with a jitted op per shape (about 70 XLA
     # compiles, ~6 s on CPU, for a small GPT's first save); one replica writing each shard is enough here.
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (int, ocp.type_handlers.ScalarHandler()), (float, ocp.type_handlers.ScalarHandler()),
-        (np.number, ocp.type_handlers.ScalarHandler()), (np.ndarray, ocp.type_handlers.NumpyHandler()),
-        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
-    return {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
-            "extras": ocp.JsonCheckpointHandler(), "jaxpar": ocp.JsonCheckpointHandler()}
+    try:
+        th = ocp.type_handlers
+        registry = th.create_type_handler_registry(
+            (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+            (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=False)))
+        state = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    except (AttributeError, TypeError):  # an orbax without these options: its defaults work, only slower
+        state = ocp.PyTreeCheckpointHandler()
+    return {"state": state, "extras": ocp.JsonCheckpointHandler(), "jaxpar": ocp.JsonCheckpointHandler()}
 
 
 def _check_extras(extras: Any) -> dict:
@@ -414,11 +417,11 @@ def compare(saved: Sequence[dict[str, Any]], target: Any, what: str = "checkpoin
 
 
 def _verify(saved: Sequence[dict[str, Any]], tree: Any, what: str, others: str) -> None:
-    sums = _checksums(tree)
-    for d, (path, _), got in zip(saved, _leaves_with_paths(tree), sums):
-        if d.get("checksum") is not None and d["checksum"] != got:
+    recorded = {d["path"]: d.get("checksum") for d in saved}
+    for (path, _), got in zip(_leaves_with_paths(tree), _checksums(tree)):
+        if recorded.get(path) is not None and recorded[path] != got:
             raise CheckpointError(f"{what} is corrupted: {path} does not match the checksum recorded when it "
-                                  f"was saved ({got} != {d['checksum']}){others}")
+                                  f"was saved ({got} != {recorded[path]}){others}")
 
 
 def _wrap_key(data: jax.Array, like: Any) -> jax.Array:

@@ -112,8 +112,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     ``python -m jaxpar.launch`` sets; JAX's own auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes,
     ``JAX_COORDINATOR_ADDRESS``). With none of these it is a single-process run: nothing happens and the
     result is False, so entry points may call it unconditionally. On CPU it selects gloo cross-process
-    collectives (``jax_cpu_collectives_implementation``; the default since jax 0.5, set explicitly so a
-    changed default cannot leave CPU collectives without an implementation).
+    collectives (``jax_cpu_collectives_implementation``: jax 0.10's default, set explicitly so another
+    version's default cannot leave cross-process CPU collectives without an implementation).
 
     Must run before anything touches devices (``jax.devices()``, any computation). Calling it again after
     a successful initialization returns True.
