@@ -69,7 +69,7 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
     it always returns ``where(mask, updates, -params)``: a newly pruned weight lands on exactly 0.0, and a
     pruned weight keeps getting ``-params`` = 0, so no later update (momentum, Adam moments, decoupled
     weight decay) revives it. Between refreshes masks are fixed; at a refresh a pruned weight can come back if
-    its would-be magnitude ranks among the kept ones (Zhu & Gupta 2017, sec. 3).
+    its would-be magnitude ranks among the kept ones.
 
     The state update is a pure function of ``(updates, state, params)``, so inside
     ``jp.precision.loss_scaling`` a skipped step discards it and prunes nothing.
@@ -150,10 +150,10 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
         flat_p = treedef.flatten_up_to(params)
         flat_m = treedef.flatten_up_to(state.masks)
         chosen = [i for i, plan in enumerate(plans) if plan]
-        candidates = [flat_p[i].astype(jnp.float32) + flat_u[i].astype(jnp.float32) for i in chosen]
         old = [flat_m[i] for i in chosen]
 
-        def refresh():
+        def refresh():   # the values the params are about to take; only computed at a refresh
+            candidates = [flat_p[i].astype(jnp.float32) + flat_u[i].astype(jnp.float32) for i in chosen]
             new = _select(candidates, schedule(state.count), plans=tuple(plans[i] for i in chosen),
                           distribution=distribution, n_m=n_m)
             return [select.like(m, o) for m, o in zip(new, old)]

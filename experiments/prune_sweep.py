@@ -1,0 +1,130 @@
+"""Test accuracy vs sparsity of the digits MLP under gradual magnitude pruning, per sparsity distribution.
+
+Command::
+
+    python experiments/prune_sweep.py            # dense; 50/80/90/95% x uniform/global/erk; 2:4; 3 seeds each
+
+Every run is ``experiments/digits.py`` (8 simulated devices, data=2 x fsdp=2 x tensor=2, 600 AdamW steps) with
+``jp.pruning.magnitude_pruning`` chained after the optimizer: Zhu & Gupta's cubic schedule from step 60 to 300,
+masks refreshed every 10 steps, then fixed while training continues. Writes ``results.json`` (every run and the
+per-configuration mean and standard deviation) and ``accuracy_vs_sparsity.png`` to ``--out-dir`` and prints a
+markdown table (the README's "Pruning" section).
+
+Expected (2-core CPU): about 7 minutes for the 42 runs; dense about 98%, 90% global within 1 point of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import digits  # noqa: E402
+from _common import simulate_cpu_devices  # noqa: E402
+
+DISTRIBUTIONS = ("uniform", "global", "erk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Sweep configuration; each run is a ``digits.Config`` with these overrides."""
+    sparsities: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)   # final sparsities of the pruned kernels
+    distributions: tuple[str, ...] = DISTRIBUTIONS          # uniform, global and/or erk
+    n_m: tuple[int, int] | None = (2, 4)                    # also run this N:M pattern (None: skip it)
+    seeds: tuple[int, ...] = (0, 1, 2)                      # seeds (init and data order) per configuration
+    steps: int = 600                                        # optimizer steps per run
+    prune_begin: int = 60                                   # first pruning step
+    prune_end: int = 300                                    # final sparsity reached here; masks fixed after
+    prune_frequency: int = 10                               # steps between mask refreshes
+    simulate_devices: int = 8                               # host CPU devices to simulate on CPU
+    out_dir: str = "runs/prune_sweep"                       # results.json, the PNG and one folder per run
+
+    def __post_init__(self):
+        if not self.seeds or not self.sparsities and self.n_m is None:
+            raise ValueError("the sweep needs at least one seed and one sparsity (or n_m)")
+        unknown = set(self.distributions) - set(DISTRIBUTIONS)
+        if unknown:
+            raise ValueError(f"unknown distributions {sorted(unknown)}; use some of {DISTRIBUTIONS}")
+        if any(not 0 < s < 1 for s in self.sparsities):
+            raise ValueError(f"sparsities {self.sparsities} must lie in (0, 1)")
+
+    def runs(self) -> list[tuple[str, dict]]:
+        """(configuration name, digits.Config overrides) for every configuration, dense first."""
+        out = [("dense", {})]
+        out += [(f"{d} {s:.0%}", dict(sparsity=s, distribution=d)) for s in self.sparsities
+                for d in self.distributions]
+        if self.n_m is not None:
+            out.append((f"{self.n_m[0]}:{self.n_m[1]}", dict(n_m=self.n_m)))
+        return out
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    """Mean and standard deviation (over seeds) of accuracy and achieved sparsity per configuration."""
+    out = {}
+    for name in dict.fromkeys(r["name"] for r in rows):
+        acc = [r["accuracy"] for r in rows if r["name"] == name]
+        first = next(r for r in rows if r["name"] == name)
+        out[name] = {"distribution": first["distribution"], "target": first["target"], "n_m": first["n_m"],
+                     "accuracy": statistics.fmean(acc), "std": statistics.pstdev(acc), "seeds": len(acc),
+                     "sparsity": statistics.fmean(r["sparsity"] for r in rows if r["name"] == name)}
+    return out
+
+
+def table(summary: dict[str, dict], distributions=DISTRIBUTIONS) -> str:
+    """Markdown table: a row per target sparsity, a column per distribution; dense and N:M rows."""
+    cell = lambda s: f"{100 * s['accuracy']:.1f} ± {100 * s['std']:.1f}"
+    head = "| sparsity | " + " | ".join(distributions) + " |\n|---|" + "---|" * len(distributions) + "\n"
+    lines = []
+    if "dense" in summary:
+        lines.append("| 0% (dense) | " + " | ".join([cell(summary["dense"])] + ["—"] * (len(distributions) - 1))
+                     + " |")
+    targets = sorted({s["target"] for s in summary.values() if s["distribution"] and not s["n_m"]})
+    for t in targets:
+        cells = [cell(summary[f"{d} {t:.0%}"]) if f"{d} {t:.0%}" in summary else "" for d in distributions]
+        lines.append(f"| {t:.0%} | " + " | ".join(cells) + " |")
+    for name, s in summary.items():
+        if s["n_m"]:
+            lines.append(f"| {name} ({s['target']:.0%}) | " + " | ".join([cell(s)] + ["—"] * (len(distributions) - 1))
+                         + " |")
+    return head + "\n".join(lines)
+
+
+def main(cfg: Config) -> dict[str, dict]:
+    simulate_cpu_devices(cfg.simulate_devices)
+    import jaxpar as jp
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, overrides in cfg.runs():
+        for seed in cfg.seeds:
+            run_cfg = digits.Config(steps=cfg.steps, seed=seed, simulate_devices=cfg.simulate_devices,
+                                    prune_begin=cfg.prune_begin, prune_end=cfg.prune_end,
+                                    prune_frequency=cfg.prune_frequency,
+                                    out_dir=str(out / name.replace(" ", "_").replace(":", "of").replace("%", "")
+                                                / f"seed{seed}"), **overrides)
+            test = digits.run(run_cfg)
+            n_m = list(overrides["n_m"]) if "n_m" in overrides else None
+            target = overrides.get("sparsity", 1 - n_m[0] / n_m[1] if n_m else 0.0)
+            rows.append({"name": name, "distribution": overrides.get("distribution"), "target": target,
+                         "n_m": n_m, "seed": seed, **{k: test[k] for k in ("accuracy", "loss", "sparsity")}})
+    summary = summarize(rows)
+    (out / "results.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "runs": rows,
+                                                  "summary": summary}, indent=1))
+    series = {d: [(s["sparsity"], s["accuracy"], s["std"]) for s in summary.values()
+                  if s["distribution"] == d and not s["n_m"]] for d in cfg.distributions}
+    series.update({name: [(s["sparsity"], s["accuracy"], s["std"])] for name, s in summary.items() if s["n_m"]})
+    dense = (summary["dense"]["accuracy"], summary["dense"]["std"])
+    jp.plot.accuracy_vs_sparsity(series, out / "accuracy_vs_sparsity.png", dense=dense,
+                                 title=f"digits MLP, gradual magnitude pruning ({len(cfg.seeds)} seeds)")
+    print(f"\ntest accuracy (%) over {len(cfg.seeds)} seeds, mean ± std:\n")
+    print(table(summary, cfg.distributions))
+    return summary
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Config))

@@ -1,0 +1,39 @@
+"""The pruning entry points: digits.py's pruning flags and prune_sweep.py (short configurations)."""
+
+import json
+
+import pytest
+
+from test_experiments import load
+
+
+def test_digits_pruning_flags_prune_and_train(tmp_path):
+    digits = load("digits")
+    cfg = digits.Config(steps=120, sparsity=0.8, distribution="global", prune_begin=20, prune_end=80,
+                        prune_frequency=5, out_dir=str(tmp_path))
+    test = digits.run(cfg)
+    assert test["sparsity"] == pytest.approx(0.8, abs=1e-3)
+    assert test["accuracy"] > 0.8
+
+
+def test_digits_rejects_bad_pruning_flags():
+    digits = load("digits")
+    for bad in (dict(sparsity=1.0), dict(sparsity=0.5, distribution="layer"), dict(n_m=(4, 2)),
+                dict(sparsity=0.5, prune_begin=300, prune_end=200), dict(sparsity=0.5, prune_end=10_000)):
+        with pytest.raises(ValueError):
+            digits.Config(**bad)
+
+
+def test_prune_sweep_writes_results_plot_and_table(tmp_path, capsys):
+    sweep = load("prune_sweep")
+    cfg = sweep.Config(sparsities=(0.8,), distributions=("global",), n_m=(2, 4), seeds=(0,), steps=60,
+                       prune_begin=10, prune_end=40, out_dir=str(tmp_path))
+    summary = sweep.main(cfg)
+    assert set(summary) == {"dense", "global 80%", "2:4"}
+    assert summary["global 80%"]["sparsity"] == pytest.approx(0.8, abs=1e-3)
+    assert summary["2:4"]["sparsity"] == pytest.approx(0.5, abs=1e-6)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["runs"]) == 3 and saved["summary"]["dense"]["seeds"] == 1
+    assert (tmp_path / "accuracy_vs_sparsity.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "| sparsity | global |" in out and "| 80% |" in out and "| 2:4 (50%) |" in out
