@@ -65,6 +65,12 @@ class Config:
     sample_chars: int = 300        # characters to generate at the end
     text: str | None = None        # a UTF-8 text file; None = CPython's pydoc_data.topics
     out_dir: str = "runs/charlm"   # where metrics, plots, the config and checkpoints/ are written
+    sparsity: float = 0.0          # final fraction of pruned kernel weights (0: dense; with n_m: 1 - N/M)
+    distribution: Literal["uniform", "global", "erk"] = "uniform"  # how sparsity is spread over kernels
+    n_m: tuple[int, int] | None = None  # N:M structured sparsity along each kernel's input axis, e.g. 2 4
+    prune_begin: int = -1          # first pruning step (Zhu & Gupta cubic ramp); -1: steps // 4
+    prune_end: int = -1            # step at which the final sparsity is reached; -1: 3 * steps // 4
+    prune_frequency: int = 20      # steps between mask refreshes
     resume: bool = False           # require a checkpoint in <out-dir>/checkpoints (one there is always resumed)
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end and on SIGTERM)
 
@@ -89,15 +95,40 @@ class Config:
                              "runs num_layers / pipe layers")
         if self.pipe > 1 and self.schedule == "1f1b" and self.microbatches < self.pipe:
             raise ValueError(f"--schedule 1f1b needs --microbatches >= --pipe ({self.pipe}), got {self.microbatches}")
+        if not 0 <= self.sparsity < 1:
+            raise ValueError(f"--sparsity {self.sparsity} must lie in [0, 1)")
+        if self.n_m is not None and not 0 < self.n_m[0] < self.n_m[1]:
+            raise ValueError(f"--n-m {self.n_m} must be N M with 0 < N < M, e.g. 2 4")
+        begin, end = self.prune_window
+        if (self.sparsity > 0 or self.n_m) and not (0 <= begin < end <= self.steps and self.prune_frequency >= 1):
+            raise ValueError(f"need 0 <= --prune-begin < --prune-end <= --steps and --prune-frequency >= 1, got "
+                             f"{begin}, {end}, {self.steps}, {self.prune_frequency}")
         if self.checkpoint_interval < 0:
             raise ValueError(f"--checkpoint-interval must be >= 0 (0: only at the end and on SIGTERM), "
                              f"got {self.checkpoint_interval}")
+
+
+    @property
+    def prune_window(self) -> tuple[int, int]:
+        return (self.prune_begin if self.prune_begin >= 0 else self.steps // 4,
+                self.prune_end if self.prune_end >= 0 else 3 * self.steps // 4)
+
+
+def pruning_transform(cfg: Config, axis_names):
+    """``jp.pruning.magnitude_pruning`` for the config (None when dense)."""
+    import jaxpar as jp
+    if cfg.sparsity == 0 and cfg.n_m is None:
+        return None
+    final = cfg.sparsity if cfg.sparsity > 0 else 1 - cfg.n_m[0] / cfg.n_m[1]
+    schedule = jp.pruning.polynomial_sparsity(final, *cfg.prune_window, frequency=cfg.prune_frequency)
+    return jp.pruning.magnitude_pruning(schedule, cfg.distribution, cfg.n_m, axis_names=axis_names)
 
 
 def main(cfg: Config) -> float | None:
     simulate_cpu_devices(cfg.simulate_devices)
     import jax
     import numpy as np
+    import optax
     from tqdm import tqdm
 
     import jaxpar as jp
@@ -119,6 +150,9 @@ def main(cfg: Config) -> float | None:
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else min(100, cfg.steps // 8)
     tx = jp.train.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=warmup,
                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+    pruning = pruning_transform(cfg, jax.eval_shape(model.init, jax.random.key(0)))
+    if pruning is not None:
+        tx = optax.chain(tx, pruning)  # after the optimizer; inside loss scaling (a skipped step prunes nothing)
     if cfg.precision == "fp16":
         tx = jp.precision.loss_scaling(tx, jp.precision.DynamicLossScale())
     jp.train.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps)
@@ -164,9 +198,13 @@ def main(cfg: Config) -> float | None:
                 break
             n_eval = cfg.eval_batches * (4 if stop == cfg.steps else 1)
             val = evaluate(state, n_eval)
-            writer.write(stop, {"loss": val}, "val")
+            val_metrics = {"loss": val}
+            if pruning is not None:
+                val_metrics["sparsity"] = jp.pruning.sparsity_report(state.params)["prunable"]["sparsity"]
+            writer.write(stop, val_metrics, "val")
             if jax.process_index() == 0:
-                bar.write(f"step {stop}: validation loss {val:.4f} nats/char")
+                bar.write(f"step {stop}: validation loss {val:.4f} nats/char"
+                          + (f", kernel sparsity {val_metrics['sparsity']:.3f}" if pruning is not None else ""))
     if preemption.stopped_at is not None:
         writer.close()
         ckpt.close()

@@ -44,3 +44,15 @@ def test_charlm_rejects_bad_config():
     charlm = load("charlm")
     with pytest.raises(ValueError, match="warmup"):
         charlm.Config(steps=10, warmup_steps=20)
+
+
+def test_charlm_with_pruning_and_fp16(tmp_path):
+    charlm = load("charlm")
+    cfg = charlm.Config(steps=40, eval_interval=20, eval_batches=1, batch_size=16, seq_len=32, d_model=64,
+                        num_layers=2, sample_chars=5, sparsity=0.5, distribution="global", precision="fp16",
+                        out_dir=str(tmp_path))
+    assert charlm.main(cfg) < 3.5
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if r["split"] == "val"][-1]
+    assert abs(final["sparsity"] - 0.5) < 0.01
+    assert all("loss_scale" in r for r in rows if r["split"] == "train")
