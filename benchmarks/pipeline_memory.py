@@ -48,18 +48,22 @@ def loss_fn(head, y_BLD, t_BLD):
     return jnp.mean(jnp.square(y_BLD @ head["w"] - t_BLD))
 
 
+def compile_program(schedule: str, stages: int, microbatches: int, stash: str = "residuals"):
+    """The compiled ``jp.pipeline.value_and_grad`` of the benchmark model on a ``data=2 x pipe=stages`` mesh."""
+    p, m = stages, microbatches
+    mesh = jp.make_mesh(data=DATA, pipe=p, devices=jax.devices()[: DATA * p])
+    zeros = lambda *shape: np.zeros(shape, np.float32)
+    stage_params = {"w1": zeros(p, LAYERS_PER_STAGE, D, F), "w2": zeros(p, LAYERS_PER_STAGE, F, D)}
+    x = zeros(MICROBATCH * m, SEQ, D)
+    f = jp.pipeline.value_and_grad(stage_fn, loss_fn, SCHEDULES[schedule](p, m), mesh=mesh, stash=stash)
+    return f.lower(stage_params, {"w": zeros(D, D)}, x, x).compile()
+
+
 def measure(schedule: str, stages: int, microbatches: int, stash: str = "residuals") -> dict:
     """Compiles one pipelined value-and-grad and returns its per-device memory figures (bytes)."""
     p, m = stages, microbatches
-    mesh = jp.make_mesh(data=DATA, pipe=p, devices=jax.devices()[: DATA * p])
-    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    stage_params = {"w1": sds(p, LAYERS_PER_STAGE, D, F), "w2": sds(p, LAYERS_PER_STAGE, F, D)}
-    head = {"w": sds(D, D)}
-    x = np.zeros((MICROBATCH * m, SEQ, D), np.float32)
     sched = SCHEDULES[schedule](p, m)
-    f = jp.pipeline.value_and_grad(stage_fn, loss_fn, sched, mesh=mesh, stash=stash)
-    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), (stage_params, head))
-    temp = f.lower(*params, x, x).compile().memory_analysis().temp_size_in_bytes
+    temp = compile_program(schedule, p, m, stash).memory_analysis().temp_size_in_bytes
     act = MICROBATCH // DATA * SEQ * D * 4              # one microbatch activation on one device
     batch_bytes = m * act
     return {"schedule": schedule, "stash": stash, "stages": p, "microbatches": m, "temp_bytes": int(temp),

@@ -154,6 +154,14 @@ def random_schedule(p: int, m: int, seed: int) -> Schedule:
     return Schedule(f"random{seed}", p, m, table)
 
 
+def test_one_stage_runs_without_shard_map(mesh_factory):
+    """p=1 (a mesh whose pipe axis has size 1) is plain microbatching, beside data, fsdp and tensor."""
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    stage, head, x, t = make_problem(1, 4, seed=6)
+    f = jp.pipeline.value_and_grad(mlp_block, head_loss, jp.pipeline.one_f_one_b(1, 4), mesh=mesh)
+    check_parity(f(*place(mesh, stage, head, x, t)), reference(stage, head, x, t), "1f1b p=1 m=4 d2f2t2")
+
+
 def test_any_valid_table_runs(mesh_factory):
     """One interpreter for every table: an irregular random schedule gives the same numbers."""
     p, m = 4, 6
@@ -209,6 +217,23 @@ def test_memory_1f1b_stash_grows_with_stages_not_microbatches(devices):
     p2 = bench.measure("1f1b", 2, 8)
     print(f"p=2 1f1b  m= 8: activation part {p2['activation_bytes'] / 2**20:6.2f} MiB")
     assert act[("1f1b", 8)] - p2["activation_bytes"] >= 1.5 * per_mb
+
+
+@pytest.mark.parametrize("schedule,m", [("1f1b", 8), ("gpipe", 16)])
+def test_stash_is_written_and_read_in_place(schedule, m, devices):
+    """The compiled program never copies a stash buffer (``[slots, ...]``) after initialising it: F writes
+    its slot in place and B reads its slot, whatever the other ticks do. (Threading the stash through the
+    multi-way action switch made XLA copy every stash buffer at every tick.)"""
+    bench = _benchmark()
+    p = 4
+    slots = max(SCHEDULES[schedule](p, m).peak_stash)
+    text = bench.compile_program(schedule, p, m).as_text()
+    local = bench.MICROBATCH // bench.DATA
+    shapes = [f"f32[{slots},{local},{bench.SEQ},{n}]" for n in (bench.D, bench.F)]
+    assert any(s in text for s in shapes), "the stash buffers were not found; has the benchmark model changed?"
+    copies = [line.strip() for line in text.splitlines()
+              if " copy(" in line and "broadcast" not in line and any(s + "{" in line for s in shapes)]
+    assert not copies, copies[:3]
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -89,6 +89,11 @@ def test_text_gantt():
     assert text.splitlines()[1:] == ["s0 | F0 F1 .  B0 .  B1", "s1 | .  F0 B0 F1 B1 . "]
 
 
+def test_gantt_plot(tmp_path):
+    path = jp.plot.schedule_gantt(one_f_one_b(4, 8), tmp_path / "1f1b.png")
+    assert path.stat().st_size > 5000
+
+
 def test_hand_written_table_with_w_actions_and_chunks():
     """The table model goes beyond the two builders: split W actions and two chunks per stage validate."""
     table = [(F(0, 0), None), (None, F(0, 0)), (F(0, 1), None), (None, F(0, 1)), (None, B(0, 1)),

@@ -156,7 +156,7 @@ class _Out(NamedTuple):
     """What one tick's action produces (zeros for the parts an action does not produce)."""
     send_f: jax.Array      # activation for the next stage
     send_b: jax.Array      # input cotangent for the previous stage (last stage, F: the loss cotangent)
-    res: tuple             # what F stashes
+    res: tuple             # F: what it stashes
     dparams: Any           # B: this microbatch's stage-parameter gradient (float32)
     dhead: Any             # F on the last stage: head-parameter gradient (float32)
     loss: jax.Array        # F on the last stage: loss / m (float32)
@@ -164,14 +164,25 @@ class _Out(NamedTuple):
 
 
 class _Carry(NamedTuple):
-    stash: tuple
-    act: jax.Array
-    cot: jax.Array
-    gx: jax.Array
-    dparams: Any
-    dhead: Any
+    stash: tuple           # per stashed leaf [stash slots, ...]: F writes its slot, B reads it
+    act: jax.Array         # [activation slots, mb, ...] received activations
+    cot: jax.Array         # [cotangent slots, mb, ...] received (last stage: loss) cotangents
+    gx: jax.Array          # [B/m, m, ...] d loss / d x, written by stage 0's B
+    dparams: Any           # float32 stage-parameter gradient
+    dhead: Any             # float32 head-parameter gradient
     loss: jax.Array
-    aux: Any
+    aux: Any               # per leaf [m]
+
+
+def _write_stash(stash: tuple, res: tuple, slot: jax.Array, on: jax.Array) -> tuple:
+    """Writes one microbatch's residuals into their slot when ``on`` (F ticks), in place.
+
+    A two-way ``lax.cond`` whose false branch passes the buffers through: XLA updates them in place. (Threaded
+    through the multi-way action switch instead, every stash buffer was copied at every tick; a masked
+    select-and-write reads the slot back at every tick.) The action switch only reads the stash.
+    """
+    write = lambda st: tuple(jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(st, res))
+    return jax.lax.cond(on, write, lambda st: st, stash)
 
 
 # ------------------------------------------------------------------------------------------ interpreter
@@ -192,6 +203,18 @@ class _Interpreter:
     @property
     def m(self) -> int:
         return self.schedule.num_microbatches
+
+    # --- the pipe axis (absent with one stage: the interpreter then runs as plain GSPMD, no shard_map) ---
+    def _stage(self) -> jax.Array:
+        return jax.lax.axis_index(AXIS) if self.p > 1 else jnp.zeros((), jnp.int32)
+
+    def _vary(self, tree: Any) -> Any:
+        return _varying(tree) if self.p > 1 else tree
+
+    def _psum(self, tree: Any, from_one_stage: bool = False) -> Any:
+        if self.p == 1:
+            return tree
+        return jax.tree.map(_psum_from_one_stage if from_one_stage else lambda x: jax.lax.psum(x, AXIS), tree)
 
     def _send(self, send_f, send_b):
         if self.p == 1:
@@ -227,23 +250,26 @@ class _Interpreter:
         return loss * scale, (loss, aux)
 
     def _branches(self, plan, zero: _Out, scale):
-        def idle(params, head, x, res, g, tgt):
+        """The actions, ``(params, head, x, g, tgt, stash, slot) -> _Out``; the stash is read-only here (B
+        reads its slot inside its branch, so other ticks never touch it)."""
+        f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+
+        def idle(params, head, x, g, tgt, stash, slot):
             return zero
 
-        def fwd(params, head, x, res, g, tgt):
+        def fwd(params, head, x, g, tgt, stash, slot):
             y, res = self._forward(params, x, plan)
             return zero._replace(send_f=y, res=res)
 
-        def fwd_last(params, head, x, res, g, tgt):
+        def fwd_last(params, head, x, g, tgt, stash, slot):
             y, res = self._forward(params, x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
                 head, y, tgt, scale)
-            f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
-            return _varying(zero._replace(send_b=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
+            return self._vary(zero._replace(send_b=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
 
-        def bwd(params, head, x, res, g, tgt):
-            dparams, dx = self._pullback(params, x, res, plan)(g)
-            return zero._replace(send_b=dx, dparams=jax.tree.map(lambda a: a.astype(jnp.float32), dparams))
+        def bwd(params, head, x, g, tgt, stash, slot):
+            dparams, dx = self._pullback(params, x, tuple(b[slot] for b in stash), plan)(g)
+            return zero._replace(send_b=dx, dparams=f32(dparams))
         return [idle, fwd, fwd_last, bwd]
 
     # --- value and gradient ------------------------------------------------------------------------------
@@ -258,18 +284,17 @@ class _Interpreter:
         buffers = lambda n: jnp.zeros((n, *x0.shape), x0.dtype)
         carry = _Carry(stash=tuple(jnp.zeros((sizes["stash"], *r.shape), r.dtype) for r in res),
                        act=buffers(sizes["activations"]), cot=buffers(sizes["cotangents"]),
-                       gx=jnp.zeros(x_micro.shape, x_micro.dtype),
-                       dparams=zero.dparams, dhead=zero.dhead, loss=zero.loss,
-                       aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
-        return _varying(carry), _varying(zero)
+                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=zero.dparams, dhead=zero.dhead,
+                       loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
+        return self._vary(carry), self._vary(zero)
 
     def value_and_grad(self, stage_params, head, x_micro, t_micro, scale):
         """Inside shard_map: per-stage ``[1, ...]`` params, replicated head, ``[B/m, m, ...]`` inputs/targets,
         and the loss scale (gradients are of ``scale * loss``; the loss is returned unscaled)."""
         ctrl, sizes = control_table(self.schedule)
-        stage = jax.lax.axis_index(AXIS)
+        stage = self._stage()
         params = jax.tree.map(lambda a: a[0], stage_params)
-        head, x_micro, t_micro, scale = _varying((head, x_micro, t_micro, scale))
+        head, x_micro, t_micro, scale = self._vary((head, x_micro, t_micro, scale))
         plan = _residual_plan(self.stage_fn, params, x_micro[:, 0]) if self.stash == "residuals" else None
         carry, zero = self._init(params, head, x_micro, t_micro, sizes, plan)
         branches = self._branches(plan, zero, scale)
@@ -278,14 +303,13 @@ class _Interpreter:
             c = ctrl_t[stage]
             kind, mb = c[_KIND], c[_MB]
             x_in = jnp.where(stage == 0, _microbatch(x_micro, mb), carry.act[c[_ACT_READ]])
-            res_in = tuple(buf[c[_STASH]] for buf in carry.stash)
             tgt = jax.tree.map(lambda t: _microbatch(t, mb), t_micro)
-            out = jax.lax.switch(kind, branches, params, head, x_in, res_in, carry.cot[c[_COT_READ]], tgt)
+            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c[_COT_READ]], tgt, carry.stash,
+                                 c[_STASH])
             recv_f, recv_b = self._send(out.send_f, out.send_b)
-            is_fwd = (kind == _FWD) | (kind == _FWD_LAST)
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
             return _Carry(
-                stash=tuple(_put(b, r, c[_STASH], is_fwd) for b, r in zip(carry.stash, out.res)),
+                stash=_write_stash(carry.stash, out.res, c[_STASH], (kind == _FWD) | (kind == _FWD_LAST)),
                 act=_put(carry.act, recv_f, c[_ACT_WRITE], c[_ACT_ON] == 1),
                 cot=_put(carry.cot, jnp.where(stage == self.p - 1, out.send_b, recv_b), c[_COT_WRITE],
                          c[_COT_ON] == 1),
@@ -295,21 +319,20 @@ class _Interpreter:
                 aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == _FWD_LAST), carry.aux, out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jnp.asarray(ctrl))
-        psum = lambda t: jax.lax.psum(t, AXIS)
         g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype)[None], carry.dparams, params)
-        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), psum(carry.dhead), head)
-        aux = jax.tree.map(_psum_from_one_stage, carry.aux)
-        return psum(carry.loss), (g_stage, g_head, _psum_from_one_stage(carry.gx)), aux
+        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._psum(carry.dhead), head)
+        g_x = self._psum(carry.gx, from_one_stage=True)
+        return self._psum(carry.loss), (g_stage, g_head, g_x), self._psum(carry.aux, from_one_stage=True)
 
     # --- forward only ---------------------------------------------------------------------------------
     def apply(self, stage_params, x_micro):
         """Inside shard_map: runs the schedule's F actions; returns the last stage's outputs ``[B/m, m, ...]``."""
         ctrl, sizes = control_table(self.schedule)
-        stage = jax.lax.axis_index(AXIS)
+        stage = self._stage()
         params = jax.tree.map(lambda a: a[0], stage_params)
-        x_micro = _varying(x_micro)
+        x_micro = self._vary(x_micro)
         x0 = x_micro[:, 0]
-        zero = _varying(jnp.zeros_like(x0))
+        zero = self._vary(jnp.zeros_like(x0))
         run = lambda params, x: self.stage_fn(params, x)
         branches = [lambda params, x: zero, run, run]
 
@@ -322,9 +345,9 @@ class _Interpreter:
             recv, _ = self._send(y, zero)
             return (_put(act, recv, c[_ACT_WRITE], c[_ACT_ON] == 1), _put(ys, y, mb, kind == _FWD_LAST, 1)), None
 
-        init = _varying((jnp.zeros((sizes["activations"], *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
+        init = self._vary((jnp.zeros((sizes["activations"], *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
         (_, ys), _ = jax.lax.scan(tick, init, jnp.asarray(ctrl))
-        return _psum_from_one_stage(ys)
+        return self._psum(ys, from_one_stage=True)
 
 
 # ---------------------------------------------------------------------------------------- microbatches
@@ -344,6 +367,15 @@ def merge_microbatches(x: jax.Array, batch_axes: tuple[str, ...] = ()) -> jax.Ar
 
 # ----------------------------------------------------------------------------------- traceable cores
 
+def _over_pipe(body: Callable, schedule: Schedule, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
+    """``jax.shard_map`` of the interpreter over ``pipe`` only; with one stage, the body itself (plain GSPMD:
+    XLA rejects the pipe psums of a size-1 manual axis beside sharded auto axes)."""
+    if schedule.num_stages == 1:
+        return body
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
+                         check_vma=True)
+
+
 def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, mesh: Mesh,
                         batch_axes: tuple[str, ...], stash: str = "residuals", has_aux: bool = False) -> Callable:
     """The traceable (unvalidated, unjitted) body of :func:`jaxpar.pipeline.value_and_grad`.
@@ -354,8 +386,8 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     another jitted function (the train step), under ``jax.set_mesh(mesh)``.
     """
     interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux)
-    body = jax.shard_map(interp.value_and_grad, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(), P()),
-                         out_specs=(P(), (P(AXIS), P(), P()), P()), axis_names={AXIS}, check_vma=True)
+    body = _over_pipe(interp.value_and_grad, schedule, mesh, in_specs=(P(AXIS), P(), P(), P(), P()),
+                      out_specs=(P(), (P(AXIS), P(), P()), P()))
 
     def run(stage_params, head_params, x, targets, scale=None):
         m = schedule.num_microbatches
@@ -370,8 +402,7 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
 def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...]) -> Callable:
     """The traceable body of :func:`jaxpar.pipeline.apply`: ``f(stage_params, x) -> y``."""
     interp = _Interpreter(stage_fn, None, schedule.forward_only() if schedule.has_backward else schedule)
-    body = jax.shard_map(interp.apply, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(), axis_names={AXIS},
-                         check_vma=True)
+    body = _over_pipe(interp.apply, schedule, mesh, in_specs=(P(AXIS), P()), out_specs=P())
 
     def run(stage_params, x):
         x_micro = split_microbatches(x, schedule.num_microbatches, batch_axes)
