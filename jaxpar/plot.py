@@ -21,6 +21,11 @@ def loss_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "loss"
             ax.plot(xs, ys, marker="o" if split != "train" else None, ms=3, label=split)
     ax.set_xlabel("step")
     ax.set_ylabel(f"{key} (nats)" if key == "loss" else key)
+    return _save(fig, ax, title, path)
+
+
+def _save(fig, ax, title: str, path: str | Path) -> Path:
+    """Title, grid and legend, then writes the figure to ``path`` (PNG) and closes it."""
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -54,14 +59,7 @@ def accuracy_vs_sparsity(series: dict[str, list[tuple[float, float, float]]], pa
                     capsize=3, ls="-" if len(points) > 1 else "none", label=label)
     ax.set_xlabel("sparsity of the pruned kernels (%)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, title, path)
 
 
 def schedule_gantt(schedule: Any, path: str | Path, title: str | None = None) -> Path:

@@ -231,12 +231,16 @@ def _check_finite(name: str, value: Any) -> None:
         raise ValueError(f"loss scale {name}={value!r} must be a finite number")
 
 
-def _check_scale_dtype(dtype: Any) -> None:
+def is_floating_dtype(value: Any) -> bool:
+    """Whether ``value`` names a floating-point dtype (``jnp.float32``, ``"bfloat16"``, ...)."""
     try:
-        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        return value is not None and bool(jnp.issubdtype(jnp.dtype(value), jnp.floating))
     except TypeError:
-        ok = False
-    if not ok:
+        return False
+
+
+def _check_scale_dtype(dtype: Any) -> None:
+    if not is_floating_dtype(dtype):
         raise ValueError(f"loss scale dtype {dtype!r} must be a floating dtype (float32 or float16)")
 
 

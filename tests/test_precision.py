@@ -226,8 +226,7 @@ def test_growth_stays_finite_and_capped(mesh_factory, dtype, cap):
         _, state = update(grads, state, params)
         seen.append(float(state.scale))
     assert all(np.isfinite(seen)) and max(seen) <= cap
-    assert seen[0] == 10.0 and seen[-1] == min(cap, 2.0 ** 24) or seen[-1] <= cap
-    assert seen[-1] >= cap / 10  # it did grow up to the cap
+    assert seen[0] == 10.0 and seen[-1] == cap      # grew by 10x per step, then held at the cap
 
 
 def test_static_and_noop_scales(mesh_factory):

@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain
 
 _REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
@@ -60,11 +61,7 @@ class GPTConfig:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
         for name in ("dtype", "param_dtype", "output_dtype"):
             value = getattr(self, name)
-            try:
-                ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
-            except TypeError:
-                ok = False
-            if not ok:
+            if not is_floating_dtype(value):
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a floating dtype (float32, bfloat16, float16)")
         for name in ("init_std", "rope_base"):
             value = getattr(self, name)
