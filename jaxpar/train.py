@@ -6,7 +6,6 @@ their logical names, the batch over the mesh axes ``batch`` maps to, and GSPMD i
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -167,7 +166,8 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
 
 # ----------------------------------------------------------------------------------------------- batches
 
-def _global_batch_size(batch: Any, mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> int:
+def _global_batch_size(batch: Any, mesh: Mesh, rules: shd.Rules) -> int:
+    """The global batch size: a jax array's leading size, or the global size of a host leaf's process rows."""
     leaves = jax.tree.leaves(batch)
     if not leaves:
         raise ValueError("batch has no arrays; pass a pytree of arrays whose leading axis is the global batch")
@@ -175,11 +175,8 @@ def _global_batch_size(batch: Any, mesh: Mesh | None = None, rules: shd.Rules = 
     for leaf in leaves:
         if np.ndim(leaf) == 0:
             raise ValueError(f"batch leaf of shape {np.shape(leaf)} has no leading batch axis")
-        local = isinstance(leaf, jax.Array) and leaf.is_fully_addressable or not isinstance(leaf, jax.Array)
         n = np.shape(leaf)[0]
-        if local and not isinstance(leaf, jax.Array):  # a host leaf holds this process's rows
-            n = shd.global_batch_rows(n, mesh, rules) if mesh is not None else n * jax.process_count()
-        sizes.add(n)
+        sizes.add(n if isinstance(leaf, jax.Array) else shd.global_batch_rows(n, mesh, rules))
     if len(sizes) != 1:
         raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}; give every leaf the same "
                          "leading (global batch) axis")
@@ -207,7 +204,7 @@ def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules, grad_accum_s
 def shard_batch(batch: Any, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES) -> Any:
     """Places a batch on the mesh, leading axis split over the batch axes.
 
-    Host (numpy) leaves are this process's rows of the global batch (``jp.data.process_slice(batch, mesh)``;
+    Host (numpy) leaves are this process's rows of the global batch (``jp.data.process_slice(global_batch_size, mesh)``;
     the whole batch in a single-process run) and become global arrays through
     ``jax.make_array_from_process_local_data``; jax arrays are taken as global and resharded if needed.
     """
@@ -461,18 +458,8 @@ def run_steps(step_fn: Callable, state: TrainState, batch_fn: Callable[[int], An
     ``max_in_flight`` steps are outstanding: XLA:CPU's collective rendezvous aborts ("termination timeout")
     when many steps with collectives are queued. The yielded state is the newest dispatched one.
     """
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
-    pending: collections.deque = collections.deque()
-    for t in range(start, stop):
-        state, metrics = step_fn(state, batch_fn(t))
-        pending.append((t, metrics))
-        if len(pending) >= max_in_flight:
-            t0, m = pending.popleft()
-            yield t0, {k: float(v) for k, v in jax.device_get(m).items()}, state
-    while pending:
-        t0, m = pending.popleft()
-        yield t0, {k: float(v) for k, v in jax.device_get(m).items()}, state
+    from jaxpar.checkpoint import run_steps as run  # one loop: the checkpointing one, with nothing to save
+    return run(step_fn, state, batch_fn, start, stop, None, max_in_flight=max_in_flight)
 
 
 def decay_mask(params: Any) -> Any:
