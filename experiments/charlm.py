@@ -148,9 +148,10 @@ def main(cfg: Config) -> float | None:
                           dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
                           output_dtype=policy.output_dtype))
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else min(100, cfg.steps // 8)
+    axis_names = jax.eval_shape(model.init, jax.random.key(0))   # logical names: what each leaf is
     tx = jp.train.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=warmup,
-                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
-    pruning = pruning_transform(cfg, jax.eval_shape(model.init, jax.random.key(0)))
+                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None, axis_names=axis_names)
+    pruning = pruning_transform(cfg, axis_names)
     if pruning is not None:
         tx = optax.chain(tx, pruning)  # after the optimizer; inside loss scaling (a skipped step prunes nothing)
     if cfg.precision == "fp16":
@@ -164,8 +165,9 @@ def main(cfg: Config) -> float | None:
     schedule = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}[cfg.schedule]
     pipeline = model.pipeline(schedule(cfg.pipe, cfg.microbatches)) if cfg.pipe > 1 else None
     train_step = jp.train.make_train_step(model.loss, tx, mesh=mesh, policy=policy,
-                                          grad_accum_steps=cfg.grad_accum_steps, pipeline=pipeline)
-    eval_step = jp.train.make_eval_step(model.loss, mesh=mesh, policy=policy)
+                                          grad_accum_steps=cfg.grad_accum_steps, pipeline=pipeline,
+                                          check_batch=model.check_batch)
+    eval_step = jp.train.make_eval_step(model.loss, mesh=mesh, policy=policy, check_batch=model.check_batch)
 
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:

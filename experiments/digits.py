@@ -93,10 +93,11 @@ def run(cfg: Config) -> dict[str, float]:
     model = MLP(hidden=cfg.hidden, num_classes=10)
     init_fn = lambda rng: model.init(rng, digits.x_train[:1])["params"]
     loss_fn = classification_loss(model)
+    axis_names = jax.eval_shape(init_fn, jax.random.key(0))   # logical names: what each leaf is
     tx = jp.train.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=cfg.steps // 20,
-                        weight_decay=cfg.weight_decay, b2=0.999, clip_norm=None)
+                        weight_decay=cfg.weight_decay, b2=0.999, clip_norm=None, axis_names=axis_names)
     if cfg.pruned:
-        tx = optax.chain(tx, cfg.pruning(jax.eval_shape(init_fn, jax.random.key(0))))
+        tx = optax.chain(tx, cfg.pruning(axis_names))
     state = jp.train.init_state(init_fn, tx, jax.random.key(cfg.seed), mesh=mesh)
     step = jp.train.make_train_step(loss_fn, tx, mesh=mesh)
     evaluate = jp.train.make_eval_step(loss_fn, mesh=mesh)

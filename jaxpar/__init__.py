@@ -1,6 +1,6 @@
 """jaxpar: run pure JAX training functions on a device mesh with every standard parallelism."""
 
-from jaxpar import data, metrics, models, plot, precision, sharding, train
+from jaxpar import data, dispatch, metrics, models, optim, plot, precision, sharding, train
 from jaxpar import pipeline, pruning
 from jaxpar import checkpoint
 from jaxpar.mesh import AXES, describe, initialize_distributed, make_mesh

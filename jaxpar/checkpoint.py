@@ -10,6 +10,14 @@ removed the next time a manager opens the directory)::
     <directory>/<step>/jaxpar/   JSON: format, and per leaf its path, shape, dtype and a checksum;
                                  the implementation of every typed PRNG key
 
+Old checkpoints beyond ``max_to_keep`` are deleted atomically too: orbax first renames the step directory
+into ``<directory>/.jaxpar-trash/`` (one ``rename``, so the step leaves the listing at once; orbax's
+``todelete_subdir``), and jaxpar then removes the trash once no save is in flight (before the next save,
+in :meth:`~CheckpointManager.wait`, :meth:`~CheckpointManager.close`, and when a manager opens the
+directory). A crash while deleting can only leave a partly removed trash directory, which nothing lists
+or restores; it never leaves a half-deleted step next to the newest one. The newest checkpoint is
+finalized before any old one is deleted (orbax's order), so it is complete whenever a deletion starts.
+
 Nothing is loaded with pickle or eval: arrays are tensorstore chunks, everything else is JSON.
 
 Typed PRNG keys (``jax.random.key``) are saved as their ``uint32`` key data
@@ -28,9 +36,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -42,6 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 FORMAT = "jaxpar.checkpoint/1"
+TRASH = ".jaxpar-trash"  # under the checkpoint directory: old steps renamed here, then removed (not a step name)
 _MISSING = object()
 
 
@@ -210,11 +221,16 @@ class CheckpointManager:
         if not isinstance(save_interval_steps, int) or save_interval_steps < 0:
             raise ValueError(f"save_interval_steps={save_interval_steps!r} must be an int >= 0 (0: only forced saves)")
         self.save_interval_steps = save_interval_steps
+        self._async = async_save
         # Leftover temporary directories of crashed saves are removed when an existing directory is opened.
+        # Old steps are deleted by one atomic rename into TRASH (orbax's rmtree of a step directory in place
+        # leaves a half-deleted, still listed step when the process dies during it); see _empty_trash.
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                               create=True, cleanup_tmp_directories=self.directory.is_dir())
+                                               create=True, cleanup_tmp_directories=self.directory.is_dir(),
+                                               todelete_subdir=TRASH)
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._started: set[int] = set()  # steps saved (or being saved) through this manager
+        self._empty_trash()  # what a process killed while deleting left behind
 
     # ------------------------------------------------------------------------------------------ listing
     def all_steps(self) -> list[int]:
@@ -225,6 +241,23 @@ class CheckpointManager:
         """The newest complete checkpoint's step, or None when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def _empty_trash(self) -> None:
+        """Removes the old steps orbax renamed into TRASH; call only when no save is in flight.
+
+        Process 0 only (orbax renames on its primary host only). A kill during the removal leaves part of
+        the trash, which is not a step (never listed) and is removed the next time.
+        """
+        trash = self.directory / TRASH
+        if jax.process_index() != 0 or not trash.is_dir():
+            return
+        try:
+            shutil.rmtree(trash)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # only disk space is at stake: the checkpoints are intact
+            warnings.warn(f"could not remove deleted checkpoints in {str(trash)!r} ({e}); remove it by hand",
+                          RuntimeWarning, stacklevel=3)
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a multiple of ``save_interval_steps`` (never when it is 0)."""
@@ -262,16 +295,25 @@ class CheckpointManager:
                 "leaves": [dict(d, checksum=c) for d, c in zip(_describe(tree), _checksums(tree))]}
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), extras=ocp.args.JsonSave(extras),
                                   jaxpar=ocp.args.JsonSave(meta))
-        return bool(self._mgr.save(step, args=args, force=True))
+        # orbax waits for the previous save anyway; waiting here first lets the steps it pushed out (renamed
+        # into the trash when it was finalized) be removed before this save adds to the disk.
+        self._mgr.wait_until_finished()
+        self._empty_trash()
+        saved = bool(self._mgr.save(step, args=args, force=True))
+        if not self._async:  # finalized (and old steps trashed) already
+            self._empty_trash()
+        return saved
 
     def wait(self) -> None:
-        """Blocks until every started save is finalized on disk."""
+        """Blocks until every started save is finalized on disk (and old checkpoints are deleted)."""
         self._mgr.wait_until_finished()
+        self._empty_trash()
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax's resources."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+        self._empty_trash()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar import sharding as shd
+from jaxpar._optional import require
 
 
 def default_text() -> str:
@@ -142,9 +143,9 @@ class Digits:
 
     @classmethod
     def load(cls, test_fraction: float = 0.2, seed: int = 0) -> "Digits":
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-        d = load_digits()
+        datasets = require("sklearn.datasets", "jp.data.Digits")
+        train_test_split = require("sklearn.model_selection", "jp.data.Digits").train_test_split
+        d = datasets.load_digits()
         x = (d.data / 16.0).astype(np.float32)
         y = d.target.astype(np.int32)
         xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)

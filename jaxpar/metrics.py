@@ -10,6 +10,8 @@ from typing import Any
 
 import jax
 
+from jaxpar._optional import require
+
 
 class MetricsWriter:
     """Writes scalar metrics per step to ``<dir>/metrics.jsonl`` and TensorBoard events in ``<dir>/tb``.
@@ -33,7 +35,7 @@ class MetricsWriter:
             _drop_rows_after(self.directory / "metrics.jsonl", resume_step)
         self._jsonl = open(self.directory / "metrics.jsonl", "a", encoding="utf-8", buffering=1)
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            SummaryWriter = require("tensorboardX", "MetricsWriter(tensorboard=True)").SummaryWriter
             purge = None if resume_step is None else resume_step + 1
             self._tb = SummaryWriter(str(self.directory / "tb"), purge_step=purge)
 

@@ -1,19 +1,27 @@
-"""Matplotlib figures (written to files; the Agg backend needs no display)."""
+"""Matplotlib figures written to PNG files.
+
+matplotlib is optional (``pip install 'jaxpar[experiments]'``) and imported when a figure is drawn. Figures are
+``matplotlib.figure.Figure`` objects drawn without pyplot, so no backend is chosen and no global state changes
+(inline figures in notebooks keep working); saving a PNG needs no display.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from jaxpar._optional import require
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+
+def _figure(figsize: tuple[float, float]):
+    """A new (figure, axes) pair, off pyplot."""
+    fig = require("matplotlib.figure", "jaxpar.plot").Figure(figsize=figsize)
+    return fig, fig.subplots()
 
 
 def loss_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "loss", key: str = "loss") -> Path:
     """Plots ``key`` against ``step`` for each ``split`` in metrics rows (as in metrics.jsonl) into a PNG."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _figure((7, 4))
     for split in sorted({r.get("split", "train") for r in rows}):
         pts = [(r["step"], r[key]) for r in rows if r.get("split", "train") == split and key in r]
         if pts:
@@ -25,14 +33,17 @@ def loss_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "loss"
 
 
 def _save(fig, ax, title: str, path: str | Path) -> Path:
-    """Title, grid and legend, then writes the figure to ``path`` (PNG) and closes it."""
+    """Title, grid and legend, then writes the figure to ``path`` (PNG)."""
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    return _write(fig, path)
+
+
+def _write(fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -46,7 +57,7 @@ def accuracy_vs_sparsity(series: dict[str, list[tuple[float, float, float]]], pa
       path: the PNG to write.
       dense: ``(mean, std)`` of the unpruned model, drawn as a horizontal band.
     """
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure((7, 4.5))
     if dense is not None:
         ax.axhline(100 * dense[0], color="k", ls="--", lw=1, label="dense")
         ax.axhspan(100 * (dense[0] - dense[1]), 100 * (dense[0] + dense[1]), color="k", alpha=0.08)
@@ -68,9 +79,9 @@ def schedule_gantt(schedule: Any, path: str | Path, title: str | None = None) ->
     Forward actions are blue, backward orange (``W`` green), labelled with their microbatch; idle ticks are
     blank, so the bubble is the white area. ``schedule`` is a ``jp.pipeline.Schedule``.
     """
-    from matplotlib.patches import Patch
+    Patch = require("matplotlib.patches", "jaxpar.plot").Patch
     colours = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * schedule.num_ticks), 0.5 * schedule.num_stages + 1.2))
+    fig, ax = _figure((max(6.0, 0.35 * schedule.num_ticks), 0.5 * schedule.num_stages + 1.2))
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
             if a is not None:
@@ -85,8 +96,4 @@ def schedule_gantt(schedule: Any, path: str | Path, title: str | None = None) ->
               bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title(title or f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}, "
                           f"bubble {schedule.bubble_fraction:.2f}")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _write(fig, path)

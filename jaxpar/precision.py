@@ -12,6 +12,7 @@ skips the whole update when any is non-finite, and adapts a dynamic scale.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -19,21 +20,43 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+# jmp's names (jmp/_src/policy.py ``dtype_to_names``: "full"/"f32"/"float32", "bf16"/"bfloat16",
+# "f16"/"float16", "f64"/"float64", and "half" via ``half_dtype()``) plus jaxpar's own aliases.
 _DTYPES = {
-    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32, "float": jnp.float32,
+    "float32": jnp.float32, "f32": jnp.float32, "full": jnp.float32, "fp32": jnp.float32, "float": jnp.float32,
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
+    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16,
 }
+_HALF = "half"                                     # backend dependent, as jmp's half_dtype()
+_DTYPES_64 = ("float64", "f64", "fp64", "double")  # jmp accepts float64/f64; jaxpar refuses them
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "param": "param_dtype",
          "compute": "compute_dtype", "c": "compute_dtype",
          "output": "output_dtype", "o": "output_dtype"}
 
 
+def _half_dtype() -> Any:
+    """The dtype jmp's ``"half"`` names: bfloat16 on TPU, float16 elsewhere (jmp's ``half_dtype()``).
+
+    Decided by ``jax.default_backend()`` when the policy string is parsed.
+    """
+    return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
+
+
 def _parse_dtype(text: str) -> Any:
-    try:
-        return _DTYPES[text.strip().lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {text!r} in policy; use one of {sorted(set(_DTYPES))}") from None
+    name = text.strip().lower()
+    if name == _HALF:
+        return _half_dtype()
+    if name in _DTYPES:
+        return _DTYPES[name]
+    names = sorted({*_DTYPES, _HALF})
+    if name in _DTYPES_64:
+        # Keeps the "unknown dtype ...; use one of [...]" prefix of every other unknown name.
+        raise ValueError(
+            f"unknown dtype {text!r} in policy; use one of {names}. jmp accepts 64-bit policies but jaxpar "
+            f"refuses them: JAX disables x64 by default (float64 arrays silently become float32), and params "
+            f"and optimizer state live on accelerators that run float64 slowly or not at all; use 'float32' "
+            f"(or 'full', 'f32')") from None
+    raise ValueError(f"unknown dtype {text!r} in policy; use one of {names}") from None
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -84,15 +107,29 @@ class Policy:
 
     @classmethod
     def from_string(cls, text: str) -> "Policy":
-        """Parses jmp's format, e.g. ``"params=float32,compute=bfloat16,output=float32"`` or ``"bf16"``.
+        """Parses a policy string as DeepMind jmp's ``get_policy`` does (jmp/_src/policy.py).
 
-        Keys ``params/compute/output`` (or ``p/c/o``); dtypes ``float32/bfloat16/float16`` (or
-        ``f32/bf16/f16``). A bare dtype sets all three (as in jmp). Missing keys default to: params
-        float32, compute follows params, output follows compute. Named presets: ``"mixed_bf16"``
-        (params f32, compute bf16, output f32) and ``"mixed_fp16"`` (the same with f16).
+        Grammar (jmp's): either a single dtype name, which sets all three dtypes (``"bf16"``, ``"full"``),
+        or a comma-separated list of ``key=dtype`` with keys ``params``/``p``, ``compute``/``c`` and
+        ``output``/``o`` (``param`` is also accepted here), e.g. ``"p=full,c=bf16,o=full"`` (what jmp's
+        ``str(policy)`` prints) or ``"params=float32,compute=float16,output=float32"``. As in jmp, keys left
+        out default to: params float32, compute follows params, output follows compute; so ``"c=f16"`` is
+        ``p=f32,c=f16,o=f16`` and ``"c=float16,o=full"`` is ``p=f32,c=f16,o=f32``.
+
+        Dtype names (jmp's ``parse_dtype``): ``full``/``f32``/``float32`` (float32), ``bf16``/``bfloat16``,
+        ``f16``/``float16``, and ``half``, which is jmp's ``half_dtype()``: bfloat16 when
+        ``jax.default_backend()`` is ``"tpu"`` at parse time, float16 otherwise (CPU, GPU). jaxpar also
+        accepts ``fp32``, ``float`` and ``fp16``, and the named presets ``"mixed_bf16"`` (params f32,
+        compute bf16, output f32) and ``"mixed_fp16"`` (the same with f16).
+
+        Where jaxpar differs from jmp: it is lenient with case and whitespace (``" P = Full , c = BF16 "``);
+        it refuses a key given twice (jmp keeps the last); and it refuses jmp's ``float64``/``f64``, because
+        JAX disables x64 by default (float64 silently becomes float32) and params and optimizer state live
+        on accelerators where float64 is slow or missing.
 
         Raises:
-          ValueError: an empty string, an unknown key or an unknown dtype.
+          TypeError: ``text`` is not a str.
+          ValueError: an empty string, an unknown key, a key given twice, or an unknown or 64-bit dtype.
         """
         if not isinstance(text, str):
             raise TypeError(f"policy must be given as a str, got {type(text).__name__}")
@@ -111,9 +148,9 @@ class Policy:
             if _KEYS[key.strip().lower()] in found:
                 raise ValueError(f"policy {text!r} sets {_KEYS[key.strip().lower()]} twice; give each key once")
             found[_KEYS[key.strip().lower()]] = _parse_dtype(value)
-        p = found.get("param_dtype", jnp.float32)
-        c = found.get("compute_dtype", p)
-        return cls(p, c, found.get("output_dtype", c))
+        p = found.get("param_dtype", jnp.float32)           # jmp: params default to float32,
+        c = found.get("compute_dtype", p)                   # compute follows params,
+        return cls(p, c, found.get("output_dtype", c))      # output follows compute
 
     def __str__(self) -> str:
         return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
@@ -174,13 +211,48 @@ class LossScaleState(NamedTuple):
     inner_state: Any
 
 
+def _is_pow2(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+def _pow2_floor(x: float) -> float:
+    """The largest power of two <= ``x`` (``x`` positive, finite)."""
+    return math.ldexp(0.5, math.frexp(x)[1])
+
+
+def _pow2_ceil(x: float) -> float:
+    """The smallest power of two >= ``x`` (``x`` positive, finite)."""
+    return x if _is_pow2(x) else math.ldexp(1.0, math.frexp(x)[1])
+
+
+def _max_pow2(dtype: Any) -> float:
+    """The largest power of two a floating ``dtype`` holds: 2**15 for float16, 2**127 for float32/bfloat16."""
+    return _pow2_floor(float(jnp.finfo(jnp.dtype(dtype)).max))
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-    """Dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2; as torch.amp's GradScaler).
+    """Dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2; as jmp's DynamicLossScale and torch.amp's
+    GradScaler).
 
     On a non-finite gradient the scale is multiplied by ``backoff_factor`` (not below ``min_scale``) and the
     step is skipped; after ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``
-    (not above ``max_scale`` nor the largest finite value of ``dtype``).
+    (not above ``max_scale`` nor the largest power of two of ``dtype``: 2**15 for float16, where jmp's
+    ``first_finite`` also stops, as 2**16 overflows).
+
+    The scale stays a power of two, so multiplying the loss and dividing the gradients by it only shifts
+    exponents and is exact (jmp's factor 2 and GradScaler's 2.0/0.5 keep it so). Therefore:
+
+    * ``growth_factor`` must be a power of two >= 1 and ``backoff_factor`` a power of two in (0, 1]
+      (e.g. 2.0 and 0.5, the defaults); other values raise ValueError.
+    * ``initial_scale`` and ``max_scale`` are rounded **down** to a power of two and ``min_scale`` **up** to
+      one (e.g. ``max_scale=1000`` becomes 512, ``min_scale=3`` becomes 4), so the scale never leaves
+      the range asked for; the fields hold the rounded values.
+
+    Raises:
+      ValueError: a non-finite value, a factor that is not a power of two, ``initial_scale`` or
+        ``min_scale`` above the largest power of two of ``dtype``, or (after rounding) not
+        ``0 < min_scale <= initial_scale <= max_scale``.
     """
     initial_scale: float = 2.0 ** 15
     growth_interval: int = 2000
@@ -194,16 +266,32 @@ class DynamicLossScale:
         _check_scale_dtype(self.dtype)
         for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             _check_finite(name, getattr(self, name))
-        top = float(jnp.finfo(jnp.dtype(self.dtype)).max)
-        if self.initial_scale > top or self.min_scale > top:
-            raise ValueError(f"initial_scale {self.initial_scale} / min_scale {self.min_scale} exceed the largest "
-                             f"{jnp.dtype(self.dtype).name} value {top}; lower them or keep the scale in float32")
-        if not (self.min_scale > 0 and self.min_scale <= self.initial_scale <= self.max_scale):
-            raise ValueError(f"need 0 < min_scale <= initial_scale <= max_scale, got {self.min_scale}, "
-                             f"{self.initial_scale}, {self.max_scale}")
         if self.growth_factor < 1 or not 0 < self.backoff_factor <= 1 or self.growth_interval < 0:
             raise ValueError(f"need growth_factor >= 1, 0 < backoff_factor <= 1, growth_interval >= 0; got "
                              f"{self.growth_factor}, {self.backoff_factor}, {self.growth_interval}")
+        for name in ("growth_factor", "backoff_factor"):
+            if not _is_pow2(float(getattr(self, name))):
+                raise ValueError(f"DynamicLossScale {name}={getattr(self, name)!r} is not a power of two; the "
+                                 f"scale must stay a power of two so that scaling and unscaling are exact; use "
+                                 f"e.g. growth_factor=2.0, backoff_factor=0.5 (jmp's and torch.amp's defaults)")
+        if not (self.min_scale > 0 and self.initial_scale > 0 and self.max_scale > 0):
+            raise ValueError(f"need 0 < min_scale <= initial_scale <= max_scale, got {self.min_scale}, "
+                             f"{self.initial_scale}, {self.max_scale}")
+        name = jnp.dtype(self.dtype).name
+        top = _max_pow2(self.dtype)
+        init, lo, hi = (_pow2_floor(float(self.initial_scale)), _pow2_ceil(float(self.min_scale)),
+                        _pow2_floor(float(self.max_scale)))
+        if init > top or lo > top:
+            raise ValueError(f"initial_scale {self.initial_scale} / min_scale {self.min_scale} exceed the largest "
+                             f"{name} power of two {top} (the largest {name} value is "
+                             f"{float(jnp.finfo(jnp.dtype(self.dtype)).max)}); lower them or keep the scale in "
+                             f"float32")
+        if not lo <= init <= hi:
+            raise ValueError(f"need 0 < min_scale <= initial_scale <= max_scale, got {self.min_scale}, "
+                             f"{self.initial_scale}, {self.max_scale} (as powers of two: {lo}, {init}, {hi})")
+        object.__setattr__(self, "initial_scale", init)
+        object.__setattr__(self, "min_scale", lo)
+        object.__setattr__(self, "max_scale", hi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +336,7 @@ def _scale_params(ls) -> tuple[float, int, float, float, float, float, Any]:
     """(initial, growth_interval, growth, backoff, min, max, dtype) of a loss-scale config."""
     if isinstance(ls, DynamicLossScale):
         dtype = jnp.dtype(ls.dtype)
-        cap = min(ls.max_scale, float(jnp.finfo(dtype).max))
+        cap = min(ls.max_scale, _max_pow2(dtype))
         return (ls.initial_scale, ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.min_scale, cap, dtype)
     scale = ls.scale if isinstance(ls, StaticLossScale) else 1.0
     if not isinstance(ls, (StaticLossScale, NoOpLossScale)):
@@ -293,7 +381,10 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale) -> optax.Gradi
         inner_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = finite & (state.growth_interval > 0) & (good >= state.growth_interval)
-        raised = jnp.minimum(scale * state.growth_factor, state.max_scale)
+        # The dtype's power-of-two cap again: a state restored from a checkpoint written before the cap
+        # was a power of two (65504 for float16) must not grow past 2**15 either.
+        cap = jnp.minimum(state.max_scale, _max_pow2(state.scale.dtype))
+        raised = jnp.minimum(scale * state.growth_factor, cap)
         lowered = jnp.maximum(scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(finite, jnp.where(grow, raised, scale), lowered)
         return new_updates, LossScaleState(

@@ -17,7 +17,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -116,6 +117,49 @@ def logical_specs(tree: Any) -> Any:
     return nn.get_partition_spec(tree)
 
 
+def _is_names(x) -> bool:
+    return x is None or isinstance(x, P) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+
+
+def leaf_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...] | None]:
+    """Logical axis names of every leaf of ``params`` (in flattening order); None where a leaf has none.
+
+    Parameters reach optimizers unboxed (plain arrays), so their logical names come separately: ``axis_names``
+    is the Flax-boxed tree of ``jax.eval_shape(init_fn, rng)``, or a tree of logical ``PartitionSpec`` s /
+    name tuples with the structure of ``params`` (:func:`logical_specs`), or None (no names). Each returned
+    tuple has one entry per axis of the leaf (padded with None).
+
+    Raises:
+      ValueError: ``axis_names`` does not have the structure of ``params``, or a leaf's names are longer than
+        its rank.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if axis_names is None:
+        return [None] * len(leaves)
+    box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    if any(box(x) for x in jax.tree.leaves(axis_names, is_leaf=box)):
+        axis_names = nn.get_partition_spec(axis_names)
+    try:
+        specs = jax.tree.structure(params).flatten_up_to(axis_names)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "axis_names must have the structure of the params: pass jax.eval_shape(init_fn, rng) (Flax-boxed) "
+            f"or jp.sharding.logical_specs of it; structures differ: {e}") from None
+    out = []
+    for (path, leaf), spec in zip(leaves, specs):
+        where = jax.tree_util.keystr(path)
+        if not _is_names(spec):
+            raise ValueError(f"axis_names at {where} is {spec!r}; expected a PartitionSpec or tuple of logical "
+                             "axis names")
+        names = tuple(spec) if spec is not None else ()
+        if len(names) > jnp.ndim(leaf):
+            raise ValueError(f"axis_names {names} at {where} name more axes than the parameter's rank "
+                             f"{jnp.ndim(leaf)}")
+        names = names + (None,) * (jnp.ndim(leaf) - len(names))
+        out.append(names if any(n is not None for n in names) else None)
+    return out
+
+
 def mesh_specs(tree: Any, rules: Rules) -> Any:
     """Mesh ``PartitionSpec`` of every leaf of a Flax-boxed tree under ``rules``."""
     return nn.logical_to_mesh(logical_specs(tree), rules)
@@ -183,6 +227,11 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """
     if len(names) != x.ndim:
         raise ValueError(f"constrain got {len(names)} names {names} for an array of rank {x.ndim}")
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if rules and not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types):
+        # Under Explicit axes with_sharding_constraint only asserts; reshard moves the value.
+        return jax.sharding.reshard(x, nn.logical_to_mesh_axes(names, rules))
     return nn.with_logical_constraint(x, names)
 
 
@@ -191,6 +240,28 @@ def use(mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Enters ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)``: the context for tracing jaxpar code."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
+
+
+def has_explicit_axes(mesh: Mesh) -> bool:
+    """Whether any axis of ``mesh`` has ``AxisType.Explicit`` (sharding carried in the types)."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+@contextlib.contextmanager
+def use_for_init(mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """The context for tracing parameter initialisation (whose outputs are placed by ``out_shardings``).
+
+    As :func:`use`, except on a mesh with Explicit axes: there ``with_sharding_constraint`` is an assertion
+    that a value already has the given sharding, so Flax's boxed init (which constrains every new parameter
+    to its logical sharding) would fail on the unsharded values it creates. There the rules are left out,
+    which makes Flax's logical constraints no-ops, and ``jit``'s ``out_shardings`` place the parameters.
+    """
+    if has_explicit_axes(mesh):
+        with jax.set_mesh(mesh):
+            yield
+    else:
+        with use(mesh, rules):
+            yield
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -207,6 +278,7 @@ def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 __all__: Sequence[str] = (
-    "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "mesh_specs",
-    "named_shardings", "effective_rules", "check_divisible", "constrain", "use", "replicated", "describe_params",
+    "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "leaf_axis_names", "mesh_specs",
+    "named_shardings", "effective_rules", "check_divisible", "constrain", "use", "use_for_init", "has_explicit_axes",
+    "replicated", "describe_params",
     "process_batch_rows", "global_batch_rows")

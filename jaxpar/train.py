@@ -18,7 +18,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar import precision
+from jaxpar import dispatch, precision
+from jaxpar.optim import adamw, decay_mask  # noqa: F401  (jp.train.adamw: the experiments' optimizer)
 from jaxpar import sharding as shd
 from jaxpar.precision import Policy
 
@@ -79,7 +80,7 @@ def _opt_state_shardings(opt_shapes: Any, param_shapes: Any, param_shardings: An
 
 def _abstract(init_fn, tx, rng, mesh, rules, policy):
     """(state shapes, state shardings) without computing anything."""
-    with shd.use(mesh, rules):
+    with shd.use_for_init(mesh, rules):
         boxed = jax.eval_shape(init_fn, rng)
     param_shardings = shd.named_shardings(boxed, mesh, rules)
     param_shapes = nn.meta.unbox(boxed)
@@ -101,9 +102,14 @@ def _effective_tx(tx: optax.GradientTransformation, policy: Policy | None) -> op
     return tx
 
 
-def _check_tx(tx: Any) -> None:
+def _check_tx(tx: Any) -> optax.GradientTransformation:
+    """``tx`` as a GradientTransformation: optax's ``MultiSteps`` wrapper is taken as optax users pass it."""
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
     if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation (e.g. optax.adamw(1e-3), called), got {tx!r}")
+        raise TypeError(f"tx must be an optax.GradientTransformation (e.g. optax.adamw(1e-3), called) or an "
+                        f"optax.MultiSteps, got {tx!r}")
+    return tx
 
 
 def _check_common(mesh, rules, policy):
@@ -122,7 +128,7 @@ def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransf
     checkpoints on the current mesh.
     """
     _check_common(mesh, rules, policy)
-    _check_tx(tx)
+    tx = _check_tx(tx)
     shapes, shardings = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -149,7 +155,7 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         mesh axes (the message names the parameter).
     """
     _check_common(mesh, rules, policy)
-    _check_tx(tx)
+    tx = _check_tx(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
     _, shardings = _abstract(init_fn, tx, init_rng, mesh, rules, policy)
 
@@ -160,7 +166,7 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         opt_state = _effective_tx(tx, policy).init(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng)
 
-    with shd.use(mesh, rules):
+    with shd.use_for_init(mesh, rules):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
 
 
@@ -305,8 +311,9 @@ def _global_norm(tree: Any) -> jax.Array:
 class _Jitted:
     """Calls a jitted function inside the mesh + rules context, building it once per input structure."""
 
-    def __init__(self, build: Callable[[Any], Callable], mesh: Mesh, rules: shd.Rules):
-        self._build, self._mesh, self._rules, self._cache = build, mesh, rules, {}
+    def __init__(self, build: Callable[[Any], Callable], mesh: Mesh, rules: shd.Rules,
+                 track: Callable[[Any], Any] = lambda out: out):
+        self._build, self._mesh, self._rules, self._cache, self._track = build, mesh, rules, {}, track
 
     def get(self, state: Any) -> Callable:
         leaves = jax.tree.leaves(state)
@@ -324,8 +331,11 @@ class _Jitted:
 
     def __call__(self, state, *args):
         fn = self.get(state)
-        with shd.use(self._mesh, self._rules):
-            return fn(state, *args)
+
+        def call():
+            with shd.use(self._mesh, self._rules):
+                return fn(state, *args)
+        return dispatch.bounded(self._mesh, call, self._track)
 
     def lower(self, state, *args):
         """``jax.jit(...).lower`` of the step on these arguments, inside the mesh + rules context."""
@@ -335,7 +345,8 @@ class _Jitted:
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: Mesh,
                     rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
-                    grad_accum_steps: int = 1, donate: bool = True, pipeline: Any = None):
+                    grad_accum_steps: int = 1, donate: bool = True, pipeline: Any = None,
+                    check_batch: Callable[[Any], None] | None = None):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted with the state's shardings.
 
     Args:
@@ -351,6 +362,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
         train with pipeline parallelism over the mesh's ``pipe`` axis; ``loss_fn`` is then unused (pass None).
         Required when the mesh has ``pipe > 1``. Composes with ``grad_accum_steps`` (each accumulation batch
         is split into the schedule's microbatches) and with ``policy``.
+      check_batch: called with each batch as given (host leaves: this process's rows) before it is placed on
+        the devices; it raises (ValueError) to reject a bad batch, e.g. ``GPT.check_batch`` for token ids.
 
     The returned step accepts ``batch``: a pytree of numpy or jax arrays whose leading axis is the global
     batch. In a multi-process run each process passes (numpy) the rows of the global batch its devices hold,
@@ -366,7 +379,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
         ``num_stages`` is not the mesh's ``pipe`` size.
     """
     _check_common(mesh, rules, policy)
-    _check_tx(tx)
+    tx = _check_tx(tx)
     if not isinstance(grad_accum_steps, (int, np.integer)) or isinstance(grad_accum_steps, bool) \
             or grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be a positive int")
@@ -399,10 +412,12 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
                        out_shardings=(state_shardings, NamedSharding(mesh, P())),
                        donate_argnums=(0,) if donate else ())
 
-    jitted = _Jitted(build, mesh, rules)
+    jitted = _Jitted(build, mesh, rules, track=lambda out: out[1])   # the metrics: the state gets donated
 
     def step(state: TrainState, batch: Any):
         check_batch_size(_global_batch_size(batch, mesh, rules), mesh, rules, grad_accum_steps)
+        if check_batch is not None:
+            check_batch(batch)
         batch = shard_batch(batch, mesh, rules)
         if bound is not None:
             bound.check(state.params, batch)
@@ -427,10 +442,10 @@ def _bind_pipeline(pipeline: Any, mesh: Mesh, rules: shd.Rules, policy: Policy |
 
 
 def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
-                   policy: Policy | None = None):
+                   policy: Policy | None = None, check_batch: Callable[[Any], None] | None = None):
     """Builds ``eval_step(state, batch) -> metrics`` (``loss`` and ``aux`` entries), no update.
 
-    The batch follows :func:`make_train_step`'s conventions and checks.
+    The batch follows :func:`make_train_step`'s conventions and checks (``check_batch`` included).
     """
     _check_common(mesh, rules, policy)
 
@@ -444,6 +459,8 @@ def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAUL
 
     def eval_step(state: TrainState, batch: Any):
         check_batch_size(_global_batch_size(batch, mesh, rules), mesh, rules)
+        if check_batch is not None:
+            check_batch(batch)
         return jitted(state, shard_batch(batch, mesh, rules))
     return eval_step
 
@@ -460,35 +477,3 @@ def run_steps(step_fn: Callable, state: TrainState, batch_fn: Callable[[int], An
     """
     from jaxpar.checkpoint import run_steps as run  # one loop: the checkpointing one, with nothing to save
     return run(step_fn, state, batch_fn, start, stop, None, max_in_flight=max_in_flight)
-
-
-def decay_mask(params: Any) -> Any:
-    """True for weight matrices (leaves named ``kernel``); False for norms, biases and embeddings."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: bool(path) and getattr(path[-1], "key", None) == "kernel", params)
-
-
-def adamw(learning_rate: float, *, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.1,
-          b1: float = 0.9, b2: float = 0.95, clip_norm: float | None = 1.0,
-          final_lr_ratio: float = 0.1) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019) with linear warm-up then cosine decay, for the experiments.
-
-    Weight decay applies to kernels only (:func:`decay_mask`). ``clip_norm`` clips the global gradient norm
-    first (Pascanu et al. 2013) when given. The learning rate peaks at ``learning_rate`` after
-    ``warmup_steps`` and decays to ``final_lr_ratio * learning_rate`` at ``total_steps``.
-    """
-    if total_steps < 1 or warmup_steps < 0 or warmup_steps >= total_steps:
-        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got "
-                         f"{total_steps=}, {warmup_steps=}")
-    values = dict(learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2,
-                  final_lr_ratio=final_lr_ratio, clip_norm=0.0 if clip_norm is None else clip_norm)
-    ok = dict(learning_rate=learning_rate > 0, weight_decay=weight_decay >= 0, b1=0 <= b1 < 1, b2=0 <= b2 < 1,
-              final_lr_ratio=0 <= final_lr_ratio <= 1, clip_norm=values["clip_norm"] >= 0)
-    for name, value in values.items():
-        if not ok[name] or not math.isfinite(value):
-            raise ValueError(f"adamw {name}={value!r} is out of range: need learning_rate > 0, weight_decay >= 0, "
-                             "0 <= b1, b2 < 1, 0 <= final_lr_ratio <= 1, clip_norm >= 0 or None (0/None: no clipping)")
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, warmup_steps, total_steps, end_value=learning_rate * final_lr_ratio)
-    opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(clip_norm), opt) if clip_norm else opt

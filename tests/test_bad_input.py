@@ -183,3 +183,91 @@ def test_make_mesh_rejects_duplicated_devices():
 def test_malformed_rules(mesh, rules):
     with pytest.raises(ValueError, match="rule"):
         jp.sharding.validate_rules(rules, mesh)
+
+
+# ------------------------------------------------------------------------------- token ids out of range
+
+def _gpt_setup(mesh):
+    model = GPT(GPTConfig(vocab_size=50, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
+    tx = optax.sgd(0.1)
+    return model, tx, jp.train.init_state(model.init, tx, 0, mesh=mesh)
+
+
+def _tokens(rng, shape=(8, 8)):
+    return {"inputs": rng.integers(0, 50, shape).astype(np.int32),
+            "targets": rng.integers(0, 50, shape).astype(np.int32)}
+
+
+@pytest.mark.parametrize("key", ["inputs", "targets"])
+@pytest.mark.parametrize("bad", [-1, 50, 127, 128, 10_000])   # vocab 50 is padded to 128
+def test_out_of_range_token_ids_on_the_host_are_a_clear_error(mesh, key, bad):
+    model, tx, state = _gpt_setup(mesh)
+    batch = _tokens(np.random.default_rng(0))
+    batch[key][3, 5] = bad
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id {bad} at index \(3, 5\).*\[0, "
+                                         r"vocab_size=50\)"):
+        step(state, batch)
+    evaluate = jp.train.make_eval_step(model.loss, mesh=mesh, check_batch=model.check_batch)
+    with pytest.raises(ValueError, match="holds token id"):
+        evaluate(state, batch)
+
+
+@pytest.mark.parametrize("key", ["inputs", "targets"])
+@pytest.mark.parametrize("bad", [-1, 50, 100, 128])
+def test_out_of_range_token_ids_on_the_devices_give_nan_not_a_wrong_loss(mesh, key, bad):
+    """A batch already on the devices is checked in the step: loss and gradient norm become NaN."""
+    model, tx, state = _gpt_setup(mesh)
+    batch = _tokens(np.random.default_rng(1))
+    batch[key][2, 1] = bad
+    batch = jax.tree.map(jnp.asarray, batch)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch, donate=False)
+    _, metrics = step(state, batch)
+    assert np.isnan(float(metrics["loss"])) and np.isnan(float(metrics["grad_norm"])), metrics
+    good = jax.tree.map(lambda x: jnp.clip(x, 0, 49), batch)
+    _, metrics = step(state, good)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+
+
+def test_float_token_ids_are_a_clear_error(mesh):
+    model, _, _ = _gpt_setup(mesh)
+    batch = _tokens(np.random.default_rng(2))
+    batch["inputs"] = batch["inputs"].astype(np.float32)
+    with pytest.raises(ValueError, match="must be integers"):
+        model.check_batch(batch)
+
+
+# --------------------------------------------------------------------------------- Explicit-axis meshes
+
+def test_init_state_on_an_all_explicit_mesh(devices):
+    """init_state works under Explicit axes: params placed by the rules, values equal to a plain init."""
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2, axis_types=(AxisType.Explicit,) * 4)
+    model = GPT(GPTConfig(vocab_size=50, num_layers=2, num_heads=2, d_model=16, max_seq_len=8))
+    tx = optax.adam(1e-3)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    assert state.params["blocks"]["up_kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    assert state.opt_state[0].mu["blocks"]["up_kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    init_key, _ = jax.random.split(jax.random.key(0))
+    reference = jax.device_get(nn_unbox(jax.jit(model.init)(init_key)))
+    for got, ref in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(reference)):
+        # The same random bits; the partitioned init may round the scaling by the std differently (1 ulp).
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
+    abstract = jp.train.abstract_state(model.init, tx, mesh=mesh)
+    assert abstract.params["blocks"]["up_kernel"].sharding.spec == P(None, "fsdp", "tensor")
+
+
+def test_gpt_step_on_an_explicit_mesh_is_a_clear_error(devices):
+    from jax.sharding import AxisType
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2, axis_types=(AxisType.Explicit,) * 4)
+    model = GPT(GPTConfig(vocab_size=50, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
+    tx = optax.sgd(0.1)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
+    with pytest.raises(ValueError, match="Auto axes only.*axis_types"):
+        step(state, _tokens(np.random.default_rng(3)))
+
+
+def nn_unbox(tree):
+    import flax.linen as nn
+    return nn.meta.unbox(tree)

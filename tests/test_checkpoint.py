@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -258,6 +259,71 @@ def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     assert ckpt.save(2, {"w": w})  # the directory takes new checkpoints (the leftover was cleaned up)
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2] and not [p for p in tmp_path.iterdir() if p.name.startswith("2.")]
+
+
+def test_kill_while_deleting_an_old_checkpoint_keeps_the_newest(tmp_path):
+    """max_to_keep=2: saving step 3 pushes out step 1. The process is SIGKILLed from inside the function
+    that deletes step 1's files, after it removed half of them (no timing involved). Then no half-deleted
+    step is listed or restored: the steps are [2, 3], the newest restores bit-exactly (also through
+    restore_or_init), restoring step 1 is a clear CheckpointError, and the directory takes new saves."""
+    script = textwrap.dedent("""
+        import os, shutil, signal, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, jax.numpy as jnp
+        import jaxpar as jp
+        try:  # orbax deletes through shutil.rmtree, after unlinking in threads on machines with many cores
+            from orbax.checkpoint._src.path import deleter
+            deleter._ParallelDirectoryDeleter.delete = lambda self, path: path.rmtree()
+        except (ImportError, AttributeError):
+            pass
+        directory = os.path.abspath(sys.argv[1])
+        mesh = jp.make_mesh(data=8)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        make = lambda s: {"w": jax.device_put(jnp.arange(1024.0) + s, sharding), "rng": jax.random.key(s)}
+        ckpt = jp.checkpoint.CheckpointManager(directory, max_to_keep=2)
+        for s in (1, 2):
+            ckpt.save(s, make(s))
+        ckpt.wait()
+
+        def dying_rmtree(path, *args, **kwargs):  # deletes half of the files, then dies
+            files = sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
+            for f in files[: len(files) // 2]:
+                os.unlink(f)
+            print(f"killed while deleting {os.path.relpath(path, directory)}: removed "
+                  f"{len(files) // 2} of {len(files)} files", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        shutil.rmtree = dying_rmtree
+        ckpt.save(3, make(3))
+        ckpt.wait()
+        print("not killed: nothing was deleted through shutil.rmtree", flush=True)
+    """)
+    proc = start(["-c", script, str(tmp_path)])
+    out = finish(proc)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    removed, total = (int(v) for v in re.search(r"killed while deleting .*: removed (\d+) of (\d+) files", out).groups())
+    assert 0 < removed < total, out[-3000:]
+    steps_on_disk = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
+    assert steps_on_disk == ["2", "3"], f"a half-deleted step directory is left: {steps_on_disk}"
+
+    mesh = jp.make_mesh(data=4, devices=jax.devices()[:4])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    target = {"w": jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=sharding),
+              "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=jax.sharding.NamedSharding(
+                  mesh, jax.sharding.PartitionSpec()))}
+    want = lambda s: {"w": np.arange(1024.0, dtype=np.float32) + s, "rng": jax.random.key(s)}
+    ckpt = jp.checkpoint.CheckpointManager(tmp_path, max_to_keep=2)
+    assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]  # what the killed deletion left is gone too
+    assert_bitwise(ckpt.restore(target=target), want(3))
+    state, step = jp.checkpoint.restore_or_init(ckpt, lambda: pytest.fail("must resume"), lambda: target)
+    assert step == 3
+    assert_bitwise(state, want(3))
+    assert_bitwise(ckpt.restore(2, target=target), want(2))
+    with pytest.raises(jp.checkpoint.CheckpointError, match=r"no checkpoint for step 1 .*available steps: \[2, 3\]"):
+        ckpt.restore(1, target=target)
+    assert ckpt.save(4, {"w": jnp.arange(1024.0) + 4, "rng": jax.random.key(4)})
+    ckpt.close()
+    assert ckpt.all_steps() == [3, 4] and sorted(os.listdir(tmp_path)) == ["3", "4"]
 
 
 # ------------------------------------------------------------------------------------------ resume parity

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -25,9 +26,9 @@ F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 @pytest.mark.parametrize("text, want", [
     ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
     ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
-    ("params=f32,compute=f16", (F32, F16, F16)),          # output follows compute
-    ("compute=bf16", (F32, BF16, BF16)),                  # params default f32
-    ("params=bf16", (BF16, BF16, BF16)),                  # compute follows params
+    ("params=f32,compute=f16", (F32, F16, F16)),          # output follows compute (as jmp)
+    ("compute=bf16", (F32, BF16, BF16)),                  # params default f32 (as jmp)
+    ("params=bf16", (BF16, BF16, BF16)),                  # compute follows params (as jmp)
     ("p=float16, o=float32", (F16, F16, F32)),
     ("bf16", (BF16, BF16, BF16)),                         # a bare dtype sets all three (as jmp)
     ("float32", (F32, F32, F32)),
@@ -48,6 +49,69 @@ def test_policy_from_string(text, want):
 ])
 def test_policy_from_string_errors(text, match):
     with pytest.raises(ValueError, match=match):
+        Policy.from_string(text)
+
+
+# Every string form DeepMind jmp's get_policy accepts (jmp/_src/policy.py), with the dtypes jmp gives it,
+# written out by hand: a bare name sets all three; in key=value form params default to float32, compute
+# follows params and output follows compute (jmp's comment: 'c=f16' -> 'p=f32,c=f16,o=f16'). Names:
+# full/f32/float32, bf16/bfloat16, f16/float16 (half: see the test below).
+JMP_POLICIES = [
+    ("full", (F32, F32, F32)), ("f32", (F32, F32, F32)), ("float32", (F32, F32, F32)),
+    ("bf16", (BF16, BF16, BF16)), ("bfloat16", (BF16, BF16, BF16)),
+    ("f16", (F16, F16, F16)), ("float16", (F16, F16, F16)),
+    ("p=full,c=bf16,o=full", (F32, BF16, F32)),           # jmp's str() of its bf16 mixed policy
+    ("p=full,c=f16,o=full", (F32, F16, F32)),
+    ("c=float16,o=full", (F32, F16, F32)),
+    ("params=float32,compute=float16,output=float32", (F32, F16, F32)),
+    ("params=full,compute=bfloat16,output=full", (F32, BF16, F32)),
+    ("c=f16", (F32, F16, F16)),                           # jmp's own examples
+    ("p=f16,c=f16", (F16, F16, F16)),
+    ("p=f16,c=bf16", (F16, BF16, BF16)),
+    ("p=full", (F32, F32, F32)),
+    ("o=bf16", (F32, F32, BF16)),
+    ("c=full,o=f16", (F32, F32, F16)),
+    ("p=bf16,c=full,o=f16", (BF16, F32, F16)),
+    ("o=full,p=bf16", (BF16, BF16, F32)),                 # key order does not matter
+    ("output=float32,compute=bf16", (F32, BF16, F32)),
+]
+
+
+@pytest.mark.parametrize("text, want", JMP_POLICIES)
+def test_policy_from_string_accepts_jmp_strings(text, want):
+    policy = Policy.from_string(text)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == want
+    assert Policy.from_string(str(policy)) == policy
+
+
+@pytest.mark.parametrize("text, want", [
+    (" P = Full , C = BF16 , O = Full ", (F32, BF16, F32)),   # lenient with case and whitespace
+    ("FULL", (F32, F32, F32)),
+    ("param=full,c=f16", (F32, F16, F16)),
+])
+def test_policy_from_string_is_lenient_with_jmp_strings(text, want):
+    policy = Policy.from_string(text)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == want
+
+
+def test_policy_half_is_jmps_half_dtype(monkeypatch):
+    """jmp's "half" is half_dtype(): bfloat16 on TPU, float16 on every other backend."""
+    want_half = BF16 if jax.default_backend() == "tpu" else F16
+    policy = Policy.from_string("half")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (want_half,) * 3
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    policy = Policy.from_string("half")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (BF16, BF16, BF16)
+    policy = Policy.from_string("p=full,c=half,o=full")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, BF16, F32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    policy = Policy.from_string("c=half")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, F16, F16)
+
+
+@pytest.mark.parametrize("text", ["float64", "f64", "p=f64", "params=full,compute=float64"])
+def test_policy_from_string_refuses_jmps_64_bit_dtypes_and_says_why(text):
+    with pytest.raises(ValueError, match=r"(?s)64-bit.*x64.*silently become float32.*use 'float32'"):
         Policy.from_string(text)
 
 
@@ -211,22 +275,106 @@ def test_scale_never_drops_below_min_scale_even_after_jit_round_trip(mesh_factor
     assert float(state.scale) == 2.0 and float(state.min_scale) == 2.0
 
 
-@pytest.mark.parametrize("dtype, cap", [(jnp.float32, 2.0 ** 24), (jnp.float16, 65504.0)])
+def _is_pow2(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+@pytest.mark.parametrize("dtype, cap", [(jnp.float32, 2.0 ** 24), (jnp.float16, 2.0 ** 15)])
 def test_growth_stays_finite_and_capped(mesh_factory, dtype, cap):
     mesh = mesh_factory(fsdp=4, tensor=2)
     params = _sharded_params(mesh)
-    tx = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=1.0, growth_interval=1, growth_factor=10.0,
+    tx = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=1.0, growth_interval=1, growth_factor=16.0,
                                                         max_scale=2.0 ** 24, dtype=dtype))
     state = jax.jit(tx.init)(params)
     assert state.scale.dtype == jnp.dtype(dtype)
     update = jax.jit(tx.update)
     grads = jax.tree.map(lambda p: p * 1e-3, params)
     seen = []
-    for _ in range(100):
+    for _ in range(12):
         _, state = update(grads, state, params)
         seen.append(float(state.scale))
-    assert all(np.isfinite(seen)) and max(seen) <= cap
-    assert seen[0] == 10.0 and seen[-1] == cap      # grew by 10x per step, then held at the cap
+    assert all(np.isfinite(seen)) and max(seen) <= cap and all(_is_pow2(s) for s in seen)
+    assert seen[0] == 16.0 and seen[-1] == cap      # grew by 16x per step, then held at the cap
+
+
+def _tiny():
+    params = {"w": jnp.ones((4,), jnp.float32)}
+    return params, jax.tree.map(lambda p: p * 1e-3, params)
+
+
+def test_float16_scale_grows_to_two_to_the_15_and_stays_a_power_of_two():
+    """2**15 * 2 overflows float16 (max 65504); the cap is 2**15 as in jmp (first_finite) and GradScaler."""
+    params, grads = _tiny()
+    tx = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=2.0 ** 10, growth_interval=2,
+                                                        dtype=jnp.float16))
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    seen = []
+    for _ in range(16):                              # 5 growths (2 steps each) reach 2**15, then it holds
+        _, state = update(grads, state, params)
+        seen.append(float(state.scale))
+    assert state.scale.dtype == F16
+    assert all(math.frexp(s)[0] == 0.5 for s in seen), seen
+    assert seen[9] == 2.0 ** 15 and seen[-1] == 2.0 ** 15 and max(seen) == 2.0 ** 15
+
+
+def test_restored_float16_state_with_old_65504_cap_still_stops_at_two_to_the_15():
+    params, grads = _tiny()
+    tx = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=2.0 ** 15, growth_interval=1,
+                                                        dtype=jnp.float16))
+    state = tx.init(params)._replace(max_scale=jnp.asarray(65504.0, jnp.float32))  # as checkpointed before
+    update = jax.jit(tx.update)
+    for _ in range(3):
+        _, state = update(grads, state, params)
+        assert float(state.scale) == 2.0 ** 15
+
+
+@pytest.mark.parametrize("max_scale, want", [(1000.0, 512.0), (1024.0, 1024.0), (1500, 1024.0), (3.0, 2.0)])
+def test_max_scale_is_rounded_down_to_a_power_of_two(max_scale, want):
+    ls = DynamicLossScale(initial_scale=1.0, growth_interval=1, max_scale=max_scale)
+    assert ls.max_scale == want
+    params, grads = _tiny()
+    tx = loss_scaling(optax.sgd(1e-3), ls)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(12):
+        _, state = update(grads, state, params)
+        assert math.frexp(float(state.scale))[0] == 0.5
+    assert float(state.scale) == want
+
+
+def test_initial_and_min_scale_are_rounded_to_powers_of_two():
+    """initial_scale rounds down (5 -> 4), min_scale up (3 -> 4, 0.3 -> 0.5): the scale stays in range."""
+    ls = DynamicLossScale(initial_scale=5.0, min_scale=3.0)
+    assert (ls.initial_scale, ls.min_scale) == (4.0, 4.0)
+    ls = DynamicLossScale(initial_scale=40000.0, min_scale=0.3, dtype=jnp.float16)
+    assert (ls.initial_scale, ls.min_scale) == (32768.0, 0.5)
+    params, _ = _tiny()
+    tx = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=100.0, min_scale=3.0))
+    state = tx.init(params)
+    assert float(state.scale) == 64.0
+    update = jax.jit(tx.update)
+    bad = jax.tree.map(lambda p: p * jnp.inf, params)
+    seen = []
+    for _ in range(6):                               # 64 -> 32 -> 16 -> 8 -> 4, then held at min 4
+        _, state = update(bad, state, params)
+        seen.append(float(state.scale))
+    assert seen == [32.0, 16.0, 8.0, 4.0, 4.0, 4.0]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"growth_factor": 3.0}, "growth_factor=3.0"), ({"growth_factor": 10}, "growth_factor=10"),
+    ({"backoff_factor": 0.3}, "backoff_factor=0.3"), ({"backoff_factor": 0.75}, "backoff_factor=0.75"),
+])
+def test_factors_that_are_not_powers_of_two_are_rejected(kwargs, name):
+    with pytest.raises(ValueError, match=re.escape(name) + ".*not a power of two"):
+        DynamicLossScale(**kwargs)
+
+
+def test_power_of_two_factors_other_than_two_are_accepted():
+    ls = DynamicLossScale(growth_factor=4.0, backoff_factor=0.25)
+    assert (ls.growth_factor, ls.backoff_factor) == (4.0, 0.25)
+    assert DynamicLossScale(growth_factor=1.0, backoff_factor=1.0).growth_factor == 1.0
 
 
 def test_static_and_noop_scales(mesh_factory):

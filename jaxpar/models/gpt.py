@@ -23,9 +23,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.precision import is_floating_dtype
-from jaxpar.sharding import constrain
+from jaxpar.sharding import constrain, has_explicit_axes
 
 _REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -142,7 +143,7 @@ class Embed(nn.Module):
         c = self.cfg
         self.embedding = _param(self, "embedding", (c.padded_vocab, c.d_model), ("vocab", "embed"), c.init_std)
         if c.positions == "learned":
-            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), (None, "embed"),
+            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("seq", "embed"),
                                         c.init_std / 2)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
@@ -239,6 +240,33 @@ def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BLV, axis=-1) - jnp.sum(logits_BLV * one_hot_BLV, axis=-1)
 
 
+def _nan_where_invalid(ids: jax.Array, vocab_size: int, dtype: Any = jnp.float32) -> jax.Array:
+    """1 where ``0 <= id < vocab_size``, NaN elsewhere: multiplied in, an out-of-range id makes the loss and
+    every gradient NaN instead of a finite, silently wrong loss (``jnp.take`` wraps negative ids)."""
+    return jnp.where((ids >= 0) & (ids < vocab_size), jnp.ones((), dtype), jnp.asarray(jnp.nan, dtype))
+
+
+def check_token_ids(name: str, ids: Any, vocab_size: int) -> None:
+    """Raises ValueError unless host array ``ids`` holds integers in ``[0, vocab_size)`` (naming the first bad one)."""
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} has dtype {ids.dtype}; token ids must be integers (e.g. np.int32)")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name} holds token id {int(ids[where])} at index {where} ({int(bad.sum())} ids out of "
+                         f"range); ids must lie in [0, vocab_size={vocab_size}): encode with the corpus' "
+                         f"vocabulary or raise GPTConfig.vocab_size")
+
+
+def _check_auto_mesh() -> None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and has_explicit_axes(mesh):
+        raise ValueError(f"the GPT runs on meshes with Auto axes only (its gathers and matmuls leave output "
+                         f"shardings to the compiler); got axis_types {tuple(mesh.axis_types)}: build the mesh "
+                         "with jp.make_mesh(...)'s default axis_types (all jax.sharding.AxisType.Auto)")
+
+
 def _add_layers_axis(tree: Any) -> Any:
     box = lambda x: isinstance(x, nn.LogicallyPartitioned)
     return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if box(b) else b, tree, is_leaf=box)
@@ -265,13 +293,22 @@ class GPT:
                 "head": Head(c).init(k_head, method=lambda m: m.ln_scale)["params"]}
 
     def embed(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
-        """``tokens_BL (int) -> x_BLD``. Raises ValueError for sequences longer than ``max_seq_len``."""
+        """``tokens_BL (int) -> x_BLD``.
+
+        A token outside ``[0, vocab_size)`` gives NaN activations (so a NaN loss and gradients), not a wrapped
+        or zero row (check host batches first with :meth:`check_batch`).
+
+        Raises:
+          ValueError: sequences longer than ``max_seq_len``; a mesh with Explicit axes in context.
+        """
+        _check_auto_mesh()
         if tokens_BL.ndim != 2:
             raise ValueError(f"tokens have shape {tuple(tokens_BL.shape)}; need [batch, seq]")
         if tokens_BL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
                              "use shorter sequences or a larger GPTConfig.max_seq_len")
-        return Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
+        x_BLD = Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
+        return x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
 
     def stage(self, blocks: dict, x_BLD: jax.Array) -> jax.Array:
         """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers)."""
@@ -293,9 +330,13 @@ class GPT:
         return jnp.where(valid, logits_BLV, jnp.finfo(logits_BLV.dtype).min / 2)
 
     def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array):
-        """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``."""
+        """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``.
+
+        A target outside ``[0, vocab_size)`` makes the loss and gradients NaN (check host batches first with
+        :meth:`check_batch`)."""
         logits_BLV = self.logits(params, x_BLD).astype(jnp.float32)
-        loss = cross_entropy(logits_BLV, targets_BL).mean()
+        ce_BL = cross_entropy(logits_BLV, targets_BL) * _nan_where_invalid(targets_BL, self.cfg.vocab_size)
+        loss = ce_BL.mean()
         return loss, {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
 
     def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
@@ -307,6 +348,25 @@ class GPT:
         del rng
         x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
         return self.head_loss(params, x_BLD, batch["targets"])
+
+    def check_batch(self, batch: Any) -> None:
+        """Host-side check of a batch for :meth:`loss`: ``{"inputs", "targets"}`` of integer ids in
+        ``[0, vocab_size)``. Pass it to the step builders (``make_train_step(..., check_batch=model.check_batch)``)
+        so a bad batch raises before it reaches the devices.
+
+        Only host (numpy) leaves are read; a batch already on the devices (``jax.Array`` leaves) is not pulled
+        back: there an out-of-range id makes the step's loss and gradients NaN (see :meth:`embed` and
+        :meth:`head_loss`), never a finite wrong loss.
+
+        Raises:
+          ValueError: a missing key, non-integer ids, or an id outside ``[0, vocab_size)`` (naming its index).
+        """
+        if not isinstance(batch, dict) or not {"inputs", "targets"} <= set(batch):
+            raise ValueError(f"the GPT's batch is a dict with 'inputs' and 'targets' (int [batch, seq]); got "
+                             f"{sorted(batch) if isinstance(batch, dict) else type(batch).__name__}")
+        for key in ("inputs", "targets"):
+            if not isinstance(batch[key], jax.Array):
+                check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
 
     def pipeline(self, schedule: Any, **kwargs: Any) -> Any:
         """This model as a ``jp.pipeline.Pipeline`` of its three parts (``embed``, ``stage``, ``head_loss``).

@@ -41,7 +41,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import sharding as shd
+from jaxpar import dispatch, sharding as shd
 from jaxpar.pipeline.schedules import Interval, Schedule
 
 AXIS = "pipe"
@@ -524,8 +524,11 @@ class _PlacedJit:
 
     def __call__(self, *args):
         args = self._place(args)
-        with shd.use(self._mesh, self._rules):
-            return self._jitted(args)(*args)
+
+        def call():
+            with shd.use(self._mesh, self._rules):
+                return self._jitted(args)(*args)
+        return dispatch.bounded(self._mesh, call)
 
     def lower(self, *args):
         args = self._place(args)
