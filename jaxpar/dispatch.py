@@ -15,6 +15,10 @@ With ``MAX_IN_FLIGHT = 2`` step ``t+1`` is still dispatched while step ``t`` run
 and Python overhead overlaps), but nothing queues further. The bound is shared by all jaxpar steps in the
 process (train, eval, pipeline), whoever writes the loop. On GPU and TPU, and on one CPU device, dispatch
 is left unbounded.
+
+jaxlib 0.10's XLA:CPU also reads ``--xla_cpu_collective_call_terminate_timeout_seconds`` (the 40 s limit), but
+raising it only delays the abort, and an XLA flag that another jaxlib does not know aborts the process at
+start-up, so jaxpar sets no flag: bounding what is queued removes the cause.
 """
 
 from __future__ import annotations
