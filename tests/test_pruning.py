@@ -260,6 +260,85 @@ def test_erk_densities_match_a_hand_computed_example():
     np.testing.assert_allclose(jp.pruning.erk_densities([(10, 10)], 0.3), [0.7], rtol=1e-6)
 
 
+def rigl_erk(layers: dict[str, tuple[int, ...]], sparsity: float) -> tuple[dict[str, float], set[str]]:
+    """Reference: RigL's ``sparse_utils.get_sparsities`` ERK loop (Evci et al. 2020), in float64 numpy.
+
+    ``layers`` maps a layer to the shape RigL's formula sees: a dense layer's 2-D ``(fan_in, fan_out)``, a conv
+    kernel's full shape. ``eps`` is solved so the kept count is ``(1 - sparsity) * total``; while the largest
+    ``eps * raw`` exceeds 1, the layers with the largest raw scale are made dense and ``eps`` is solved again.
+    Returns the densities and the set of dense layers.
+    """
+    dense: set[str] = set()
+    while True:
+        rhs, divisor, raw = 0.0, 0.0, {}
+        for name, shape in layers.items():
+            n = float(np.prod(shape))
+            if name in dense:
+                rhs -= sparsity * n
+            else:
+                rhs += (1.0 - sparsity) * n
+                raw[name] = float(np.sum(shape)) / n
+                divisor += raw[name] * n
+        eps = rhs / divisor
+        max_raw = max(raw.values())
+        if eps * max_raw <= 1.0:
+            return {k: 1.0 if k in dense else eps * raw[k] for k in layers}, dense
+        dense |= {k for k, v in raw.items() if v == max_raw}
+
+
+def assert_counts(got: dict[str, int], layers: dict[str, tuple[int, ...]], density: dict[str, float]):
+    """Kept counts are ``round(density * size)`` per layer; +-1 only where the product is within 0.02 of a .5."""
+    for name, shape in layers.items():
+        want = density[name] * float(np.prod(shape))
+        near_half = abs(want - math.floor(want) - 0.5) < 0.02
+        assert abs(got[name] - round(want)) <= (1 if near_half else 0), (
+            f"{name}: kept {got[name]}, RigL's ERK keeps {want:.2f} of {int(np.prod(shape))}")
+
+
+@pytest.mark.parametrize("sparsity", [0.9, 0.3])
+def test_erk_on_the_default_gpt_matches_rigl_2d_views(sparsity):
+    """The main job's GPT (4 layers, d=128): each stacked kernel's layer slice is one RigL layer, seen as the
+    2-D matrix it multiplies by (qkv: embed x 3*heads*kv, out: heads*kv x embed). At 0.9: eps = 9.6 and qkv
+    keeps 4915 a layer (the all-axes sum/prod gave 2038); at 0.3 the out kernels would exceed density 1 and are
+    made dense (RigL's re-solve loop)."""
+    cfg = GPTConfig(num_layers=4, num_heads=4, d_model=128, max_seq_len=128)     # experiments/charlm.py
+    D, H, F, N = 128, 4, 512, 4
+    fans = {"qkv_kernel": (D, 3 * H * (D // H)), "out_kernel": (H * (D // H), D),
+            "up_kernel": (D, F), "down_kernel": (F, D)}
+    layers = {f"{k}/{i}": fans[k] for k in KERNELS for i in range(N)}
+    density, dense = rigl_erk(layers, sparsity)
+    assert dense == ({f"out_kernel/{i}" for i in range(N)} if sparsity == 0.3 else set())
+    init = lambda rng: GPT(cfg).init(rng)
+    params = jax.tree.map(jnp.asarray, nn.meta.unbox(jax.jit(init)(jax.random.key(1))))
+    masks = prune_once(params, jax.eval_shape(init, jax.random.key(1)),
+                       sparsity=jp.pruning.one_shot(sparsity), distribution="erk")
+    got = {}
+    for k in KERNELS:
+        mask = masks["blocks"][k]
+        assert mask.shape[0] == N and mask[0].size == math.prod(fans[k])
+        got |= {f"{k}/{i}": int(c) for i, c in enumerate(mask.reshape(N, -1).sum(1))}
+    assert_counts(got, layers, density)
+    if sparsity == 0.9:
+        assert got["qkv_kernel/0"] == 4915 and got["out_kernel/0"] == 2458 and got["up_kernel/0"] == 6144
+
+
+def test_erk_on_unnamed_kernels_matches_rigl():
+    """A user model without names: 2-D (in, out) kernels, a conv kernel (RigL's rule: its full shape), and a 3-D
+    ``[in, heads, head_dim]`` kernel whose input axis is given by ``reduction_axes=`` (2-D view in x heads*dim).
+    At 0.9 the gate would exceed density 1 and is made dense; the re-solved eps then pushes the head (density
+    0.88 at the first eps) over 1 too: RigL's loop needs both rounds."""
+    rng = np.random.default_rng(5)
+    shapes = {"inp": (64, 256), "attn": (256, 4, 16), "conv": (3, 3, 8, 16), "gate": (256, 2), "head": (96, 4)}
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    layers = {"inp": (64, 256), "attn": (256, 64), "conv": (3, 3, 8, 16), "gate": (256, 2), "head": (96, 4)}
+    density, dense = rigl_erk(layers, 0.9)
+    eps0 = 0.1 * sum(math.prod(v) for v in layers.values()) / sum(sum(v) for v in layers.values())
+    assert dense == {"gate", "head"} and eps0 * 100 / 384 < 0.9          # head: (96 + 4) / (96 * 4)
+    axes = lambda path, shape: (0,) if path == ("attn",) else None
+    masks = prune_once(params, sparsity=jp.pruning.one_shot(0.9), distribution="erk", reduction_axes=axes)
+    assert_counts({k: int(m.sum()) for k, m in masks.items()}, layers, density)
+
+
 def groups(mask: np.ndarray, axes: tuple[int, ...], m: int) -> np.ndarray:
     moved = np.moveaxis(mask, axes, tuple(range(mask.ndim - len(axes), mask.ndim)))
     return moved.reshape(-1, m)

@@ -145,7 +145,11 @@ def top_n_in_groups(bits: jax.Array, reduction_axes: tuple[int, ...], n: int, m:
 
 
 def erk_raw(shape: Sequence[int]) -> float:
-    """Erdos-Renyi-Kernel scale of a tensor: ``sum(shape) / prod(shape)`` (Evci et al. 2020, sec. 3)."""
+    """Erdos-Renyi-Kernel scale of a tensor: ``sum(shape) / prod(shape)`` (Evci et al. 2020, sec. 3).
+
+    Pass a dense layer as its 2-D ``(fan_in, fan_out)`` (:attr:`jaxpar.pruning.LeafPlan.erk_shape`), a conv
+    kernel as its full shape.
+    """
     return float(sum(shape)) / float(math.prod(shape))
 
 
@@ -174,8 +178,10 @@ def erk_from_raw(raw: Sequence[float], sizes: Sequence[int], sparsity) -> jax.Ar
 def erk_densities(shapes: Sequence[Sequence[int]], sparsity: float) -> np.ndarray:
     """ERK densities (Evci et al. 2020, sec. 3) of tensors of ``shapes`` at overall ``sparsity``.
 
-    Returns a float64 numpy array of one density in (0, 1] per shape; tensors that would exceed density 1 are
-    dense and the rest rescaled. Raises ValueError for a sparsity outside [0, 1) or an empty shape list.
+    Each shape is one layer, scaled by ``sum(shape) / prod(shape)``: give a dense layer as its 2-D
+    ``(fan_in, fan_out)`` (what ``magnitude_pruning`` uses: :attr:`jaxpar.pruning.LeafPlan.erk_shape`), a conv
+    kernel as its full shape. Returns a float64 numpy array of one density in (0, 1] per shape; tensors that would
+    exceed density 1 are dense and the rest rescaled. Raises ValueError for a sparsity outside [0, 1) or an empty shape list.
     """
     if not 0.0 <= float(sparsity) < 1.0:
         raise ValueError(f"sparsity={sparsity!r} must lie in [0, 1)")

@@ -12,6 +12,10 @@ Rules (documented on :func:`jaxpar.pruning.magnitude_pruning`):
 * reduction axes (for N:M): with names, the non-batch axes before a trailing ``embed`` axis (an output
   projection such as ``[heads, kv, embed]`` or ``[mlp, embed]``), otherwise the first non-batch axis
   (``[embed, mlp]``, ``[embed, heads, 3, kv]``); without names, axis 0 of a 2-D ``(in, out)`` kernel.
+* ERK's view of a layer slice (:attr:`LeafPlan.erk_shape`): the 2-D matrix ``(fan_in, fan_out)`` the kernel
+  multiplies by, with the reduction axes folded into ``fan_in`` and the other non-batch axes into ``fan_out``
+  (``[embed, heads, 3, kv]`` is ``(embed, heads * 3 * kv)``); where the reduction axes are unknown (an unnamed
+  kernel of more than two dimensions, no ``reduction_axes=``) the slice's own shape, as RigL treats conv kernels.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+
+from jaxpar.sharding import leaf_axis_names
 
 BATCH_AXIS_NAMES = frozenset({"layers", "stage"})
 _NEVER_PRUNED = ("bias", "scale", "norm", "embedding")
@@ -42,8 +46,8 @@ class LeafPlan:
       path: the leaf's key names, e.g. ``("blocks", "up_kernel")``.
       shape: its global shape.
       batch_axes: stacked-layer axes; every slice along them is pruned as its own tensor (uniform, ERK).
-      reduction_axes: the input axes the kernel contracts over (N:M groups run along them), or None when
-        they cannot be told (an unnamed kernel of more than two dimensions).
+      reduction_axes: the input axes the kernel contracts over (N:M groups run along them; ERK's ``fan_in``),
+        or None when they cannot be told (an unnamed kernel of more than two dimensions).
     """
     path: Path
     shape: tuple[int, ...]
@@ -63,6 +67,25 @@ class LeafPlan:
         return math.prod(self.slice_shape)
 
     @property
+    def erk_shape(self) -> tuple[int, ...]:
+        """The shape whose ``sum / prod`` is ERK's scale for one layer slice (Evci et al. 2020, sec. 3).
+
+        ``(fan_in, fan_out)``: the product of the non-batch reduction axes and the product of the other
+        non-batch axes, i.e. the 2-D matrix a dense layer multiplies by (RigL's ``get_sparsities_erdos_renyi``
+        sees a dense layer as that matrix). The slice's own shape (``sum`` and ``prod`` over all its axes, as RigL
+        does for conv kernels) when the reduction axes are unknown, the slice has fewer than two axes, or the
+        reduction axes do not split its axes into two non-empty groups.
+        """
+        core = self.core_axes
+        if self.reduction_axes is None or len(core) < 2:
+            return self.slice_shape
+        fan_in = [a for a in core if a in self.reduction_axes]
+        fan_out = [a for a in core if a not in self.reduction_axes]
+        if not fan_in or not fan_out:
+            return self.slice_shape
+        return (math.prod(self.shape[a] for a in fan_in), math.prod(self.shape[a] for a in fan_out))
+
+    @property
     def num_slices(self) -> int:
         return math.prod(self.shape[a] for a in self.batch_axes)
 
@@ -80,43 +103,6 @@ def key_name(key) -> str:
 
 def path_str(path: Path) -> str:
     return "/".join(path)
-
-
-def _is_spec(x) -> bool:
-    return x is None or isinstance(x, P) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
-
-
-def leaf_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...] | None]:
-    """Logical names of every leaf of ``params`` (in flattening order); None where a leaf has none.
-
-    Raises:
-      ValueError: ``axis_names`` does not have the structure of ``params``, or a leaf's names are longer than
-        its rank.
-    """
-    leaves = jax.tree.leaves(params)
-    if axis_names is None:
-        return [None] * len(leaves)
-    box = lambda x: isinstance(x, nn.LogicallyPartitioned)
-    if any(box(x) for x in jax.tree.leaves(axis_names, is_leaf=box)):
-        axis_names = nn.get_partition_spec(axis_names)
-    try:
-        specs = jax.tree.structure(params).flatten_up_to(axis_names)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "axis_names must have the structure of the params: pass jax.eval_shape(init_fn, rng) (Flax-boxed) "
-            f"or jp.sharding.logical_specs of it; structures differ: {e}") from None
-    out = []
-    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs):
-        if not _is_spec(spec):
-            raise ValueError(f"axis_names at {path_str(tuple(map(key_name, path)))} is {spec!r}; "
-                             "expected a PartitionSpec or tuple of logical axis names")
-        names = tuple(spec) if spec is not None else ()
-        if len(names) > jnp.ndim(leaf):
-            raise ValueError(f"axis_names {names} at {path_str(tuple(map(key_name, path)))} name more axes than "
-                             f"the parameter's rank {jnp.ndim(leaf)}")
-        names = names + (None,) * (jnp.ndim(leaf) - len(names))
-        out.append(names if any(n is not None for n in names) else None)
-    return out
 
 
 def default_prunable(path: Path, shape: tuple[int, ...], names: tuple | None) -> bool:
@@ -164,7 +150,7 @@ def make_plans(params: Any, axis_names: Any = None, prunable: Callable[[Path], b
         divisible by M; a tensor of 2**31 or more elements.
     """
     plans = []
-    names_list = leaf_names(params, axis_names)
+    names_list = leaf_axis_names(params, axis_names)
     for (kpath, leaf), names in zip(jax.tree_util.tree_flatten_with_path(params)[0], names_list):
         path = tuple(key_name(k) for k in kpath)
         shape = tuple(jnp.shape(leaf))

@@ -87,9 +87,14 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
         ``"uniform"``: every pruned tensor at the target;
         ``"global"``: one magnitude threshold over all pruned weights (raw magnitudes); the overall count is
         exact;
-        ``"erk"``: Erdos-Renyi-Kernel densities ``eps * sum(shape) / prod(shape)`` with the dense-layer fix-up
-        (Evci et al. 2020, "Rigging the lottery", sec. 3), overall count exact up to rounding each tensor's
-        count (less than one weight per tensor).
+        ``"erk"``: Erdos-Renyi-Kernel densities ``eps * (fan_in + fan_out) / (fan_in * fan_out)``, ``eps``
+        solved for the overall target, tensors that would exceed density 1 made dense and ``eps`` solved again
+        over the rest (Evci et al. 2020, "Rigging the lottery", sec. 3; RigL's ``get_sparsities``); overall
+        count exact up to rounding each layer's count (less than one weight per layer). ``fan_in`` is the
+        product of the reduction axes (below) and ``fan_out`` of the other non-``layers`` axes: the 2-D matrix
+        the kernel multiplies by (``[embed, heads, 3, kv]`` is ``embed`` by ``heads * 3 * kv``); an unnamed
+        2-D kernel is ``(fan_in, fan_out)``; an unnamed kernel of more than two axes without
+        ``reduction_axes`` uses ``sum(shape) / prod(shape)`` over its axes (RigL's rule for conv kernels).
         For uniform and ERK a stacked ``[layers, ...]`` kernel is one tensor per layer (per-layer counts);
         for global it joins the one pool.
       n_m: ``(N, M)``: keep the N largest of every M consecutive weights along each kernel's reduction (input)
@@ -105,7 +110,7 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
         ``[mlp, embed]``), else the first non-batch axis (``[embed, mlp]``). Without names, axis 0 of a 2-D
         ``(in, out)`` kernel, no batch axes.
       reduction_axes: override: a tuple of axes for every pruned kernel, or ``f(path, shape) -> axes | None``
-        (None: the default rule).
+        (None: the default rule). Used by N:M and as ERK's ``fan_in``.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`MagnitudePruningState`; updates keep their
@@ -192,7 +197,7 @@ def _select(candidates: list[jax.Array], sparsity: jax.Array, *, plans: tuple[Le
                              "use 'uniform' or 'erk', or exclude tensors with prunable=")
         return select.top_k_pooled(bits, _round((1.0 - sparsity) * total))
     if distribution == "erk":
-        density = select.erk_from_raw([select.erk_raw(p.slice_shape) for p in plans],
+        density = select.erk_from_raw([select.erk_raw(p.erk_shape) for p in plans],
                                       [p.slice_size * p.num_slices for p in plans], sparsity)
         densities = [density[i] for i in range(len(plans))]
     else:
