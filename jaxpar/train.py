@@ -230,7 +230,8 @@ def _loss_and_grads(loss_fn: LossFn, policy: Policy | None):
     """``compute(params, batch, rng, scale) -> (loss, aux, grads)``: grads of ``scale * loss``, loss unscaled.
 
     Params are cast to the policy's compute dtype inside the differentiated function, so gradients come
-    back in the param dtype; the loss is taken in float32.
+    back in the param dtype (the step casts the batch's floating leaves beforehand); the loss is taken in
+    float32.
     """
     def compute(params, batch, rng, scale):
         def f(p):
@@ -354,7 +355,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
         ``aux`` a dict of scalars (or None). If ``aux["weight"]`` exists (e.g. a token count), microbatches are
         weighted by it so the accumulated loss and gradient are the whole-batch mean.
       tx: the optax transformation.
-      mesh, rules, policy: as for :func:`init_state`.
+      mesh, rules: as for :func:`init_state`.
+      policy: as for :func:`init_state`; params and the batch's floating leaves are cast to its compute dtype
+        (integer leaves such as token ids are untouched), as jmp's ``policy.cast_to_compute((params, inputs))``.
       grad_accum_steps: split the batch into this many microbatches (rows ``j::grad_accum_steps``) and
         accumulate gradients in float32 before one update.
       donate: donate the input state's buffers to the output.
@@ -393,6 +396,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, mesh: 
 
     def _step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
+        if policy is not None:   # jmp's policy.cast_to_compute((params, inputs)): float inputs too
+            batch = policy.cast_to_compute(batch)
         precision.check_outermost(state.opt_state)
         found = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if found is None else found.astype(jnp.float32)
@@ -450,7 +455,7 @@ def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAUL
     _check_common(mesh, rules, policy)
 
     def _eval(state: TrainState, batch):
-        params = state.params if policy is None else policy.cast_to_compute(state.params)
+        params, batch = (state.params, batch) if policy is None else policy.cast_to_compute((state.params, batch))
         loss, aux = check_loss_output(loss_fn(params, batch, jax.random.fold_in(state.rng, state.step)))
         return {"loss": loss.astype(jnp.float32), **aux}
 
