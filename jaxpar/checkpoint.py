@@ -222,6 +222,9 @@ class CheckpointManager:
             raise ValueError(f"save_interval_steps={save_interval_steps!r} must be an int >= 0 (0: only forced saves)")
         self.save_interval_steps = save_interval_steps
         self._async = async_save
+        if (self.directory / TRASH).exists() and not (self.directory / TRASH).is_dir():
+            raise CheckpointError(f"{str(self.directory / TRASH)!r} is a file, but jaxpar needs that name for the "
+                                  "directory old checkpoints are moved to before deletion: remove or rename it")
         # Leftover temporary directories of crashed saves are removed when an existing directory is opened.
         # Old steps are deleted by one atomic rename into TRASH (orbax's rmtree of a step directory in place
         # leaves a half-deleted, still listed step when the process dies during it); see _empty_trash.

@@ -69,17 +69,25 @@ def adamw(learning_rate: float, *, total_steps: int, warmup_steps: int = 0, weig
     (``optax.warmup_cosine_decay_schedule``).
 
     Raises:
+      TypeError: a hyperparameter that is not a number (e.g. a schedule: use ``optax.adamw`` for that).
       ValueError: a hyperparameter out of range (the message names it), or ``axis_names`` whose structure is
         not the params' (at ``init``).
     """
+    numbers = dict(learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2,
+                   final_lr_ratio=final_lr_ratio, clip_norm=0.0 if clip_norm is None else clip_norm)
+    for name, value in numbers.items():
+        if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+            raise TypeError(f"adamw {name}={value!r} must be a number (this adamw builds its own warm-up + cosine "
+                            f"schedule; for a schedule of your own use optax.adamw(schedule, ...))")
+    for name, value in dict(total_steps=total_steps, warmup_steps=warmup_steps).items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"adamw {name}={value!r} must be an int (steps)")
     if total_steps < 1 or warmup_steps < 0 or warmup_steps >= total_steps:
         raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got "
                          f"{total_steps=}, {warmup_steps=}")
-    values = dict(learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2,
-                  final_lr_ratio=final_lr_ratio, clip_norm=0.0 if clip_norm is None else clip_norm)
     ok = dict(learning_rate=learning_rate > 0, weight_decay=weight_decay >= 0, b1=0 <= b1 < 1, b2=0 <= b2 < 1,
-              final_lr_ratio=0 <= final_lr_ratio <= 1, clip_norm=values["clip_norm"] >= 0)
-    for name, value in values.items():
+              final_lr_ratio=0 <= final_lr_ratio <= 1, clip_norm=numbers["clip_norm"] >= 0)
+    for name, value in numbers.items():
         if not ok[name] or not math.isfinite(value):
             raise ValueError(f"adamw {name}={value!r} is out of range: need learning_rate > 0, weight_decay >= 0, "
                              "0 <= b1, b2 < 1, 0 <= final_lr_ratio <= 1, clip_norm >= 0 or None (0/None: no clipping)")

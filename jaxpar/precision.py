@@ -29,6 +29,7 @@ _DTYPES = {
 }
 _HALF = "half"                                     # backend dependent, as jmp's half_dtype()
 _DTYPES_64 = ("float64", "f64", "fp64", "double")  # jmp accepts float64/f64; jaxpar refuses them
+_POLICY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "param": "param_dtype",
          "compute": "compute_dtype", "c": "compute_dtype",
          "output": "output_dtype", "o": "output_dtype"}
@@ -89,7 +90,7 @@ class Policy:
                 dtype = jnp.dtype(value) if value is not None else None
             except TypeError:
                 dtype = None
-            if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4:
+            if dtype not in _POLICY_DTYPES:
                 raise ValueError(f"Policy {f.name}={value!r} must be float32, bfloat16 or float16")
             object.__setattr__(self, f.name, dtype)
 
@@ -266,6 +267,10 @@ class DynamicLossScale:
         _check_scale_dtype(self.dtype)
         for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             _check_finite(name, getattr(self, name))
+        if not isinstance(self.growth_interval, (int, np.integer)) or isinstance(self.growth_interval, bool) \
+                or not 0 <= self.growth_interval < 2 ** 31:
+            raise ValueError(f"DynamicLossScale growth_interval={self.growth_interval!r} must be an int in "
+                             f"[0, 2**31) (steps; 0: never grow)")
         if self.growth_factor < 1 or not 0 < self.backoff_factor <= 1 or self.growth_interval < 0:
             raise ValueError(f"need growth_factor >= 1, 0 < backoff_factor <= 1, growth_interval >= 0; got "
                              f"{self.growth_factor}, {self.backoff_factor}, {self.growth_interval}")
@@ -286,6 +291,10 @@ class DynamicLossScale:
                              f"{name} power of two {top} (the largest {name} value is "
                              f"{float(jnp.finfo(jnp.dtype(self.dtype)).max)}); lower them or keep the scale in "
                              f"float32")
+        tiny = float(jnp.finfo(jnp.dtype(self.dtype)).tiny)
+        if lo < tiny:
+            raise ValueError(f"min_scale {self.min_scale} is below the smallest normal {name} value {tiny}: the "
+                             f"scale could underflow to 0 and skip every step; use min_scale >= {tiny} (e.g. 1.0)")
         if not lo <= init <= hi:
             raise ValueError(f"need 0 < min_scale <= initial_scale <= max_scale, got {self.min_scale}, "
                              f"{self.initial_scale}, {self.max_scale} (as powers of two: {lo}, {init}, {hi})")
@@ -328,8 +337,9 @@ def is_floating_dtype(value: Any) -> bool:
 
 
 def _check_scale_dtype(dtype: Any) -> None:
-    if not is_floating_dtype(dtype):
-        raise ValueError(f"loss scale dtype {dtype!r} must be a floating dtype (float32 or float16)")
+    if not is_floating_dtype(dtype) or jnp.dtype(dtype) not in _POLICY_DTYPES:
+        raise ValueError(f"loss scale dtype {dtype!r} must be a floating dtype: float32, float16 or bfloat16 "
+                         "(float32 is usual)")
 
 
 def _scale_params(ls) -> tuple[float, int, float, float, float, float, Any]:

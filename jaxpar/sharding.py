@@ -227,12 +227,26 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """
     if len(names) != x.ndim:
         raise ValueError(f"constrain got {len(names)} names {names} for an array of rank {x.ndim}")
-    mesh = jax.sharding.get_abstract_mesh()
     rules = nn.get_logical_axis_rules()
-    if rules and not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types):
-        # Under Explicit axes with_sharding_constraint only asserts; reshard moves the value.
-        return jax.sharding.reshard(x, nn.logical_to_mesh_axes(names, rules))
+    if rules and _explicit_in_context():
+        return constrain_spec(x, nn.logical_to_mesh_axes(names, rules))
     return nn.with_logical_constraint(x, names)
+
+
+def _explicit_in_context() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def constrain_spec(x: jax.Array, spec: P) -> jax.Array:
+    """Constrains ``x`` to the mesh ``PartitionSpec`` ``spec`` of the mesh in context.
+
+    ``with_sharding_constraint`` on Auto axes; ``jax.sharding.reshard`` on a mesh with Explicit axes, where
+    ``with_sharding_constraint`` only asserts that the value already has that sharding.
+    """
+    if _explicit_in_context():
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 @contextlib.contextmanager
@@ -279,6 +293,6 @@ def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
 
 __all__: Sequence[str] = (
     "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "leaf_axis_names", "mesh_specs",
-    "named_shardings", "effective_rules", "check_divisible", "constrain", "use", "use_for_init", "has_explicit_axes",
+    "named_shardings", "effective_rules", "check_divisible", "constrain", "constrain_spec", "use", "use_for_init", "has_explicit_axes",
     "replicated", "describe_params",
     "process_batch_rows", "global_batch_rows")

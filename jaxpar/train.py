@@ -278,7 +278,7 @@ def _accumulate(compute, params, batch, rng, scale, steps: int, batch_axes: tupl
     """
     def split(x):
         x = x.reshape(x.shape[0] // steps, steps, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x, P(None, batch_axes or None))
+        return shd.constrain_spec(x, P(None, batch_axes or None))
     micro = jax.tree.map(split, batch)
     first = jax.tree.map(lambda x: x[0], micro)
     _, aux_shape, _ = jax.eval_shape(compute, params, first, rng, scale)

@@ -271,3 +271,63 @@ def test_gpt_step_on_an_explicit_mesh_is_a_clear_error(devices):
 def nn_unbox(tree):
     import flax.linen as nn
     return nn.meta.unbox(tree)
+
+
+# ------------------------------------------------------------------- found by adversarial testing (#10)
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype=jnp.float16, min_scale=2.0 ** -30, initial_scale=1.0), "below the smallest normal float16"),
+    (dict(min_scale=5e-324, initial_scale=1e-300), "below the smallest normal float32"),
+    (dict(growth_interval=True), "growth_interval=True must be an int"),
+    (dict(growth_interval=2.5), "growth_interval=2.5 must be an int"),
+    (dict(growth_interval=2 ** 40), "must be an int in"),
+    (dict(dtype=jnp.float8_e5m2), "floating dtype: float32, float16 or bfloat16"),
+    (dict(dtype=jnp.float64), "floating dtype: float32, float16 or bfloat16"),
+])
+def test_dynamic_loss_scale_rejects_configs_that_would_break_it(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScale(**kwargs)
+
+
+def test_policy_rejects_float8():
+    with pytest.raises(ValueError, match="must be float32, bfloat16 or float16"):
+        Policy(jnp.float8_e4m3fn, jnp.float32, jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs", [dict(learning_rate=optax.constant_schedule(1e-3)),
+                                    dict(learning_rate=1e-3, weight_decay=None),
+                                    dict(learning_rate=1e-3, total_steps=10.5)])
+def test_adamw_names_a_hyperparameter_that_is_not_a_number(kwargs):
+    kwargs.setdefault("total_steps", 10)
+    with pytest.raises(TypeError, match=r"adamw \w+=.* must be"):
+        jp.train.adamw(**kwargs)
+
+
+@pytest.mark.parametrize("shapes", [((8, 8), (8, 7)), ((8, 0), (8, 0)), ((8,), (8,)), ((8, 9), (8, 9))])
+def test_gpt_check_batch_names_bad_shapes(mesh, shapes):
+    model, _, _ = _gpt_setup(mesh)   # max_seq_len 8
+    batch = {"inputs": np.zeros(shapes[0], np.int32) + 1, "targets": np.zeros(shapes[1], np.int32) + 2}
+    with pytest.raises(ValueError, match=r"\[batch, seq\]|exceeds max_seq_len"):
+        model.check_batch(batch)
+
+
+def test_a_file_where_the_checkpoint_trash_goes_is_a_clear_error(tmp_path):
+    (tmp_path / jp.checkpoint.TRASH).write_text("not a directory")
+    with pytest.raises(jp.checkpoint.CheckpointError, match="is a file"):
+        jp.checkpoint.CheckpointManager(tmp_path)
+
+
+def test_grad_accumulation_on_an_explicit_mesh_matches_auto(devices, np_rng):
+    from jax.sharding import AxisType
+    init_fn = lambda r: {"w": jax.random.normal(r, (16,))}
+    loss_fn = lambda p, b, r: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {})
+    batch = {"x": np_rng.normal(size=(16, 16)).astype(np.float32), "y": np_rng.normal(size=16).astype(np.float32)}
+    tx = optax.sgd(0.1)
+    out = []
+    for types in [(AxisType.Explicit,) * 4, (AxisType.Auto,) * 4]:
+        mesh = jp.make_mesh(data=8, axis_types=types)
+        state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+        state, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh, grad_accum_steps=2)(state, batch)
+        out.append((float(metrics["loss"]), np.asarray(state.params["w"])))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
+    np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-6)

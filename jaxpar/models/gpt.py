@@ -359,11 +359,19 @@ class GPT:
         :meth:`head_loss`), never a finite wrong loss.
 
         Raises:
-          ValueError: a missing key, non-integer ids, or an id outside ``[0, vocab_size)`` (naming its index).
+          ValueError: a missing key, inputs and targets of different or non-``[batch, seq]`` shapes, a sequence
+            longer than ``max_seq_len``, non-integer ids, or an id outside ``[0, vocab_size)`` (naming its index).
         """
         if not isinstance(batch, dict) or not {"inputs", "targets"} <= set(batch):
             raise ValueError(f"the GPT's batch is a dict with 'inputs' and 'targets' (int [batch, seq]); got "
                              f"{sorted(batch) if isinstance(batch, dict) else type(batch).__name__}")
+        shapes = {key: tuple(np.shape(batch[key])) for key in ("inputs", "targets")}
+        if shapes["inputs"] != shapes["targets"] or len(shapes["inputs"]) != 2 or not shapes["inputs"][1]:
+            raise ValueError(f"the GPT's inputs and targets must both be [batch, seq] with seq >= 1 (targets are the "
+                             f"inputs shifted by one, cut to the same length); got shapes {shapes}")
+        if shapes["inputs"][1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {shapes['inputs'][1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
+                             "use shorter sequences or a larger GPTConfig.max_seq_len")
         for key in ("inputs", "targets"):
             if not isinstance(batch[key], jax.Array):
                 check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
