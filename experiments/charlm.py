@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log_devices, simulate_cpu_devices  # noqa: E402
+from _common import check_resumed_config, log_devices, simulate_cpu_devices  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +124,13 @@ def pruning_transform(cfg: Config, axis_names):
     return jp.pruning.magnitude_pruning(schedule, cfg.distribution, cfg.n_m, axis_names=axis_names)
 
 
+# Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and
+# what is logged. Anything else (model, optimizer, data, seed, precision, pruning) needs a new --out-dir.
+RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "schedule", "microbatches", "simulate_devices",
+                               "steps", "eval_interval", "eval_batches", "sample_chars", "out_dir", "resume",
+                               "checkpoint_interval"})
+
+
 def main(cfg: Config) -> float | None:
     simulate_cpu_devices(cfg.simulate_devices)
     import jax
@@ -158,6 +165,7 @@ def main(cfg: Config) -> float | None:
         tx = jp.precision.loss_scaling(tx, jp.precision.DynamicLossScale())
     jp.train.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps)
     out = Path(cfg.out_dir)
+    check_resumed_config(out, cfg, RESUMABLE_CHANGES)
     ckpt = jp.checkpoint.CheckpointManager(out / "checkpoints", save_interval_steps=cfg.checkpoint_interval)
     state, step0 = jp.checkpoint.restore_or_init(  # resumes from the latest checkpoint when there is one
         ckpt, lambda: jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy),
