@@ -2,15 +2,29 @@
 
 Script (also under ``python -m jaxpar.launch -n 2``)::
 
-    python tests/ckpt_worker.py --out DIR --steps 8 [--interval 1] [--mesh 2,2,2] [--precision fp16]
-        [--pruning] [--step-delay 0.2] [--check-resume-from K]
+    python tests/ckpt_worker.py --out DIR --steps 8 [--interval 1] [--mesh 2,2,2 [--mesh 1,8,1 ...]]
+        [--precision fp16] [--pruning] [--check-resume-from K]
+        [--block-after-checkpoint N | --await-sigterm-before-step K]
 
 Trains ``tests/helpers.SMALL_GPT`` on step-indexed random tokens (``batch(step)``: each process builds only
 its rows), resuming from ``DIR/ckpt`` when it holds a checkpoint, saving every ``--interval`` steps and on
 SIGTERM (then exits 0). Process 0 writes ``DIR/metrics.jsonl`` (one row per step: loss, loss scale, ...);
 every process writes ``DIR/rows_<process>.json`` (the batch rows it loaded). ``--check-resume-from K``
 afterwards restores checkpoint K onto the same mesh, replays steps K.. and writes
-``DIR/replay.json`` (the replayed losses), to check multi-process restore.
+``DIR/replay.json`` (the replayed losses), to check multi-process restore. Several ``--mesh`` run one job
+per layout, one after the other, in ``DIR/mesh<data>x<fsdp>x<tensor>``.
+
+Exact synchronisation points for the tests that signal the job (no sleeps, no polling): process 0 prints
+a line ``SYNC <what>`` to stdout (flushed) at the point, and
+
+* ``--block-after-checkpoint N``: right after checkpoint N is finalized on disk (``ckpt.wait()``), prints
+  ``SYNC checkpoint N final`` and blocks (the test SIGKILLs it there);
+* ``--await-sigterm-before-step K``: before building the batch of step K (0-based), prints
+  ``SYNC awaiting SIGTERM before step K`` and blocks until the preemption handler has run for a SIGTERM
+  (a chained handler writes to a pipe the job reads), then trains on: it stops after step K, saving
+  checkpoint K + 1.
+
+A blocked job exits with status 3 after ``HANG_GUARD`` seconds if nobody signals it (a hang guard only).
 """
 
 from __future__ import annotations
@@ -19,8 +33,9 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,15 +53,46 @@ class Spec:
     batch_size: int = 16
     seed: int = 0
     interval: int = 1                         # checkpoint every this many steps
-    step_delay: float = 0.0                   # seconds to sleep before each step (lets a test kill mid-run)
+    optimizer: str = "adamw"                  # "adamw" (lr 3e-3) or "sgd" (lr 0.5: updates linear in the gradients)
 
 
 _JOBS: dict = {}
+HANG_GUARD = 600  # seconds a job blocked at a sync point waits for the test's signal before it gives up
+
+
+def sync(what: str) -> None:
+    """Tells the test (reading stdout) that the job reached the point ``what`` (process 0 only). The line
+    starts on a line of its own (a progress bar on stderr may have left a partial line in the pipe)."""
+    import jax
+    if jax.process_index() == 0:
+        print(f"\nSYNC {what}", flush=True)
+
+
+def sigterm_pipe() -> int:
+    """Chains onto the installed SIGTERM handler (e.g. a ``PreemptionHandler``'s, which restores SIG_DFL
+    for a second signal); returns a pipe fd that receives one byte per handled SIGTERM, so that
+    ``os.read(fd, 1)`` returns exactly once the handler has run (a signal interrupts the read, Python runs
+    the handler and retries it)."""
+    handled, notify = os.pipe()
+    installed = signal.getsignal(signal.SIGTERM)
+
+    def chained(signum, frame):
+        installed(signum, frame)
+        os.write(notify, b"x")
+    signal.signal(signal.SIGTERM, chained)
+    return handled
+
+
+def _hang_guard(what: str) -> None:
+    """Blocks the process until a signal ends it; exits 3 (fails the test) after HANG_GUARD seconds."""
+    threading.Event().wait(HANG_GUARD)
+    print(f"worker: nobody signalled me {what} within {HANG_GUARD} s", flush=True)
+    os._exit(3)
 
 
 def build(spec: Spec, mesh=None):
     """(mesh, init_fn, loss_fn, tx, policy) of the job; built once per configuration (see :func:`step_fn`)."""
-    key = (spec.mesh, spec.precision, spec.pruning, spec.loss_scale, mesh)
+    key = (spec.mesh, spec.precision, spec.pruning, spec.loss_scale, spec.optimizer, mesh)
     if key not in _JOBS:
         _JOBS[key] = _build(spec, mesh)
     return _JOBS[key]
@@ -54,7 +100,7 @@ def build(spec: Spec, mesh=None):
 
 def step_fn(spec: Spec, mesh=None):
     """The jitted train step of the job, made once per configuration so a process compiles it once."""
-    key = ("step", spec.mesh, spec.precision, spec.pruning, spec.loss_scale, mesh)
+    key = ("step", spec.mesh, spec.precision, spec.pruning, spec.loss_scale, spec.optimizer, mesh)
     if key not in _JOBS:
         import jaxpar as jp
         mesh, _, loss_fn, tx, policy = build(spec, mesh)
@@ -72,7 +118,7 @@ def _build(spec: Spec, mesh=None):
     data, fsdp, tensor = spec.mesh
     mesh = mesh or jp.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:data * fsdp * tensor])
     init_fn, loss_fn = gpt_parts()
-    tx = optax.adamw(3e-3)
+    tx = {"adamw": lambda: optax.adamw(3e-3), "sgd": lambda: optax.sgd(0.5)}[spec.optimizer]()
     if spec.pruning:  # the one line that adds magnitude pruning (its state is checkpointed like any other)
         tx = optax.chain(tx, jp.pruning.magnitude_pruning(
             jp.pruning.polynomial_sparsity(0.5, begin_step=0, end_step=6, frequency=2), distribution="global",
@@ -94,14 +140,29 @@ def batch(spec: Spec, step: int, mesh) -> dict:
     return {k: v[rows] for k, v in full.items()}
 
 
-def train(spec: Spec, out: str | Path, steps: int, mesh=None):
-    """Runs (or resumes) the job to ``steps``; returns ``(state, start_step, stopped_at)``."""
+def train(spec: Spec, out: str | Path, steps: int, mesh=None, *, block_after_checkpoint: int | None = None,
+          await_sigterm_before_step: int | None = None):
+    """Runs (or resumes) the job to ``steps``; returns ``(state, start_step, stopped_at)``.
+
+    ``block_after_checkpoint`` / ``await_sigterm_before_step``: the sync points of the module docstring.
+    """
     import jax
 
     import jaxpar as jp
     out = Path(out)
     step, (mesh, init_fn, _, tx, policy) = step_fn(spec, mesh), build(spec, mesh)
     ckpt = jp.checkpoint.CheckpointManager(out / "ckpt", max_to_keep=3, save_interval_steps=spec.interval)
+    if block_after_checkpoint is not None:
+        save = ckpt.save
+
+        def save_then_block(n, *args, **kwargs):
+            started = save(n, *args, **kwargs)
+            if n == block_after_checkpoint:
+                ckpt.wait()  # checkpoint n is finalized: renamed into place, listed, restorable
+                sync(f"checkpoint {n} final")
+                _hang_guard(f"after checkpoint {n}")
+            return started
+        ckpt.save = save_then_block
     state, start = jp.checkpoint.restore_or_init(
         ckpt, lambda: jp.train.init_state(init_fn, tx, jax.random.key(spec.seed), mesh=mesh, policy=policy),
         lambda: jp.train.abstract_state(init_fn, tx, mesh=mesh, policy=policy))
@@ -109,12 +170,15 @@ def train(spec: Spec, out: str | Path, steps: int, mesh=None):
     (out / f"rows_{jax.process_index()}.json").write_text(json.dumps(
         [jp.data.process_slice(spec.batch_size, mesh).start, jp.data.process_slice(spec.batch_size, mesh).stop]))
 
-    def batch_fn(t):
-        if spec.step_delay:
-            time.sleep(spec.step_delay)
-        return batch(spec, t, mesh)
-
     with jp.checkpoint.PreemptionHandler() as preemption:
+        handled = sigterm_pipe() if await_sigterm_before_step is not None else None
+
+        def batch_fn(t):
+            if t == await_sigterm_before_step:
+                sync(f"awaiting SIGTERM before step {t}")
+                os.read(handled, 1)  # returns once the preemption handler has run
+            return batch(spec, t, mesh)
+
         for t, m, state in jp.checkpoint.run_steps(step, state, batch_fn, start, steps, ckpt,
                                                    preemption=preemption, extras_fn=lambda s: {"data_step": s}):
             writer.write(t + 1, m)
@@ -140,12 +204,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--interval", type=int, default=1)
-    p.add_argument("--mesh", default="2,2,2")
+    p.add_argument("--mesh", action="append", help="data,fsdp,tensor (default 2,2,2); repeat for several jobs")
     p.add_argument("--precision", default="fp16")
     p.add_argument("--pruning", action="store_true")
     p.add_argument("--no-loss-scale", action="store_true")
-    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     p.add_argument("--check-resume-from", type=int, default=None)
+    p.add_argument("--block-after-checkpoint", type=int, default=None)
+    p.add_argument("--await-sigterm-before-step", type=int, default=None)
     a = p.parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         flags = os.environ.get("XLA_FLAGS", "")
@@ -157,16 +223,20 @@ def main(argv=None) -> int:
     jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    spec = Spec(mesh=tuple(int(v) for v in a.mesh.split(",")), precision=a.precision, pruning=a.pruning,
-                loss_scale=not a.no_loss_scale, interval=a.interval, step_delay=a.step_delay)
-    _, start, stopped = train(spec, a.out, a.steps)
-    if jax.process_index() == 0:
-        print(f"worker: trained from step {start} to {stopped or a.steps}" +
-              (" (preempted)" if stopped else ""), flush=True)
-    if a.check_resume_from is not None:
-        losses = replay(dataclasses.replace(spec, step_delay=0.0), a.out, a.check_resume_from, a.steps)
+    layouts = [tuple(int(v) for v in m.split(",")) for m in (a.mesh or ["2,2,2"])]
+    for layout in layouts:
+        out = Path(a.out) if len(layouts) == 1 else Path(a.out) / ("mesh" + "x".join(map(str, layout)))
+        spec = Spec(mesh=layout, precision=a.precision, pruning=a.pruning, loss_scale=not a.no_loss_scale,
+                    interval=a.interval, optimizer=a.optimizer)
+        _, start, stopped = train(spec, out, a.steps, block_after_checkpoint=a.block_after_checkpoint,
+                                  await_sigterm_before_step=a.await_sigterm_before_step)
         if jax.process_index() == 0:
-            (Path(a.out) / "replay.json").write_text(json.dumps(losses))
+            print(f"worker: trained from step {start} to {stopped or a.steps}" +
+                  (" (preempted)" if stopped else ""), flush=True)
+        if a.check_resume_from is not None:
+            losses = replay(spec, out, a.check_resume_from, a.steps)
+            if jax.process_index() == 0:
+                (out / "replay.json").write_text(json.dumps(losses))
     return 0
 
 

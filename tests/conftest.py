@@ -2,6 +2,9 @@
 
 ``XLA_FLAGS`` must hold ``--xla_force_host_platform_device_count=8`` before the first ``import jax`` anywhere
 in the process, so this module sets it at import time (pytest imports conftest.py before any test module).
+It also pins ``JAX_PLATFORMS=cpu`` (unless the caller set ``JAX_PLATFORMS``), so on a machine with a GPU
+the sharded tests still run on 8 CPU devices instead of skipping or running on one GPU; the subprocesses
+the tests start inherit both variables. Fewer than 8 devices is a usage error, never a skip.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 _existing = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _existing:
     os.environ["XLA_FLAGS"] = f"{_existing} {_FLAG}".strip()
+_PLATFORMS_GIVEN = "JAX_PLATFORMS" in os.environ
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # an explicit JAX_PLATFORMS is kept (and must give 8 devices)
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import numpy as np  # noqa: E402
@@ -27,29 +32,31 @@ NUM_DEVICES = 8
 
 
 def pytest_collection_modifyitems(config, items):
-    """Fails loudly (once) if the device count is wrong, instead of a confusing error in every test."""
+    """Fails loudly (once) unless there are 8 devices, instead of a confusing error (or a skip) in every test."""
     del config, items
-    if jax.device_count() < NUM_DEVICES and jax.devices()[0].platform == "cpu":
+    if jax.device_count() < NUM_DEVICES:
         raise pytest.UsageError(
-            f"expected {NUM_DEVICES} host CPU devices, got {jax.device_count()}: jax was imported before "
-            "tests/conftest.py could set XLA_FLAGS (e.g. by a plugin); run pytest from the repository root")
+            f"expected {NUM_DEVICES} devices, got {jax.device_count()} {jax.devices()[0].platform} device(s) "
+            f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}, XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}): either "
+            "jax was imported before tests/conftest.py could set XLA_FLAGS (e.g. by a plugin; run pytest from the "
+            "repository root), or JAX_PLATFORMS names a platform with fewer devices (unset it: the tests pin cpu)")
+    if not _PLATFORMS_GIVEN and jax.devices()[0].platform != "cpu":
+        raise pytest.UsageError(
+            f"the tests pin JAX_PLATFORMS=cpu, but jax runs on {jax.devices()[0].platform}: jax was imported (and "
+            "configured) before tests/conftest.py; run pytest from the repository root")
 
 
 @pytest.fixture(scope="session")
 def devices():
-    """All 8 devices; skips where fake CPU devices are impossible (e.g. a single real accelerator)."""
-    devs = jax.devices()
-    if len(devs) < NUM_DEVICES:
-        pytest.skip(f"needs {NUM_DEVICES} devices, have {len(devs)} {devs[0].platform} device(s)")
-    return devs[:NUM_DEVICES]
+    """The 8 devices (conftest guarantees them: fewer is a usage error at collection)."""
+    return jax.devices()[:NUM_DEVICES]
 
 
 @pytest.fixture(scope="session")
 def mesh_factory():
     """``mesh_factory(data=, pipe=, fsdp=, tensor=)``: a jaxpar mesh over the first ``prod(sizes)`` devices.
 
-    ``mesh_factory()`` (all sizes 1) is the single-device reference mesh. Skips the test when there are fewer
-    devices than the mesh needs (only possible off CPU, e.g. on a single real GPU).
+    ``mesh_factory()`` (all sizes 1) is the single-device reference mesh.
     """
     import jaxpar as jp
     cache = {}
@@ -58,10 +65,7 @@ def mesh_factory():
         key = (data, pipe, fsdp, tensor)
         if key not in cache:
             n = data * pipe * fsdp * tensor
-            available = jax.devices()
-            if len(available) < n:
-                pytest.skip(f"needs {n} devices, have {len(available)} {available[0].platform} device(s)")
-            cache[key] = jp.make_mesh(data=data, pipe=pipe, fsdp=fsdp, tensor=tensor, devices=available[:n])
+            cache[key] = jp.make_mesh(data=data, pipe=pipe, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:n])
         return cache[key]
     return make
 

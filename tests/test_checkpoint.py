@@ -2,6 +2,10 @@
 
 The training job is ``tests/ckpt_worker.py`` (small GPT on data=2 x fsdp=2 x tensor=2, mixed fp16 with
 dynamic loss scaling, magnitude pruning), run in this process or as a subprocess that a test kills.
+
+No test depends on timing: a test signals a subprocess only after reading the line the subprocess prints
+at the exact point (``SYNC ...``: after checkpoint n is final, inside orbax's writer mid-save, once the
+SIGTERM handler ran), while the subprocess blocks there. ``SUBPROCESS_TIMEOUT`` is only a hang guard.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import jax
@@ -30,7 +34,7 @@ from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = worker.Spec(mesh=(2, 2, 2), precision="fp16", pruning=True)
-SUBPROCESS_TIMEOUT = 150  # seconds; every subprocess is killed after it
+SUBPROCESS_TIMEOUT = 600  # seconds: a hang guard only (every subprocess is killed after it), never a sync
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -70,27 +74,32 @@ def train_rows(out: Path) -> list[dict]:
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    """``python *args`` (stdout and stderr merged, as text); killed after SUBPROCESS_TIMEOUT if still running."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    proc.guard = threading.Timer(SUBPROCESS_TIMEOUT, proc.kill)  # a hang guard: a kill makes readline() end
+    proc.guard.daemon = True
+    proc.guard.start()
+    proc.seen = []  # the output read_until consumed
+    return proc
 
 
-def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = SUBPROCESS_TIMEOUT) -> None:
-    """Polls ``condition()``; kills ``proc`` and fails if it exits first or ``timeout`` passes."""
-    end = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            out = proc.communicate()[0]
-            pytest.fail(f"waiting for {what}: process exited with {proc.returncode} or timed out:\n{out[-3000:]}")
-        time.sleep(0.02)
+def read_until(proc: subprocess.Popen, line: str) -> None:
+    """Blocks reading ``proc``'s output until it prints exactly ``line``; fails if its output ends first."""
+    for got in iter(proc.stdout.readline, ""):
+        proc.seen.append(got)
+        if got.rstrip("\n").rsplit("\r", 1)[-1] == line:  # after a progress bar's carriage returns
+            return
+    proc.wait()
+    proc.guard.cancel()
+    pytest.fail(f"the process exited with {proc.returncode} before printing {line!r}:\n{''.join(proc.seen)[-3000:]}")
 
 
-def finish(proc: subprocess.Popen, timeout: float = SUBPROCESS_TIMEOUT) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"process did not exit within {timeout} s:\n{proc.communicate()[0][-3000:]}")
+def finish(proc: subprocess.Popen) -> str:
+    """Waits for ``proc`` to exit (the hang guard kills it after SUBPROCESS_TIMEOUT); returns all its output."""
+    out = proc.communicate()[0]
+    proc.guard.cancel()
+    return "".join(proc.seen) + out
 
 
 # ------------------------------------------------------------------------------------- a saved state
@@ -231,21 +240,39 @@ def test_corrupted_latest_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+    """SIGKILL inside orbax's background writer, after it wrote an item of step 2 into the temporary step
+    directory (the writer signals, then blocks): step 1 stays the only checkpoint and restores; the leftover
+    is cleaned up when the directory is opened again."""
     script = textwrap.dedent("""
-        import os, signal, sys
+        import os, sys, threading
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp
+        from orbax.checkpoint._src.handlers import json_checkpoint_handler
         import jaxpar as jp
+        directory = os.path.abspath(sys.argv[1])
+        write = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+
+        async def write_then_block(self, item, path):  # orbax's writer (a background thread), one JSON item
+            await write(self, item, path)
+            if os.path.relpath(str(path), directory).startswith("2."):
+                print(f"wrote {os.path.relpath(str(path), directory)}", flush=True)
+                print("SYNC step 2 mid-save", flush=True)
+                threading.Event().wait(600)  # until killed (a hang guard only)
+                os._exit(3)
+        json_checkpoint_handler.JsonCheckpointHandler._save_fn = write_then_block
+
         mesh = jp.make_mesh(data=8)
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-        ckpt = jp.checkpoint.CheckpointManager(sys.argv[1])
+        ckpt = jp.checkpoint.CheckpointManager(directory)
         ckpt.save(1, {"w": jax.device_put(jnp.arange(1024.0), sharding)})
         ckpt.wait()
-        big = jax.device_put(jax.random.normal(jax.random.key(0), (32 * 1024 * 1024,)), sharding)  # 128 MiB
-        ckpt.save(2, {"w": big})  # returns once copied to host memory; the files are written in the background
-        os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.save(2, {"w": jax.device_put(jnp.arange(1024.0) + 2, sharding)})  # the files are written in the background
+        ckpt.wait()
+        print("not blocked: step 2 wrote no JSON item through JsonCheckpointHandler._save_fn", flush=True)
     """)
     proc = start(["-c", script, str(tmp_path)])
+    read_until(proc, "SYNC step 2 mid-save")
+    proc.kill()
     out = finish(proc)
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("2.")]
@@ -300,7 +327,8 @@ def test_kill_while_deleting_an_old_checkpoint_keeps_the_newest(tmp_path):
     proc = start(["-c", script, str(tmp_path)])
     out = finish(proc)
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    removed, total = (int(v) for v in re.search(r"killed while deleting .*: removed (\d+) of (\d+) files", out).groups())
+    killed = re.search(r"killed while deleting .*: removed (\d+) of (\d+) files", out)
+    removed, total = (int(v) for v in killed.groups())
     assert 0 < removed < total, out[-3000:]
     steps_on_disk = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
     assert steps_on_disk == ["2", "3"], f"a half-deleted step directory is left: {steps_on_disk}"
@@ -336,18 +364,15 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, devices):
     ref, _, _ = worker.train(SPEC, tmp_path / "straight", 2 * n)
     run = tmp_path / "killed"
     proc = start(["tests/ckpt_worker.py", "--out", str(run), "--steps", str(2 * n), "--pruning",
-                  "--step-delay", "0.3"])
-    try:
-        wait_until(lambda: (run / "ckpt" / str(n)).is_dir(), proc, f"checkpoint {n}")  # renamed when complete
-        assert proc.poll() is None, "the worker finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    saved_step = jp.checkpoint.CheckpointManager(run / "ckpt").latest_step()
-    assert n <= saved_step < 2 * n
+                  "--block-after-checkpoint", str(n)])
+    read_until(proc, f"SYNC checkpoint {n} final")  # the worker blocks there until killed
+    proc.kill()
+    out = finish(proc)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    ckpt = jp.checkpoint.CheckpointManager(run / "ckpt")
+    saved_step = ckpt.latest_step()
+    assert saved_step == n and ckpt.all_steps() == [n - 2, n - 1, n]  # max_to_keep=3
+    assert [r["step"] for r in train_rows(run)] == list(range(1, n + 1))  # logged before the checkpoint existed
     resumed, start_step, _ = worker.train(SPEC, run, 2 * n)
     assert start_step == saved_step
     assert_bitwise(resumed, ref)
@@ -358,47 +383,47 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, devices):
 
 
 def test_sigterm_saves_the_step_reached_and_exits_zero(tmp_path):
+    """SIGTERM while the worker waits before step 3 (it blocks until the handler ran): it finishes step 3,
+    saves checkpoint 4 (the only one: --interval 0), and exits 0."""
     run = tmp_path / "run"
-    proc = start(["tests/ckpt_worker.py", "--out", str(run), "--steps", "200", "--interval", "0", "--pruning",
-                  "--step-delay", "0.05"])
-    wait_until(lambda: len(train_rows(run)) >= 3, proc, "three training steps")
+    proc = start(["tests/ckpt_worker.py", "--out", str(run), "--steps", "8", "--interval", "0", "--pruning",
+                  "--await-sigterm-before-step", "3"])
+    read_until(proc, "SYNC awaiting SIGTERM before step 3")
     proc.send_signal(signal.SIGTERM)
     out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
-    reached = train_rows(run)[-1]["step"]
-    assert 3 <= reached < 200 and "(preempted)" in out
+    assert "worker: trained from step 0 to 4 (preempted)" in out, out[-3000:]
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]
     ckpt = jp.checkpoint.CheckpointManager(run / "ckpt")
-    assert ckpt.all_steps() == [reached]  # --interval 0: the preemption save is the only one
-    assert ckpt.restore_extras() == {"data_step": reached}
+    assert ckpt.all_steps() == [4]  # --interval 0: the preemption save is the only one
+    assert ckpt.restore_extras() == {"data_step": 4}
 
 
 def test_second_sigterm_exits_at_once(tmp_path):
+    """The first SIGTERM is handled (a flag); a second one, during the long final save, terminates the
+    process by the default action. The script blocks "saving" until a handler runs again, which would make
+    it exit 3 (the second signal caught instead of fatal)."""
     script = textwrap.dedent("""
-        import time
+        import os, sys
+        sys.path.insert(0, "tests")
         import jaxpar as jp
+        from ckpt_worker import sigterm_pipe
         handler = jp.checkpoint.PreemptionHandler()
-        print("ready", flush=True)
-        while not handler.requested:
-            time.sleep(0.01)
-        print("stopping", flush=True)
-        time.sleep(120)  # a long final save
+        handled = sigterm_pipe()  # chained onto jaxpar's handler
+        print("SYNC ready", flush=True)
+        os.read(handled, 1)  # the first SIGTERM was handled
+        assert handler.requested and handler.should_stop()
+        print("SYNC stopping", flush=True)
+        os.read(handled, 1)  # "a long final save": only a handled (not fatal) second SIGTERM ends it
+        print("the second SIGTERM was caught instead of terminating the process", flush=True)
+        sys.exit(3)
     """)
     proc = start(["-c", script])
-    lines = []
-    try:
-        for expected in ("ready", "stopping"):
-            while expected not in lines:
-                line = proc.stdout.readline()
-                assert line, f"exited early: {''.join(lines)}"
-                lines.append(line.strip())
-            proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        proc.wait(timeout=10)
-        assert time.monotonic() - t0 < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGTERM
+    for line in ("SYNC ready", "SYNC stopping"):
+        read_until(proc, line)
+        proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == -signal.SIGTERM, out[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------ charlm
@@ -413,12 +438,38 @@ def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
     straight = charlm.main(charlm.Config(**small, out_dir=str(tmp_path / "straight")))
     run = tmp_path / "run"
     args = [f"--{k.replace('_', '-')}={v}" for k, v in small.items()]
-    proc = start(["experiments/charlm.py", *args, "--out-dir", str(run)])
-    wait_until(lambda: len(train_rows(run)) >= 2, proc, "two charlm steps")
+    # experiments/charlm.py as written, with two sync hooks: after it logs step 2 it blocks until its
+    # PreemptionHandler has handled the SIGTERM this test sends on reading the SYNC line
+    wrapper = textwrap.dedent("""
+        import os, runpy, sys
+        sys.path.insert(0, "tests")
+        import jaxpar as jp
+        from ckpt_worker import sigterm_pipe, sync
+        handled = []
+
+        class PreemptionHandler(jp.checkpoint.PreemptionHandler):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                handled.append(sigterm_pipe())
+        jp.checkpoint.PreemptionHandler = PreemptionHandler
+        write = jp.metrics.MetricsWriter.write
+
+        def write_then_await_sigterm(self, step, metrics, split="train"):
+            write(self, step, metrics, split)
+            if (step, split) == (2, "train"):
+                sync("awaiting SIGTERM after logging step 2")
+                os.read(handled[0], 1)
+        jp.metrics.MetricsWriter.write = write_then_await_sigterm
+        sys.argv = ["experiments/charlm.py", *sys.argv[1:]]
+        runpy.run_path("experiments/charlm.py", run_name="__main__")
+    """)
+    proc = start(["-c", wrapper, *args, "--out-dir", str(run)])
+    read_until(proc, "SYNC awaiting SIGTERM after logging step 2")
     proc.send_signal(signal.SIGTERM)
     out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
     reached = train_rows(run)[-1]["step"]
+    assert 2 < reached < 15 and [r["step"] for r in train_rows(run)] == list(range(1, reached + 1))
     assert f"preempted: saved a checkpoint at step {reached}" in out
     ckpt = jp.checkpoint.CheckpointManager(run / "checkpoints")
     assert ckpt.latest_step() == reached

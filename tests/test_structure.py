@@ -7,6 +7,7 @@ parallelism, or a layout that does all the work on every device.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import jax
@@ -39,14 +40,68 @@ def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     return out
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) \(.*\{\s*$")
+
+
+def _parse_hlo(hlo: str) -> dict[str, dict[str, dict]]:
+    """``{computation: {instruction: {op, shapes, tuple, operands, calls, index, param}}}`` of an HLO module."""
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            cur = comps[m.group(1)] = {}
+            continue
+        m = _INSTR.match(line) if cur is not None else None
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        depth, i = 1, 0
+        while depth and i < len(rest):          # the operand list ends at the matching parenthesis
+            depth += {"(": 1, ")": -1}.get(rest[i], 0)
+            i += 1
+        attrs = rest[i:]
+        calls = re.search(r"calls=%([\w.\-]+)", attrs)
+        index = re.search(r"index=(\d+)", attrs)
+        cur[name] = dict(op=op, tuple=shape.startswith("("), operands=re.findall(r"%([\w.\-]+)", rest[:i - 1]),
+                         shapes=[tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(shape)],
+                         calls=calls.group(1) if calls else None,
+                         index=int(index.group(1)) if index and op == "get-tuple-element" else None,
+                         param=int(re.match(r"\d+", rest).group(0)) if op == "parameter" else None)
+    return comps
+
+
+def _users(comp: dict, name: str) -> list[tuple[str, dict]]:
+    return [(n, i) for n, i in comp.items() if name in i["operands"]]
+
+
+def _uses_other_than_a_device_slice(comps: dict, comp: dict, name: str, ways: int, numel: int) -> list[str]:
+    """The uses of value ``name`` that are not a ``dynamic-slice`` to ``numel / ways`` elements at a
+    device-dependent offset (looking into the fusions it enters). Empty: the value is only ever sliced."""
+    bad = []
+    for n, u in _users(comp, name):
+        if u["op"] == "dynamic-slice" and u["operands"][0] == name:
+            offsets = [comp[o]["op"] for o in u["operands"][1:] if o in comp]
+            if math.prod(u["shapes"][0]) * ways != numel or all(op == "constant" for op in offsets):
+                bad.append(f"{n}: dynamic-slice to {u['shapes'][0]} at offsets {offsets}")
+        elif u["op"] == "fusion":
+            fused = comps[u["calls"]]
+            for k in (k for k, o in enumerate(u["operands"]) if o == name):
+                param = next(p for p, i in fused.items() if i["op"] == "parameter" and i["param"] == k)
+                bad += [f"{n} > {b}" for b in _uses_other_than_a_device_slice(comps, fused, param, ways, numel)]
+        else:
+            bad.append(f"{n}: {u['op']} -> {u['shapes']}")
+    return bad if _users(comp, name) else [f"{name} is unused"]
+
+
 def _squeeze(shape):
     return tuple(d for d in shape if d != 1)
 
 
-def _full_kernel_shapes() -> set[tuple[int, ...]]:
+def _full_kernel_shapes(extra=()) -> set[tuple[int, ...]]:
     """Every shape a whole (unsplit) block kernel or embedding could take in the program: as stored, as the 2-D
     matmul operand the model reshapes it to, transposed, and stacked over the layers."""
-    kernels = [(D, F), (D, H, 3, K), (D, H * 3 * K), (H, K, D), (H * K, D), (V, D)]
+    kernels = [(D, F), (D, H, 3, K), (D, H * 3 * K), (H, K, D), (H * K, D), (V, D), *extra]
     shapes = set()
     for k in kernels:
         for perm in itertools.permutations(k):
@@ -132,6 +187,42 @@ def test_fsdp_gathers_weights_per_layer(compiled):
     gathered = [s for kind, shapes in _collectives(comp.as_text()) if kind == "all-gather" for s in shapes]
     # each layer gathers its up and down kernels (the layers are unrolled, so once per layer)
     assert gathered.count((D, F)) >= N and gathered.count((F, D)) >= N, gathered
+
+
+def test_fsdp_reduce_scatters_weight_gradients(compiled):
+    """fsdp=8: every whole weight-matrix gradient (the up/down, qkv and out kernels of each layer, the
+    embeddings) that is summed over the devices is reduce-scattered: a ``reduce-scatter``, or, as XLA:CPU
+    emits it, an ``all-reduce`` whose full-size result is only ever cut to this device's 1/8 by a
+    ``dynamic-slice`` at a partition-dependent offset before anything else reads it. A replicated parameter
+    (e.g. ``embed`` mapped to no mesh axis) has its whole reduced gradient read by the optimizer: it fails.
+    (On XLA:CPU the full gradient is still all-reduced, so this checks the layout, not the traffic.)"""
+    _, comp = compiled(data=1, fsdp=8)
+    comps = _parse_hlo(comp.as_text())
+    full = _full_kernel_shapes(extra=[(CFG.max_seq_len, D)])    # + the learned position embedding
+    scattered, misused = [], []
+    for comp_ in comps.values():
+        for name, ins in comp_.items():
+            if ins["op"] == "reduce-scatter":
+                scattered += [comp_[o]["shapes"][0] for o in ins["operands"] if o in comp_]
+            if ins["op"] != "all-reduce":
+                continue
+            for k, shape in enumerate(ins["shapes"]):
+                if _squeeze(shape) not in full:
+                    continue
+                values = [g for g, i in _users(comp_, name) if i["op"] == "get-tuple-element" and i["index"] == k] \
+                    if ins["tuple"] else [name]
+                for v in values:
+                    bad = _uses_other_than_a_device_slice(comps, comp_, v, 8, math.prod(shape))
+                    if bad:
+                        misused.append((shape, v, bad))
+                    else:
+                        scattered.append(shape)
+    assert not misused, "whole reduced weight gradients read unsliced (replicated parameters):\n" + "\n".join(
+        f"{s} {v}: {b}" for s, v, b in misused)
+    # not vacuous: the gradients of every layer's up and down kernels and of the token embedding are among them
+    scattered = [_squeeze(s) for s in scattered]
+    assert sum(s in {(D, F), (F, D)} for s in scattered) >= 2 * N, scattered
+    assert sum(s in {(V, D), (D, V)} for s in scattered) >= 1, scattered
 
 
 def test_tensor_parallel_reduces_activations_not_weights(compiled):
