@@ -213,6 +213,7 @@ def test_causal(name, np_rng):
             assert np.max(np.abs(out[b, t + 1:] - base[b, t + 1:])) > 1e-3 * scale, f"{name}: {t} ignored later"
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_remat_and_scan_match_plain(np_rng):
     """remat "full", scan_layers, and remat "dots" inside the scan give the plain model's loss and gradients."""
     cfg = CONFIGS["rotary-untied"]

@@ -77,6 +77,7 @@ CROSS = {(1, 8, 1): [[0, 8], [8, 16]],   # data, fsdp, tensor -> each process's 
 CROSS_STEPS = 3
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_fsdp_and_tensor_across_processes_match_one_process(tmp_path):
     """2 processes x 4 devices on data=1 x fsdp=8 and on tensor=8, so every FSDP all-gather / gradient
     reduction resp. every Megatron all-reduce spans both processes: per-step losses and the params of the

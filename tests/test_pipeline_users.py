@@ -105,6 +105,7 @@ def test_several_layers_per_stage_match_single_device(num_layers, scan, mesh_fac
 BF16_RTOL = 3e-2
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_pipeline_with_mixed_bf16_policy(mesh_factory):
     policy = jp.Policy.from_string("mixed_bf16")
     model = gpt(2, dtype=jnp.bfloat16)
@@ -160,6 +161,7 @@ def test_pipeline_with_static_loss_scale_equals_plain_sgd(mesh_factory):
 
 # -------------------------------------------------------------------------------------------------- (d)
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_stash_inputs_compiles_to_fewer_temp_bytes(mesh_factory):
     """``stash="inputs"`` keeps only the stage inputs (recomputes the forward in the backward), so the compiled
     step needs fewer temporary bytes than ``"residuals"``. 2 layers per stage, 1F1B over 4 microbatches, a wide

@@ -107,6 +107,7 @@ def test_loss_scaled_sgd_step_matches_plain_sgd(scale, accum, mesh_factory):
     check_against_reference(f"{scale} accum={accum}", metrics, state, ref, expect)
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_loss_scaled_pipelined_sgd_step_matches_plain_sgd(mesh_factory):
     """The GPT through a 1F1B pipeline (data=2 x pipe=2 x tensor=2, 4 microbatches) with dynamic loss scaling
     (2**15): two steps give plain single-device SGD's losses, grad_norm, momentum trace and params, to 1e-6."""
@@ -135,6 +136,7 @@ def test_loss_scaled_pipelined_sgd_step_matches_plain_sgd(mesh_factory):
 FP16_LR, FP16_LOSS_TOL = 0.1, 0.02
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_fp16_training_with_dynamic_loss_scale_tracks_f32(mesh_factory):
     """20 SGD steps of a small GPT in mixed_fp16 (f32 master weights, f16 compute) with DynamicLossScale stay
     within FP16_LOSS_TOL nats of the f32 run's loss at every step, and the loss falls."""
