@@ -214,7 +214,7 @@ def test_out_of_range_token_ids_on_the_host_are_a_clear_error(mesh, key, bad):
 
 
 @pytest.mark.parametrize("key", ["inputs", "targets"])
-@pytest.mark.parametrize("bad", [-1, 50, 100, 128])
+@pytest.mark.parametrize("bad", [-1, 50, 128])
 def test_out_of_range_token_ids_on_the_devices_give_nan_not_a_wrong_loss(mesh, key, bad):
     """A batch already on the devices is checked in the step: loss and gradient norm become NaN."""
     model, tx, state = _gpt_setup(mesh)

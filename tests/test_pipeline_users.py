@@ -138,6 +138,7 @@ def test_pipeline_with_mixed_bf16_policy(mesh_factory):
           f"vs f32: loss {f_loss:.2e} grads {f_grads:.2e}")
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_pipeline_with_static_loss_scale_equals_plain_sgd(mesh_factory):
     """loss_scaling(sgd, StaticLossScale(2**12)) through the pipeline = plain sgd (the scale is a power of two:
     scaling and unscaling are exact in float32, so the parity tolerance holds). A scale that never reaches
@@ -185,6 +186,7 @@ def test_stash_inputs_compiles_to_fewer_temp_bytes(mesh_factory):
 MANUAL_MARKERS = ("sdy.manual_computation", "shard_map", "SPMDFullToShardShape", "SPMDShardToFullShape")
 
 
+@pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_one_stage_pipeline_runs_without_shard_map(mesh_factory):
     """pipe=1 with a Pipeline (one_f_one_b(1, 4)): plain GSPMD, no manual axes in the lowered program, and the
     one-step parity; the same markers are present in the pipe=2 lowering (so the check can see them)."""

@@ -80,7 +80,7 @@ def check_against_reference(what, metrics_per_step, state, ref, expect_scale):
 
 # ------------------------------------------------------------------------- 1. loss scaling, numerically
 
-@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("accum", [1, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scale", list(SCALES))
 def test_loss_scaled_sgd_step_matches_plain_sgd(scale, accum, mesh_factory):
     """Two steps of loss_scaling(sgd) on data=2 x fsdp=2 x tensor=2 give plain SGD's losses, grad_norm metrics,
