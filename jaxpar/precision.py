@@ -3,6 +3,8 @@
 A policy follows DeepMind jmp's convention (Micikevicius et al. 2018, "Mixed Precision Training", sec. 3):
 parameters are stored in ``param_dtype`` (fp32 master weights), cast to ``compute_dtype`` for the forward
 and backward pass, and outputs are cast to ``output_dtype``. Casts touch floating-point leaves only.
+jaxpar's jmp compatibility is the policy string grammar and these three dtypes; of jmp's ``Policy`` methods
+it has ``cast_to_param`` and ``cast_to_compute`` (what the train step uses), not ``cast_to_output``.
 
 Loss scaling (Micikevicius et al. 2018, sec. 3.2): the loss is multiplied by a scale before
 differentiation so small fp16 gradients do not flush to zero; :func:`loss_scaling` unscales the gradients,
@@ -74,10 +76,14 @@ def _cast(tree: Any, dtype: Any) -> Any:
 class Policy:
     """Which dtype parameters are stored in, computed in, and returned in.
 
+    jmp's ``cast_to_output`` is not provided: the train step never holds a model's outputs (they are made
+    inside the user's loss function, and the step takes the loss in float32), so nothing here would call
+    it; model code that wants its outputs in ``output_dtype`` casts them with ``x.astype(output_dtype)``.
+
     Attributes:
       param_dtype: storage dtype of parameters (master weights), e.g. ``jnp.float32``.
       compute_dtype: dtype of the forward/backward pass.
-      output_dtype: dtype of model outputs (logits) and the loss.
+      output_dtype: dtype of model outputs (logits); the step's loss is float32 whatever it is.
     """
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
@@ -101,10 +107,6 @@ class Policy:
     def cast_to_compute(self, tree: Any) -> Any:
         """Casts floating leaves to ``compute_dtype``."""
         return _cast(tree, self.compute_dtype)
-
-    def cast_to_output(self, tree: Any) -> Any:
-        """Casts floating leaves to ``output_dtype``."""
-        return _cast(tree, self.output_dtype)
 
     @classmethod
     def from_string(cls, text: str) -> "Policy":
@@ -189,24 +191,27 @@ def _is_low_float(x) -> bool:
 # ------------------------------------------------------------------------------------------ loss scaling
 
 class LossScaleState(NamedTuple):
-    """State of :func:`loss_scaling`; every field is an array so it survives jit, sharding and checkpoints.
+    """State of :func:`loss_scaling`: only what changes from step to step. Every field is an array, so it
+    survives jit, sharding and checkpoints.
+
+    The hyperparameters (growth interval and factors, min and max scale, the scale's dtype) are not here:
+    they live in the ``loss_scaling`` closure, from its ``DynamicLossScale``/``StaticLossScale`` config, as
+    optax transforms keep theirs in closures and flax's ``DynamicScale`` on its dataclass. So a restored
+    state follows the config it is given to, and two configs give states of the same tree.
+
+    Format changed (jaxpar issue #12): the state used to carry ``growth_interval``, ``growth_factor``,
+    ``backoff_factor``, ``min_scale`` and ``max_scale`` too; checkpoints of loss-scaled runs written before
+    that do not restore into this state (the trees differ). Runs without loss scaling are unaffected.
 
     Attributes:
-      scale: the current loss scale (float32 or float16 scalar).
-      good_steps: int32, finite steps in a row since the scale last changed.
-      growth_interval: int32, finite steps in a row after which the scale grows (0: never).
-      growth_factor, backoff_factor, min_scale, max_scale: float32 scalars.
-      skipped: bool, whether the latest update was skipped (a non-finite gradient).
-      num_skipped: int32, skipped updates so far.
+      scale: the current loss scale, a scalar in the config's ``dtype`` (float32 unless asked otherwise).
+      good_steps: int32 scalar, finite steps in a row since the scale last changed.
+      skipped: bool scalar, whether the latest update was skipped (a non-finite gradient).
+      num_skipped: int32 scalar, skipped updates so far.
       inner_state: the wrapped transformation's state.
     """
     scale: jax.Array
     good_steps: jax.Array
-    growth_interval: jax.Array
-    growth_factor: jax.Array
-    backoff_factor: jax.Array
-    min_scale: jax.Array
-    max_scale: jax.Array
     skipped: jax.Array
     num_skipped: jax.Array
     inner_state: Any
@@ -342,16 +347,28 @@ def _check_scale_dtype(dtype: Any) -> None:
                          "(float32 is usual)")
 
 
-def _scale_params(ls) -> tuple[float, int, float, float, float, float, Any]:
-    """(initial, growth_interval, growth, backoff, min, max, dtype) of a loss-scale config."""
+class _ScaleRule(NamedTuple):
+    """The hyperparameters of a loss-scale config, closed over by :func:`loss_scaling` (Python numbers)."""
+    initial: float    # first scale
+    interval: int     # finite steps in a row before the scale grows; 0: never
+    growth: float     # factor on growth (1.0: static)
+    backoff: float    # factor on a non-finite step (1.0: static)
+    lo: float         # the scale never goes below this ...
+    hi: float         # ... nor above this (already capped at the dtype's largest power of two)
+    dtype: Any        # the scale's dtype
+
+
+def _scale_rule(ls) -> _ScaleRule:
+    """The :class:`_ScaleRule` of a loss-scale config; TypeError for anything else."""
     if isinstance(ls, DynamicLossScale):
         dtype = jnp.dtype(ls.dtype)
         cap = min(ls.max_scale, _max_pow2(dtype))
-        return (ls.initial_scale, ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.min_scale, cap, dtype)
-    scale = ls.scale if isinstance(ls, StaticLossScale) else 1.0
+        return _ScaleRule(ls.initial_scale, ls.growth_interval, ls.growth_factor, ls.backoff_factor,
+                          ls.min_scale, cap, dtype)
     if not isinstance(ls, (StaticLossScale, NoOpLossScale)):
         raise TypeError(f"loss_scale must be NoOpLossScale, StaticLossScale or DynamicLossScale, got {ls!r}")
-    return scale, 0, 1.0, 1.0, scale, scale, jnp.dtype(ls.dtype)
+    scale = ls.scale if isinstance(ls, StaticLossScale) else 1.0
+    return _ScaleRule(scale, 0, 1.0, 1.0, scale, scale, jnp.dtype(ls.dtype))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -368,42 +385,60 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale) -> optax.Gradi
     ``inner``'s state unchanged, so a skipped step skips everything inside (clipping, pruning, the
     optimizer). The decision is global: ``all_finite`` reduces over every shard. No host synchronisation.
 
+    The config's hyperparameters stay in this closure; the state (:class:`LossScaleState`) holds only the
+    scale, the counters and ``inner``'s state.
+
     Args:
       inner: any optax transformation (e.g. ``optax.chain(clip, adamw, magnitude_pruning(...))``).
       loss_scale: ``NoOpLossScale()``, ``StaticLossScale(s)`` or ``DynamicLossScale(...)``.
+
+    Raises:
+      TypeError: ``loss_scale`` is none of those; ``update`` given a state that is not a LossScaleState.
+      ValueError: ``update`` given a state whose scale dtype is not the config's (made by another config).
     """
-    init_scale, interval, growth, backoff, lo, hi, dtype = _scale_params(loss_scale)
+    rule = _scale_rule(loss_scale)
 
     def init_fn(params):
-        f32 = lambda v: jnp.asarray(v, jnp.float32)
-        return LossScaleState(
-            scale=jnp.asarray(init_scale, dtype), good_steps=jnp.zeros((), jnp.int32),
-            growth_interval=jnp.asarray(interval, jnp.int32), growth_factor=f32(growth),
-            backoff_factor=f32(backoff), min_scale=f32(lo), max_scale=f32(hi),
-            skipped=jnp.asarray(False), num_skipped=jnp.zeros((), jnp.int32), inner_state=inner.init(params))
+        return LossScaleState(scale=jnp.asarray(rule.initial, rule.dtype), good_steps=jnp.zeros((), jnp.int32),
+                              skipped=jnp.asarray(False), num_skipped=jnp.zeros((), jnp.int32),
+                              inner_state=inner.init(params))
 
     def update_fn(updates, state: LossScaleState, params=None):
+        _check_state(state, rule)
         scale = state.scale.astype(jnp.float32)
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), updates)
         finite = all_finite(grads)
         new_updates, new_inner = inner.update(grads, state.inner_state, params)
         new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
         inner_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, state.inner_state)
-        good = jnp.where(finite, state.good_steps + 1, 0)
-        grow = finite & (state.growth_interval > 0) & (good >= state.growth_interval)
-        # The dtype's power-of-two cap again: a state restored from a checkpoint written before the cap
-        # was a power of two (65504 for float16) must not grow past 2**15 either.
-        cap = jnp.minimum(state.max_scale, _max_pow2(state.scale.dtype))
-        raised = jnp.minimum(scale * state.growth_factor, cap)
-        lowered = jnp.maximum(scale * state.backoff_factor, state.min_scale)
-        new_scale = jnp.where(finite, jnp.where(grow, raised, scale), lowered)
+        new_scale, good = _next_scale(rule, scale, state.good_steps, finite)
         return new_updates, LossScaleState(
-            scale=new_scale.astype(state.scale.dtype), good_steps=jnp.where(grow, 0, good),
-            growth_interval=state.growth_interval, growth_factor=state.growth_factor,
-            backoff_factor=state.backoff_factor, min_scale=state.min_scale, max_scale=state.max_scale,
-            skipped=~finite, num_skipped=state.num_skipped + (~finite).astype(jnp.int32), inner_state=inner_state)
+            scale=new_scale.astype(rule.dtype), good_steps=good, skipped=~finite,
+            num_skipped=state.num_skipped + (~finite).astype(jnp.int32), inner_state=inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_state(state: Any, rule: _ScaleRule) -> None:
+    if not isinstance(state, LossScaleState):
+        raise TypeError(f"loss_scaling's update needs the LossScaleState its init made, got {type(state).__name__}; "
+                        f"keep loss_scaling outermost and pass its whole state")
+    if jnp.dtype(state.scale.dtype) != rule.dtype:
+        raise ValueError(f"LossScaleState.scale is {jnp.dtype(state.scale.dtype).name} but this loss_scaling's "
+                         f"config has dtype {rule.dtype.name}; the state was made by another config: init it with "
+                         f"this transform (or give the config dtype={jnp.dtype(state.scale.dtype).name})")
+
+
+def _next_scale(rule: _ScaleRule, scale: jax.Array, good_steps: jax.Array,
+                finite: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(new scale in float32, new good_steps): back off on a non-finite step (not below ``rule.lo``), grow
+    after ``rule.interval`` finite steps in a row (not above ``rule.hi``) and restart the count."""
+    good = jnp.where(finite, good_steps + 1, 0)
+    grow = finite & (good >= rule.interval) if rule.interval > 0 else jnp.asarray(False)
+    raised = jnp.minimum(scale * rule.growth, rule.hi)
+    lowered = jnp.maximum(scale * rule.backoff, rule.lo)
+    new_scale = jnp.where(finite, jnp.where(grow, raised, scale), lowered)
+    return new_scale, jnp.where(grow, 0, good)
 
 
 def _loss_scale_states(tree: Any) -> list[LossScaleState]:
@@ -413,29 +448,39 @@ def _loss_scale_states(tree: Any) -> list[LossScaleState]:
     return [s for t in top for s in [t, *_loss_scale_states(t.inner_state)]]
 
 
-def _find_loss_scale_state(opt_state: Any) -> LossScaleState | None:
-    found = _loss_scale_states(opt_state)
-    if len(found) > 1:
-        raise ValueError("opt_state holds more than one loss_scaling state; wrap the optimizer once, outermost")
-    return found[0] if found else None
-
-
 def check_outermost(opt_state: Any) -> None:
     """Raises ValueError unless a loss_scaling state, if any, is the whole ``opt_state`` (the outermost
-    transform): inside a chain, transforms before it (e.g. clipping) would see scaled gradients."""
-    found = _find_loss_scale_state(opt_state)
-    if found is not None and not isinstance(opt_state, LossScaleState):
+    transform), and there is one only.
+
+    Inside a chain, transforms before it (e.g. clipping) would see scaled gradients; two would scale twice.
+    ``f32_optimizer_state`` returns its inner state unchanged, so a loss_scaling inside it stays outermost.
+
+    Raises:
+      ValueError: more than one LossScaleState in ``opt_state``, or one that is not ``opt_state`` itself.
+    """
+    found = _loss_scale_states(opt_state)
+    if len(found) > 1:
+        raise ValueError(f"opt_state holds more than one loss_scaling state ({len(found)}); wrap the optimizer "
+                         f"once, outermost: tx = loss_scaling(optax.chain(clip, optimizer, ...), loss_scale)")
+    if found and not isinstance(opt_state, LossScaleState):
         raise ValueError("jp.precision.loss_scaling must be the outermost transform: "
                          "tx = loss_scaling(optax.chain(clip, optimizer, ...), loss_scale), not inside a chain")
 
 
 def loss_scale(opt_state: Any) -> jax.Array | None:
-    """The current loss scale found anywhere in ``opt_state``, or None when there is no loss scaling."""
-    found = _find_loss_scale_state(opt_state)
-    return None if found is None else found.scale
+    """The current loss scale (a scalar in the config's dtype) of the outermost state, or None when
+    ``opt_state`` is not a LossScaleState (no loss scaling).
+
+    Raises:
+      ValueError: as :func:`check_outermost` (a loss_scaling state nested inside another state, or two),
+        rather than answer None for a loss scale that is there.
+    """
+    check_outermost(opt_state)
+    return opt_state.scale if isinstance(opt_state, LossScaleState) else None
 
 
 def skipped(opt_state: Any) -> jax.Array | None:
-    """Whether the latest update was skipped (bool scalar), or None without loss scaling."""
-    found = _find_loss_scale_state(opt_state)
-    return None if found is None else found.skipped
+    """Whether the latest update was skipped (bool scalar) by the outermost loss_scaling, or None without
+    one. Raises as :func:`loss_scale`."""
+    check_outermost(opt_state)
+    return opt_state.skipped if isinstance(opt_state, LossScaleState) else None

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
+from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 Rules = tuple[tuple[str, Any], ...]
@@ -219,6 +222,269 @@ def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = N
                     f"or the mesh (e.g. a smaller {axes[-1]} axis)")
 
 
+# ------------------------------------------------------------------------------------ optimizer state
+# The origins of a value in a traced program: for each parameter leaf it is computed from along some of its
+# axes, the parameter axis each axis of the value runs along (None: along none). Only aligned axes matter
+# for a sharding: a scalar such as a global norm carries no axis, a mean over rows drops the row axis.
+_Origins = dict[int, tuple[int | None, ...]]
+
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                         "reduce_xor", "argmax", "argmin"})
+
+
+def _merge(*origins: _Origins) -> _Origins:
+    """Union of origins; an axis two of them align with different parameter axes aligns with none."""
+    out: dict[int, tuple[int | None, ...]] = {}
+    for o in origins:
+        for i, dims in o.items():
+            old = out.get(i, dims)
+            out[i] = tuple(a if b is None or a == b else b if a is None else None for a, b in zip(old, dims))
+    return {i: d for i, d in out.items() if any(a is not None for a in d)}
+
+
+def _remap(o: _Origins, axes: Sequence[int | None]) -> _Origins:
+    """Origins of a value whose axis ``k`` is axis ``axes[k]`` of the value ``o`` describes (None: a new axis)."""
+    return _merge({i: tuple(None if a is None else d[a] for a in axes) for i, d in o.items()})
+
+
+def _reshape_axes(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
+    """For each axis of a reshape's output, the input axis it is: size-1 axes aside, a common prefix and suffix."""
+    src, dst = [k for k, n in enumerate(old) if n != 1], [k for k, n in enumerate(new) if n != 1]
+    axes: list[int | None] = [None] * len(new)
+    i = j = 0
+    while i < min(len(src), len(dst)) and old[src[i]] == new[dst[i]]:
+        axes[dst[i]], i = src[i], i + 1
+    while j < min(len(src), len(dst)) - i and old[src[-1 - j]] == new[dst[-1 - j]]:
+        axes[dst[-1 - j]], j = src[-1 - j], j + 1
+    return axes
+
+
+def _dot_origins(dimension_numbers, shapes: list[tuple[int, ...]], ins: list[_Origins]) -> _Origins:
+    """``dot_general``'s output axes: batch axes, then the lhs's free axes, then the rhs's."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lf = [k for k in range(len(shapes[0])) if k not in lc and k not in lb]
+    rf = [k for k in range(len(shapes[1])) if k not in rc and k not in rb]
+    return _merge(_remap(ins[0], [*lb, *lf, *[None] * len(rf)]), _remap(ins[1], [*rb, *[None] * len(lf), *rf]))
+
+
+def _fixed_point(body, carry: list[_Origins], steps: int = 4) -> list[_Origins]:
+    """A loop carry's origins: merged over iterations of ``body`` (carry -> new carry) until they settle."""
+    for _ in range(steps):
+        new = [_merge(a, b) for a, b in zip(carry, body(carry))]
+        if new == carry:
+            break
+        carry = new
+    return carry
+
+
+def _loop_origins(eqn, ins: list[_Origins]) -> list[_Origins]:
+    """``while``: the carry's origins. ``scan``: the carry's, then the stacked outputs' (leading axis new)."""
+    p = eqn.params
+    if eqn.primitive.name == "while":
+        consts, carry = ins[:p["cond_nconsts"] + p["body_nconsts"]][p["cond_nconsts"]:], \
+            ins[p["cond_nconsts"] + p["body_nconsts"]:]
+        return _fixed_point(lambda c: _walk(p["body_jaxpr"].jaxpr, [*consts, *c]), carry)
+    nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"].jaxpr
+    xs = [_remap(o, range(1, v.aval.ndim)) for o, v in zip(ins[nc + nk:], eqn.invars[nc + nk:])]
+    run = lambda c: _walk(body, [*ins[:nc], *c, *xs])
+    carry = _fixed_point(lambda c: run(c)[:nk], ins[nc:nc + nk])
+    ys = run(carry)[nk:]
+    return carry + [_remap(o, [None, *range(v.aval.ndim - 1)]) for o, v in zip(ys, eqn.outvars[nk:])]
+
+
+def _eqn_origins(eqn, ins: list[_Origins]) -> list[_Origins]:
+    """The origins of one equation's outputs from its inputs'. Unknown primitives: an output is aligned with
+    every input of its shape (elementwise ops, selects, casts, sharding constraints, in-place updates)."""
+    name, p = eqn.primitive.name, eqn.params
+    shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+    out_shapes = [getattr(v.aval, "shape", ()) for v in eqn.outvars]
+    if name == "transpose":
+        return [_remap(ins[0], p["permutation"])]
+    if name == "broadcast_in_dim":
+        axes = [None] * len(out_shapes[0])
+        for k, d in enumerate(p["broadcast_dimensions"]):
+            axes[d] = k if shapes[0][k] == out_shapes[0][d] else None
+        return [_remap(ins[0], axes)]
+    if name in _REDUCTIONS or name == "squeeze":
+        dropped = p["axes"] if name in _REDUCTIONS else p["dimensions"]
+        return [_remap(ins[0], [k for k in range(len(shapes[0])) if k not in dropped])]
+    if name == "reshape":
+        return [_remap(ins[0], _reshape_axes(shapes[0], out_shapes[0]))]
+    if name in ("stack", "concatenate"):     # stack: a new axis; concatenate: along an axis of every input
+        k = p["axis"] if name == "stack" else p["dimension"]
+        keep = [*range(k), None, *range(k + 1 if name == "concatenate" else k, len(shapes[0]))]
+        return [_merge(*(_remap(o, keep) for o in ins))]
+    if name == "dot_general":
+        return [_dot_origins(p["dimension_numbers"], shapes, ins)]
+    if name == "cond":
+        return [_merge(*outs) for outs in zip(*(_walk(b.jaxpr, ins[1:]) for b in p["branches"]))]
+    if name in ("while", "scan"):
+        return _loop_origins(eqn, ins)
+    subs = [x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x for v in p.values()
+            for x in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+    if len(subs) == 1 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == len(out_shapes):
+        return _walk(subs[0], ins)           # jit, custom_jvp/vjp calls, remat, shard_map bodies
+    return [_merge(*(o for o, s in zip(ins, shapes) if s == shape)) if shape else {} for shape in out_shapes]
+
+
+def _walk(jaxpr: jcore.Jaxpr, ins: Sequence[_Origins]) -> list[_Origins]:
+    """The origins of ``jaxpr``'s outputs given its inputs' (constants have none)."""
+    env = dict(zip(jaxpr.invars, ins))
+    read = lambda v: {} if isinstance(v, jcore.Literal) else env.get(v, {})
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _eqn_origins(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _update_origins(tx: optax.GradientTransformation, param_shapes: Any, opt_shapes: Any,
+                    mesh: Mesh) -> list[_Origins]:
+    """The origins of every leaf of the state ``tx.update(grads, opt_state, params)`` returns.
+
+    The update is traced on shapes only (under ``jax.set_mesh(mesh)``) with gradients and params shaped like
+    the params, and its jaxpr walked: a value computed elementwise from parameter leaf ``i`` (its gradient or
+    itself) along some axes has origin ``{i: (param axis of each of its axes)}``; reductions drop axes,
+    broadcasts, transposes and reshapes move them. State inputs take the origins of the previous walk's state
+    outputs (a leaf passed through a branch unchanged keeps its own), repeated until they settle.
+
+    Returns:
+      One ``{param leaf index: param axis (or None) per axis of the leaf}`` per state leaf, in flattening order.
+
+    Raises:
+      ValueError: the update returns a state whose leaves' shapes differ from ``opt_shapes``.
+    """
+    with jax.set_mesh(mesh):
+        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p)[1])(param_shapes, opt_shapes, param_shapes)
+    want = [tuple(x.shape) for x in jax.tree.leaves(opt_shapes)]
+    if [tuple(a.shape) for a in closed.out_avals] != want:
+        raise ValueError(f"tx.update returns state leaves of shapes {[a.shape for a in closed.out_avals]}; tx.init "
+                         f"gave {want}")
+    seed = [{i: tuple(range(len(x.shape)))} if len(x.shape) else {}
+            for i, x in enumerate(jax.tree.leaves(param_shapes))]
+    state: list[_Origins] = [{} for _ in want]
+    for _ in range(4):
+        new = _walk(closed.jaxpr, [*seed, *state, *seed])
+        if new == state:
+            break
+        state = new
+    return state
+
+
+def _path_matches(opt_shapes: Any, param_shapes: Any) -> list[int | None]:
+    """Per state leaf, the param whose key path its path ends with and whose shape it has (Adam's mu), or None."""
+    by_path = {tuple(map(str, path)): (i, tuple(x.shape))
+               for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(param_shapes)[0])}
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_shapes)[0]:
+        key = tuple(map(str, path))
+        hits = (by_path.get(key[j:]) for j in range(len(key)))
+        out.append(next((h[0] for h in hits if h is not None and h[1] == tuple(leaf.shape)), None))
+    return out
+
+
+def _spec_along(shape: tuple[int, ...], dims: tuple[int | None, ...], spec: P, mesh: Mesh) -> P:
+    """The spec of a value whose axis ``k`` runs along axis ``dims[k]`` of a param sharded as ``spec``.
+
+    An axis its mesh axes do not divide, or whose mesh axes an earlier axis took, is left whole.
+    """
+    used, out = set(), []
+    for n, d in zip(shape, dims):
+        axes = spec[d] if d is not None and d < len(spec) else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        if axes and (n % math.prod(mesh.shape[a] for a in axes) or used & set(axes)):
+            axes = ()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def check_transformation(tx: Any) -> optax.GradientTransformation:
+    """``tx`` as a GradientTransformation: optax's ``MultiSteps`` wrapper is taken as optax users pass it.
+
+    Raises:
+      TypeError: ``tx`` is neither (e.g. ``optax.adamw`` not called).
+    """
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax.GradientTransformation (e.g. optax.adamw(1e-3), called) or an "
+                        f"optax.MultiSteps, got {tx!r}")
+    return tx
+
+
+def _param_specs(param_shapes: Any, param_shardings: Any, mesh: Mesh) -> list[P]:
+    try:
+        shardings = jax.tree.structure(param_shapes).flatten_up_to(param_shardings)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"param_shardings must have the structure of param_shapes (jp.sharding.named_shardings "
+                         f"of the boxed params gives it); structures differ: {e}") from None
+    for s in shardings:
+        if not isinstance(s, NamedSharding) or s.mesh.shape_tuple != mesh.shape_tuple:
+            raise TypeError(f"param_shardings leaves must be NamedShardings on the mesh {dict(mesh.shape)}, "
+                            f"got {s!r}")
+    return [s.spec for s in shardings]
+
+
+def _leaf_sharding(leaf: Any, origins: _Origins, path_hit: int | None, specs: list[P], mesh: Mesh) -> NamedSharding:
+    """One state leaf's sharding: along the param it has most axes aligned with (ties: the param its path
+    ends with, then the first); else the param its path and shape match; else replicated."""
+    rank = lambda kv: (-sum(d is not None for d in kv[1]), kv[0] != path_hit, kv[0])
+    best = min(origins.items(), key=rank, default=None)
+    if best is None and path_hit is not None:
+        best = (path_hit, tuple(range(len(leaf.shape))))
+    return NamedSharding(mesh, P() if best is None else _spec_along(leaf.shape, best[1], specs[best[0]], mesh))
+
+
+def opt_state_shardings(tx: Any, param_shapes: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """A ``NamedSharding`` for every leaf of ``tx.init(params)``, for any optax transformation.
+
+    A state leaf follows the parameter it is computed from, found by tracing ``tx.update`` on shapes and
+    walking its jaxpr while tracking axes (a dependence walk, a small sharding propagation): each axis of the
+    leaf that runs along an axis of that parameter takes that axis's mesh axes. So moments (Adam's ``mu`` and
+    ``nu``, Lion's ``mu``), accumulated gradients (``optax.MultiSteps``) and pruning masks get the parameter's
+    spec, and factored moments (Adafactor's ``v_row``/``v_col``, means over one axis) the parameter's spec
+    without the reduced axis, whatever the shapes (a square kernel's two factors included). A leaf that no
+    parameter axis reaches, but whose key path ends with a parameter's path and which has its shape, gets
+    that parameter's spec. Every other leaf (counts, loss scales, placeholders) is replicated, ``P()``. An
+    axis its mesh axes do not divide, or whose mesh axes another axis of the leaf took, stays whole.
+
+    (Flax lm1b / MaxText instead read ``nn.get_partition_spec`` of ``jax.eval_shape(tx.init, boxed_params)``;
+    that fails here: Adafactor keeps a ``[rows, cols]`` param's two axis names on its ``[rows]`` and ``[1]``
+    leaves, and pruning's init cannot run on boxed params.)
+
+    Args:
+      tx: an ``optax.GradientTransformation`` or an ``optax.MultiSteps``.
+      param_shapes: the unboxed parameter tree (arrays or ``jax.ShapeDtypeStruct``), as ``tx`` sees it (in
+        the policy's ``param_dtype``).
+      param_shardings: a tree of ``NamedSharding`` on ``mesh`` with the structure of ``param_shapes``
+        (:func:`named_shardings`).
+      mesh: the mesh.
+
+    Returns:
+      A tree of ``NamedSharding`` with the structure of ``jax.eval_shape(tx.init, param_shapes)``.
+
+    Raises:
+      TypeError: ``tx`` is not a transformation; a ``param_shardings`` leaf is not a ``NamedSharding`` on
+        ``mesh``.
+      ValueError: ``param_shardings`` does not have the structure of ``param_shapes``.
+
+    Warns:
+      UserWarning: ``tx.update`` cannot be traced on shapes (e.g. it needs extra arguments); then only the
+        key-path rule applies.
+    """
+    tx = check_transformation(tx)
+    specs = _param_specs(param_shapes, param_shardings, mesh)
+    opt_shapes = jax.eval_shape(tx.init, param_shapes)
+    leaves, treedef = jax.tree.flatten(opt_shapes)
+    try:
+        origins = _update_origins(tx, param_shapes, opt_shapes, mesh)
+    except Exception as e:  # noqa: BLE001  (a user's update: its own error surfaces at the first step)
+        warnings.warn(f"could not trace tx.update on shapes ({type(e).__name__}: {e}); optimizer state leaves "
+                      "follow parameters by key path and shape only", stacklevel=2)
+        origins = [{} for _ in leaves]
+    hits = _path_matches(opt_shapes, param_shapes)
+    return treedef.unflatten([_leaf_sharding(x, o, h, specs, mesh) for x, o, h in zip(leaves, origins, hits)])
+
+
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """Constrains an activation's sharding by logical axis names, e.g. ``constrain(x, 'batch', 'seq', 'embed')``.
 
@@ -294,5 +560,5 @@ def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
 __all__: Sequence[str] = (
     "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "leaf_axis_names", "mesh_specs",
     "named_shardings", "effective_rules", "check_divisible", "constrain", "constrain_spec", "use", "use_for_init", "has_explicit_axes",
-    "replicated", "describe_params",
+    "replicated", "describe_params", "opt_state_shardings", "check_transformation",
     "process_batch_rows", "global_batch_rows")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig, MLP, classification_loss
 
 # DESIGN.md "Tests": per leaf max|got - ref| <= 1e-5 * max|ref|. Elementwise rtol cannot hold when a layout
@@ -81,3 +82,8 @@ def mlp_parts(hidden=(64, 128, 32), num_classes: int = 10):
 def gpt_parts(cfg: GPTConfig = SMALL_GPT):
     model = GPT(cfg)
     return model.init, model.loss
+
+
+def gpt_pipeline(model, schedule, **kwargs):
+    """The GPT as a ``jp.pipeline.Pipeline`` of its three parts (``kwargs``: e.g. ``stash="inputs"``)."""
+    return jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule, **kwargs)

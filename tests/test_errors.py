@@ -39,7 +39,7 @@ def mlp_on_2x2(mesh_factory):
 @pytest.mark.parametrize("batch_size, accum, pattern", [
     (30, 1, r"batch 30 is not divisible by data\*fsdp = 4; use a batch that is a multiple of 4"),
     (6, 1, r"batch 6 is not divisible by data\*fsdp = 4"),
-    (30, 4, r"batch 30 is not divisible by grad_accum_steps = 4; use a batch that is a multiple of 4"),
+    (30, 4, r"batch 30 is not divisible by grad_accum_steps = 4; use a batch that is a multiple of 16"),
     (24, 4, r"microbatch 6 \(batch 24 / grad_accum_steps 4\) is not divisible by data\*fsdp = 4; "
             r"use a batch that is a multiple of 16"),
 ], ids=["batch30", "batch6", "batch30-accum4", "batch24-accum4"])
@@ -161,7 +161,7 @@ def test_wrong_argument_types(mesh_factory):
     with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got dict"):
         jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh={"data": 8})
     with pytest.raises(TypeError, match=r"policy must be a jp.precision.Policy or None, got 'bf16'"):
-        jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_factory(), policy="bf16")
+        jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh=mesh_factory(), policy="bf16")
     with pytest.raises(TypeError, match=r"rng must be a typed key"):
         jp.train.init_state(init_fn, optax.sgd(0.1), "seed", mesh=mesh_factory())
 

@@ -1,6 +1,6 @@
-"""Pipelined training: ``make_train_step(..., pipeline=...)`` with the GPT on data=2 x pipe=2 x tensor=2.
+"""Pipelined training: ``make_train_step(Pipeline(...), ...)`` with the GPT on data=2 x pipe=2 x tensor=2.
 
-The GPT is given as its three parts (``model.pipeline(schedule)``); one step reproduces the single-device
+The GPT is given as its three parts (``Pipeline(model.embed, model.stage, model.head_loss, schedule)``); one step reproduces the single-device
 float32 loss, gradients and update (tied and untied embeddings, with gradient accumulation), and five AdamW
 steps reproduce the pipe=1 run. Run with ``-s`` to see the errors reached.
 """
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import SMALL_GPT, SMALL_GPT_VARIANT, assert_scalar_close, assert_tree_close, gpt_batch
+from helpers import SMALL_GPT, SMALL_GPT_VARIANT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
@@ -57,9 +57,8 @@ def test_pipelined_step_matches_single_device(case, mesh_factory):
     loss, aux, grads, new_params = jax.device_get((loss, aux, grads, new_params))
 
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = jp.train.make_train_step(None, tx, mesh=mesh, grad_accum_steps=accum,
-                                    pipeline=jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss,
-                                                                  schedule(2, m)))
+    step = jp.train.make_train_step(jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule(2, m)),
+                                    tx, mesh=mesh, grad_accum_steps=accum)
     new_state, metrics = step(state, batch)
     assert jax.tree.map(lambda x: x.sharding, new_state) == shardings, "the step changed the state's layout"
     errs = {"loss": assert_scalar_close(metrics["loss"], loss, what=f"{case} loss"),
@@ -83,7 +82,7 @@ def test_five_adamw_steps_pipe2_match_pipe1(mesh_factory):
     batches = [gpt_batch(np.random.default_rng(SEED + 1), 16, cfg)] * 5    # one batch: the loss must fall
 
     def train(state, mesh, pipeline):
-        step = jp.train.make_train_step(model.loss, tx, mesh=mesh, pipeline=pipeline, donate=False)
+        step = jp.train.make_train_step(pipeline or model.loss, tx, mesh=mesh, donate=False)
         losses = []
         for b in batches:
             state, metrics = step(state, b)
@@ -94,7 +93,7 @@ def test_five_adamw_steps_pipe2_match_pipe1(mesh_factory):
     state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
     ref_state = jax.device_put(state, jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec()))
     ref_losses, ref_params = train(ref_state, one, None)
-    losses, params = train(state, mesh, model.pipeline(jp.pipeline.one_f_one_b(2, 4)))
+    losses, params = train(state, mesh, gpt_pipeline(model, jp.pipeline.one_f_one_b(2, 4)))
     assert ref_losses[-1] < ref_losses[0]
     loss_err = max(assert_scalar_close(g, r, what=f"step {i} loss") for i, (g, r) in enumerate(zip(losses, ref_losses)))
     param_err = assert_tree_close(params, ref_params, rtol=1e-4, what="params after 5 AdamW steps")
@@ -110,17 +109,19 @@ def test_loss_scale_reaches_the_backward(mesh_factory):
               "layers": rng.normal(size=(4, 16, 16)).astype(np.float32) / 4}
     pipeline = jp.pipeline.Pipeline(
         lambda p, x: x @ p["emb"], lambda w, x: jax.lax.fori_loop(0, w.shape[0], lambda i, x: jnp.tanh(x @ w[i]), x),
-        lambda p, y, t: jnp.mean(jnp.square(y @ p["head"] - t)), jp.pipeline.one_f_one_b(2, 2), stage_key="layers")
-    bound = pipeline.bind(mesh=mesh)
+        lambda p, y, t: (jnp.mean(jnp.square(y @ p["head"] - t)), None), jp.pipeline.one_f_one_b(2, 2),
+        stage_key="layers")
+    ctx = jp.grads.Context(mesh)
     batch = {"inputs": rng.normal(size=(8, 8)).astype(np.float32), "targets": rng.normal(size=(8,)).astype(np.float32)}
-    bound.check(params, batch)
+    pipeline.check_mesh(mesh)
+    pipeline.check(params, batch, ctx)
     with jp.sharding.use(mesh):
-        run = jax.jit(lambda p, b, s: bound.loss_and_grads(p, b, None, s))
+        run = jax.jit(lambda p, b, s: pipeline(p, b, None, s, ctx))
         (l1, aux, g1), (l8, _, g8) = run(params, batch, 1.0), run(params, batch, 8.0)
     assert float(l1) == float(l8) and aux == {}
     assert_tree_close(g8, jax.tree.map(lambda g: 8 * g, g1), what="scaled grads")
     ref_loss, ref_grads = jax.value_and_grad(lambda p: pipeline.head_loss_fn(p, jax.lax.fori_loop(
-        0, 4, lambda i, x: jnp.tanh(x @ p["layers"][i]), batch["inputs"] @ p["emb"]), batch["targets"]))(params)
+        0, 4, lambda i, x: jnp.tanh(x @ p["layers"][i]), batch["inputs"] @ p["emb"]), batch["targets"])[0])(params)
     assert_scalar_close(l1, ref_loss, what="three-part loss")
     assert_tree_close(g1, ref_grads, what="three-part grads")
 
@@ -128,35 +129,37 @@ def test_loss_scale_reaches_the_backward(mesh_factory):
 def test_errors(mesh_factory):
     mesh = mesh_factory(**MESH)
     model, tx = GPT(SMALL_GPT), optax.sgd(0.1)
-    with pytest.raises(ValueError, match=r"the mesh has pipe=2 but no pipeline was given"):
+    with pytest.raises(ValueError, match=r"the mesh has pipe=2 but the step's gradient function does not pipeline"):
         jp.train.make_train_step(model.loss, tx, mesh=mesh)
     with pytest.raises(ValueError, match=r"the mesh has pipe=2 but schedule '1f1b' has num_stages=4"):
-        jp.train.make_train_step(None, tx, mesh=mesh, pipeline=model.pipeline(jp.pipeline.one_f_one_b(4, 4)))
-    with pytest.raises(TypeError, match=r"pipeline must be a jp.pipeline.Pipeline"):
-        jp.train.make_train_step(None, tx, mesh=mesh, pipeline=jp.pipeline.gpipe(2, 2))
+        jp.train.make_train_step(gpt_pipeline(model, jp.pipeline.one_f_one_b(4, 4)), tx, mesh=mesh)
+    with pytest.raises(TypeError, match=r"make_train_step needs a loss_fn\(params, batch, rng\) -> \(loss, aux\) or "
+                                        r"a jp.grads.GradFn"):
+        jp.train.make_train_step(jp.pipeline.gpipe(2, 2), tx, mesh=mesh)
     with pytest.raises(ValueError, match=r"forward-only"):
-        model.pipeline(jp.pipeline.gpipe(2, 2).forward_only())
+        gpt_pipeline(model, jp.pipeline.gpipe(2, 2).forward_only())
 
-    bound = model.pipeline(jp.pipeline.gpipe(2, 4)).bind(mesh=mesh)
+    pipeline, ctx = gpt_pipeline(model, jp.pipeline.gpipe(2, 4)), jp.grads.Context(mesh)
     with jp.sharding.use(mesh):
         boxed = jax.eval_shape(model.init, jax.random.key(0))
     params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), nn.meta.unbox(boxed))
     three = {**params, "blocks": jax.tree.map(lambda a: np.concatenate([a, a[:1]]), params["blocks"])}
     with pytest.raises(ValueError, match=r"its layers axis is not divisible by num_stages = 2"):
-        bound.check(three, gpt_batch(np.random.default_rng(0), 16))
+        pipeline.check(three, gpt_batch(np.random.default_rng(0), 16), ctx)
+    state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
     with pytest.raises(ValueError, match=r"microbatch 3 \(batch 12 / 4 microbatches\) is not divisible by "
                                          r"data\*fsdp = 2; use a batch that is a multiple of 8"):
-        bound.check(params, gpt_batch(np.random.default_rng(0), 12))
+        jp.train.make_train_step(pipeline, tx, mesh=mesh)(state, gpt_batch(np.random.default_rng(0), 12))
     with pytest.raises(ValueError, match=r"batch 6 is not divisible by num_microbatches = 4.*one of the "
                                          r"grad_accum_steps = 2"):
-        model.pipeline(jp.pipeline.gpipe(2, 4)).bind(mesh=mesh, grad_accum_steps=2).check(
-            params, gpt_batch(np.random.default_rng(0), 12))
+        jp.train.make_train_step(pipeline, tx, mesh=mesh, grad_accum_steps=2)(
+            state, gpt_batch(np.random.default_rng(0), 12))
     with pytest.raises(ValueError, match=r"'layers' dimension \(3\) is not divisible by pipe = 2"):
         jp.train.init_state(GPT(GPTConfig(**{**SMALL_GPT.__dict__, "num_layers": 3})).init, tx, SEED, mesh=mesh)
     widen = jp.pipeline.Pipeline(model.embed, lambda p, x: jnp.concatenate([x, x], -1), model.head_loss,
                                  jp.pipeline.gpipe(2, 4))
     with pytest.raises(ValueError, match=r"stage_fn maps a microbatch float32\[4, 16, 64\] to float32\[4, 16, 128\]"):
-        widen.bind(mesh=mesh).check(params, gpt_batch(np.random.default_rng(0), 16))
+        widen.check(params, gpt_batch(np.random.default_rng(0), 16), ctx)
 
 
 def test_charlm_runs_data2_pipe2_tensor2(tmp_path):

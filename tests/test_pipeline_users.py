@@ -1,4 +1,4 @@
-"""The pipeline where users run it: ``make_train_step(None, tx, pipeline=Pipeline(...))`` against plain JAX.
+"""The pipeline where users run it: ``make_train_step(Pipeline(...), tx)`` against plain JAX.
 
 Every parity test here compares with an independent reference computed in the test: ``jax.value_and_grad``
 of ``model.loss`` (no pipeline code) and optax on one device in float32, per leaf
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch
+from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
@@ -35,8 +35,7 @@ def gpt(num_layers: int = 2, **kw) -> GPT:
     return GPT(dataclasses.replace(SMALL_GPT, **NARROW, num_layers=num_layers, **kw))
 
 
-def pipeline_of(model: GPT, schedule, **kw) -> jp.pipeline.Pipeline:
-    return jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule, **kw)
+pipeline_of = gpt_pipeline
 
 
 def trace_of(opt_state):
@@ -62,7 +61,7 @@ def one_step_parity(model, mesh, pipeline, batch, tx=None, what=""):
     tx = tx or optax.sgd(0.1, momentum=0.9)
     state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
     loss, aux, grads, new_params = reference_step(model, state.params, batch, tx)
-    step = jp.train.make_train_step(None, tx, mesh=mesh, pipeline=pipeline)
+    step = jp.train.make_train_step(pipeline, tx, mesh=mesh)
     new_state, metrics = step(state, batch)
     errs = {"loss": assert_scalar_close(metrics["loss"], loss, what=f"{what} loss"),
             "grads": assert_tree_close(trace_of(new_state.opt_state), grads, what=f"{what} grads"),
@@ -120,11 +119,10 @@ def test_pipeline_with_mixed_bf16_policy(mesh_factory):
 
     # jaxpar's non-pipelined bf16 step on one device, from the same params
     ref_state = jax.device_put(state, NamedSharding(one, P()))
-    ref_step = jp.train.make_train_step(model.loss, tx, mesh=one, policy=policy, donate=False)
+    ref_step = jp.train.make_train_step(model.loss, tx, mesh=one, donate=False)
     ref_new, ref_metrics = ref_step(ref_state, batch)
 
-    step = jp.train.make_train_step(None, tx, mesh=mesh, policy=policy,
-                                    pipeline=pipeline_of(model, jp.pipeline.one_f_one_b(2, 4)))
+    step = jp.train.make_train_step(pipeline_of(model, jp.pipeline.one_f_one_b(2, 4)), tx, mesh=mesh)
     new_state, metrics = step(state, batch)
     grads, ref_grads = trace_of(new_state.opt_state), trace_of(ref_new.opt_state)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
@@ -150,7 +148,7 @@ def test_pipeline_with_static_loss_scale_equals_plain_sgd(mesh_factory):
     batch = gpt_batch(np.random.default_rng(SEED + 8), 16, model.cfg)
     state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
     loss, _, grads, new_params = reference_step(model, state.params, batch, sgd)
-    step = jp.train.make_train_step(None, tx, mesh=mesh, pipeline=pipeline_of(model, jp.pipeline.one_f_one_b(2, 4)))
+    step = jp.train.make_train_step(pipeline_of(model, jp.pipeline.one_f_one_b(2, 4)), tx, mesh=mesh)
     new_state, metrics = step(state, batch)
     assert float(metrics["loss_scale"]) == 2.0 ** 12 and float(metrics["skipped"]) == 0.0
     e_loss = assert_scalar_close(metrics["loss"], loss, what="loss")
@@ -174,8 +172,8 @@ def test_stash_inputs_compiles_to_fewer_temp_bytes(mesh_factory):
     state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
     temp = {}
     for stash in ("residuals", "inputs"):
-        step = jp.train.make_train_step(None, tx, mesh=mesh, donate=False,
-                                        pipeline=pipeline_of(model, jp.pipeline.one_f_one_b(2, 4), stash=stash))
+        step = jp.train.make_train_step(pipeline_of(model, jp.pipeline.one_f_one_b(2, 4), stash=stash), tx,
+                                        mesh=mesh, donate=False)
         temp[stash] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     print(f"\n[stash temp bytes] {temp}")
     assert temp["inputs"] < temp["residuals"], temp
@@ -196,14 +194,14 @@ def test_one_stage_pipeline_runs_without_shard_map(mesh_factory):
     mesh1 = mesh_factory(data=2, fsdp=2, tensor=2)
     pipeline1 = pipeline_of(model, jp.pipeline.one_f_one_b(1, 4))
     state = jp.train.init_state(model.init, tx, SEED, mesh=mesh1)
-    text1 = jp.train.make_train_step(None, tx, mesh=mesh1, pipeline=pipeline1).lower(state, batch).as_text()
+    text1 = jp.train.make_train_step(pipeline1, tx, mesh=mesh1).lower(state, batch).as_text()
     found = [m for m in MANUAL_MARKERS if m in text1]
     assert not found, f"the pipe=1 pipelined step lowers with manual-axis markers {found}"
 
     mesh2 = mesh_factory(data=2, pipe=2, tensor=2)
     state2 = jp.train.init_state(model.init, tx, SEED, mesh=mesh2)
-    text2 = jp.train.make_train_step(None, tx, mesh=mesh2, pipeline=pipeline_of(
-        model, jp.pipeline.one_f_one_b(2, 4))).lower(state2, batch).as_text()
+    text2 = jp.train.make_train_step(pipeline_of(
+        model, jp.pipeline.one_f_one_b(2, 4)), tx, mesh=mesh2).lower(state2, batch).as_text()
     assert any(m in text2 for m in MANUAL_MARKERS), "positive control: the pipe=2 step shows no shard_map marker"
 
     one_step_parity(model, mesh1, pipeline1, batch, tx, what="pipe=1 pipeline on data2 fsdp2 tensor2")
@@ -272,9 +270,8 @@ def test_pipelined_checkpoint_restores_onto_other_pipe_sizes(mesh_factory, tmp_p
     def step_for(name):
         sizes, p = layouts[name]
         mesh = mesh_factory(**sizes)
-        pipeline = pipeline_of(model, jp.pipeline.one_f_one_b(p, 4)) if p > 1 else None
-        return mesh, jp.train.make_train_step(model.loss if p == 1 else None, tx, mesh=mesh, pipeline=pipeline,
-                                              donate=False)
+        grad_fn = pipeline_of(model, jp.pipeline.one_f_one_b(p, 4)) if p > 1 else model.loss
+        return mesh, jp.train.make_train_step(grad_fn, tx, mesh=mesh, donate=False)
 
     mesh2, step2 = step_for("pipe2")
     state, _ = step2(jp.train.init_state(model.init, tx, SEED, mesh=mesh2), batch0)

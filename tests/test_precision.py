@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.precision import DynamicLossScale, NoOpLossScale, Policy, StaticLossScale, loss_scaling
+from jaxpar.precision import (DynamicLossScale, LossScaleState, NoOpLossScale, Policy, StaticLossScale,
+                              loss_scaling)
 
 from helpers import mlp_batch, mlp_parts
 
@@ -124,8 +125,9 @@ def test_policy_casts_floating_leaves_only():
 
 # ------------------------------------------------------------------------------------- bf16 in the step
 
-def _gpt(dtype):
-    return GPT(GPTConfig(vocab_size=61, num_layers=2, num_heads=4, d_model=64, max_seq_len=32, dtype=dtype))
+def _gpt(**dtypes):
+    """A small GPT; without ``dtypes`` it follows the dtype of the params it is given (the policy's)."""
+    return GPT(GPTConfig(vocab_size=61, num_layers=2, num_heads=4, d_model=64, max_seq_len=32, **dtypes))
 
 
 def _gpt_batch(seed=0, b=8, length=32):
@@ -137,9 +139,9 @@ def _gpt_batch(seed=0, b=8, length=32):
 def test_bf16_step_computes_dots_in_bf16_and_keeps_f32_state(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     policy = Policy.from_string("mixed_bf16")
-    model, tx = _gpt(jnp.bfloat16), optax.adam(1e-3)
+    model, tx = _gpt(), optax.adam(1e-3)
     state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy)
-    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, policy=policy)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh)     # the policy travels on the state
     text = step.lower(state, _gpt_batch()).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     bf16_dots = [d for d in dots if re.search(r"tensor<[0-9x]*bf16>.*tensor<[0-9x]*bf16>", d)]
@@ -159,7 +161,7 @@ def _residual_bytes(model, params, batch):
 
 def test_bf16_saves_residual_memory():
     batch = _gpt_batch(b=16, length=32)
-    f32_model, bf16_model = _gpt(jnp.float32), _gpt(jnp.bfloat16)
+    f32_model, bf16_model = _gpt(dtype=jnp.float32), _gpt(dtype=jnp.bfloat16)
     params = jax.tree.map(lambda x: x.value, f32_model.init(jax.random.key(0)),
                           is_leaf=lambda x: hasattr(x, "value"))
     f32_bytes = _residual_bytes(f32_model, params, batch)
@@ -171,10 +173,10 @@ def test_bf16_saves_residual_memory():
 def test_fp16_step_runs_on_cpu_with_dynamic_scaling(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     policy = Policy.from_string("mixed_fp16")
-    model = _gpt(jnp.float16)
+    model = _gpt()
     tx = loss_scaling(optax.adam(1e-3), DynamicLossScale(initial_scale=2.0 ** 10))
     state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy)
-    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, policy=policy)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
     state, metrics = step(state, _gpt_batch())
     assert float(metrics["loss_scale"]) == 2.0 ** 10 and float(metrics["skipped"]) == 0.0
     assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
@@ -188,7 +190,7 @@ def test_small_updates_move_f32_master_weights(mesh_factory):
     loss_fn = lambda p, b, r: (jnp.sum(p["w"] * b["x"][:, :, None].mean(0)), {})
     tx = optax.sgd(1e-5)
     state = jp.train.init_state(init_fn, tx, 0, mesh=mesh, policy=policy)
-    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, policy=policy)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh)
     batch = {"x": np.ones((8, 64), np.float32)}
     for _ in range(100):
         state, _ = step(state, batch)
@@ -209,7 +211,7 @@ def test_bf16_params_keep_f32_optimizer_moments(mesh_factory):
     assert moments and all(x.dtype == F32 for x in moments)
     abstract = jp.train.abstract_state(init_fn, tx, mesh=mesh, policy=policy)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), state)
-    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, policy=policy)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh)
     state, _ = step(state, mlp_batch(np.random.default_rng(0), 16))
     assert all(x.dtype == BF16 for x in jax.tree.leaves(state.params))
     assert all(x.dtype == F32 for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
@@ -271,8 +273,10 @@ def test_scale_never_drops_below_min_scale_even_after_jit_round_trip(mesh_factor
         _, state = update(bad, state, params)
     assert float(state.scale) == 2.0 and int(state.num_skipped) == 30
     state = jax.device_put(jax.device_get(state))                # through host memory and back
-    _, state = jax.jit(tx.update)(bad, state, params)
-    assert float(state.scale) == 2.0 and float(state.min_scale) == 2.0
+    update = jax.jit(tx.update)                                  # a fresh trace: min_scale from the closure
+    for _ in range(5):
+        _, state = update(bad, state, params)
+    assert float(state.scale) == 2.0 and int(state.num_skipped) == 35
 
 
 def _is_pow2(x: float) -> bool:
@@ -318,15 +322,88 @@ def test_float16_scale_grows_to_two_to_the_15_and_stays_a_power_of_two():
     assert seen[9] == 2.0 ** 15 and seen[-1] == 2.0 ** 15 and max(seen) == 2.0 ** 15
 
 
-def test_restored_float16_state_with_old_65504_cap_still_stops_at_two_to_the_15():
+def test_restored_float16_state_at_the_cap_still_stops_at_two_to_the_15():
+    """The cap comes from the transform (the scale's dtype), not from anything a restored state carries."""
     params, grads = _tiny()
     tx = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=2.0 ** 15, growth_interval=1,
                                                         dtype=jnp.float16))
-    state = tx.init(params)._replace(max_scale=jnp.asarray(65504.0, jnp.float32))  # as checkpointed before
+    state = jax.device_put(jax.device_get(tx.init(params)))      # as a checkpoint restore gives it
     update = jax.jit(tx.update)
     for _ in range(3):
         _, state = update(grads, state, params)
-        assert float(state.scale) == 2.0 ** 15
+        assert float(state.scale) == 2.0 ** 15 and state.scale.dtype == F16
+
+
+def test_state_holds_only_what_changes():
+    """Hyperparameters live in the loss_scaling closure (as optax, flax's DynamicScale): configs that differ
+    in every one give states of the same tree, shapes and dtypes, so checkpoints do not depend on them."""
+    assert LossScaleState._fields == ("scale", "good_steps", "skipped", "num_skipped", "inner_state")
+    params, _ = _tiny()
+    configs = [DynamicLossScale(), DynamicLossScale(initial_scale=4.0, growth_interval=3, growth_factor=4.0,
+                                                    backoff_factor=0.25, min_scale=2.0, max_scale=2.0 ** 8),
+               StaticLossScale(8.0), NoOpLossScale()]
+    shapes = [jax.tree.map(lambda x: (x.shape, x.dtype), loss_scaling(optax.sgd(0.1), ls).init(params))
+              for ls in configs]
+    assert all(s == shapes[0] for s in shapes[1:]), shapes
+
+
+def test_a_state_follows_the_config_of_the_transform_it_is_given_to():
+    """One restored state, updated by two transforms: each applies its own growth, backoff, min and max."""
+    params, grads = _tiny()
+    bad = jax.tree.map(lambda p: p * jnp.nan, params)
+    slow = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=16.0, growth_interval=1000))
+    fast = loss_scaling(optax.sgd(1e-3), DynamicLossScale(initial_scale=16.0, growth_interval=1, growth_factor=4.0,
+                                                          backoff_factor=0.25, min_scale=8.0, max_scale=256.0))
+    state = jax.device_put(jax.device_get(slow.init(params)))
+    _, s = jax.jit(slow.update)(grads, state, params)
+    assert (float(s.scale), int(s.good_steps)) == (16.0, 1)
+    update, seen = jax.jit(fast.update), []
+    for g in [grads, grads, grads, bad, bad, bad]:      # x4, x4, held at max 256; x1/4, then held at min 8
+        _, state = update(g, state, params)
+        seen.append(float(state.scale))
+    assert seen == [64.0, 256.0, 256.0, 64.0, 16.0, 8.0]
+    assert int(state.num_skipped) == 3 and bool(state.skipped) and int(state.good_steps) == 0
+
+
+def test_update_refuses_a_state_it_did_not_make():
+    params, grads = _tiny()
+    tx = loss_scaling(optax.sgd(0.1), DynamicLossScale())
+    with pytest.raises(TypeError, match="LossScaleState"):
+        tx.update(grads, optax.sgd(0.1).init(params), params)
+    f16_state = loss_scaling(optax.sgd(0.1), DynamicLossScale(dtype=jnp.float16)).init(params)
+    with pytest.raises(ValueError, match="float16 but this loss_scaling's config has dtype float32"):
+        tx.update(grads, f16_state, params)
+
+
+def test_loss_scale_and_skipped_read_the_outermost_state():
+    params, grads = _tiny()
+    tx = loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), StaticLossScale(64.0))
+    state = tx.init(params)
+    assert jp.precision.loss_scale(state) is state.scale and jp.precision.skipped(state) is state.skipped
+    _, state = tx.update(jax.tree.map(lambda g: g * jnp.inf, grads), state, params)
+    assert float(jp.precision.loss_scale(state)) == 64.0 and bool(jp.precision.skipped(state))
+    plain = optax.adam(1e-3).init(params)
+    jp.precision.check_outermost(plain)
+    assert jp.precision.loss_scale(plain) is None and jp.precision.skipped(plain) is None
+    wrapped = jp.precision.f32_optimizer_state(tx).init(params)   # the wrapper keeps the inner state as is
+    jp.precision.check_outermost(wrapped)
+    assert type(wrapped) is LossScaleState and float(jp.precision.loss_scale(wrapped)) == 64.0
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: optax.chain(optax.clip_by_global_norm(1.0), loss_scaling(optax.sgd(0.1), StaticLossScale(4.0))),
+     "outermost"),
+    (lambda: loss_scaling(optax.chain(loss_scaling(optax.sgd(0.1), NoOpLossScale())), StaticLossScale(4.0)),
+     "more than one"),
+    (lambda: optax.chain(loss_scaling(optax.sgd(0.1), NoOpLossScale()), loss_scaling(optax.sgd(0.1),
+                                                                                     NoOpLossScale())),
+     "more than one"),
+])
+def test_a_nested_or_second_loss_scaling_state_is_refused(make, match):
+    state = make().init(_tiny()[0])
+    for check in (jp.precision.check_outermost, jp.precision.loss_scale, jp.precision.skipped):
+        with pytest.raises(ValueError, match=match):
+            check(state)
 
 
 @pytest.mark.parametrize("max_scale, want", [(1000.0, 512.0), (1024.0, 1024.0), (1500, 1024.0), (3.0, 2.0)])

@@ -121,7 +121,7 @@ def test_loss_scaled_pipelined_sgd_step_matches_plain_sgd(mesh_factory):
     ref = reference_sgd(model.loss, state.params, batches)
 
     pipeline = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, jp.pipeline.one_f_one_b(2, 4))
-    step = jp.train.make_train_step(None, tx, mesh=mesh, pipeline=pipeline)
+    step = jp.train.make_train_step(pipeline, tx, mesh=mesh)
     metrics = []
     for b in batches:
         state, m = step(state, b)
@@ -149,7 +149,7 @@ def test_fp16_training_with_dynamic_loss_scale_tracks_f32(mesh_factory):
     def train(cfg, tx, policy):
         model = GPT(cfg)
         state = jp.train.init_state(model.init, tx, SEED, mesh=mesh, policy=policy)
-        step = jp.train.make_train_step(model.loss, tx, mesh=mesh, policy=policy)
+        step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
         out = []
         for _ in range(steps):
             state, m = step(state, batch)
@@ -223,7 +223,7 @@ def test_mixed_bf16_policy_computes_a_plain_loss_fn_in_bf16(mesh_factory):
     for name in ("mixed_bf16", "f32", None):
         policy = None if name is None else jp.Policy.from_string(name)
         state = jp.train.init_state(lambda r: params, tx, SEED, mesh=mesh, policy=policy)
-        step = jp.train.make_train_step(plain_loss, tx, mesh=mesh, policy=policy, donate=False)
+        step = jp.train.make_train_step(plain_loss, tx, mesh=mesh, donate=False)
         n_dots, n_bf16 = dot_dtypes(step, state, batch)
         assert n_dots >= 3, n_dots
         if name == "mixed_bf16":
@@ -256,7 +256,7 @@ def test_mixed_bf16_policy_computes_a_float_input_loss_fn_in_bf16(mesh_factory):
     batch = {"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
     policy = jp.Policy.from_string("mixed_bf16")
     state = jp.train.init_state(lambda r: params, optax.sgd(0.1), 0, mesh=mesh, policy=policy)
-    step = jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, policy=policy)
+    step = jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh)
     n_dots, n_bf16 = dot_dtypes(step, state, batch)
     assert n_dots and n_bf16 == n_dots, f"{n_bf16} of {n_dots} dots take bf16 operands"
 
@@ -283,7 +283,7 @@ def test_bf16_params_update_is_bf16_of_the_f32_optax_update(mesh_factory):
     tx = sgd()
     state0 = jp.train.init_state(lambda r: params, tx, SEED, mesh=mesh, policy=policy)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state0.params))
-    step = jp.train.make_train_step(plain_loss, tx, mesh=mesh, policy=policy, donate=False)
+    step = jp.train.make_train_step(plain_loss, tx, mesh=mesh, donate=False)
 
     state1, _ = step(state0, batches[0])
     g1 = trace_of(state1.opt_state)                                        # = f32(the bf16 gradient at P0)

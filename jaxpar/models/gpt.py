@@ -44,9 +44,10 @@ class GPTConfig:
     tie_embeddings: bool = True    # logits = x @ embedding.T when True, else a separate head kernel
     scan_layers: bool = False      # lax.scan over layers (fast compile at depth) or unrolled (fast on CPU)
     remat: str = "none"            # activation checkpointing per block: "none", "full" or "dots"
-    dtype: Any = jnp.float32       # compute dtype, passed to every layer explicitly
-    param_dtype: Any = jnp.float32  # parameter storage dtype
-    output_dtype: Any = jnp.float32  # logits dtype (the cross-entropy is always taken in float32)
+    dtype: Any = None              # compute dtype; None: the dtype of the params given (the step casts them
+                                   # to the state's policy's compute dtype), passed to every layer explicitly
+    param_dtype: Any = None        # dtype params are created in; None: float32 (init_state casts to the policy's)
+    output_dtype: Any = None       # logits dtype; None: the compute dtype (the cross-entropy is always float32)
     vocab_multiple: int = 128      # pad the vocabulary to a multiple of this (mesh axes must divide it)
     init_std: float = 0.02         # std of weight initialisation (GPT-2)
     rope_base: float = 10000.0     # rotary base frequency
@@ -62,7 +63,7 @@ class GPTConfig:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
         for name in ("dtype", "param_dtype", "output_dtype"):
             value = getattr(self, name)
-            if not is_floating_dtype(value):
+            if value is not None and not is_floating_dtype(value):
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a floating dtype (float32, bfloat16, float16)")
         for name in ("init_std", "rope_base"):
             value = getattr(self, name)
@@ -107,7 +108,13 @@ class GPTConfig:
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, std: float | None):
     init = nn.initializers.normal(std) if std is not None else (
         nn.initializers.ones if name.endswith("scale") else nn.initializers.zeros)
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, module.cfg.param_dtype)
+    return module.param(name, nn.with_logical_partitioning(init, names), shape,
+                        jnp.float32 if module.cfg.param_dtype is None else module.cfg.param_dtype)
+
+
+def _compute_dtype(cfg: GPTConfig, like: jax.Array) -> Any:
+    """The configured compute dtype, or (None) the dtype of ``like``: params already cast by the policy."""
+    return cfg.dtype if cfg.dtype is not None else like.dtype
 
 
 @jax.checkpoint
@@ -148,12 +155,13 @@ class Embed(nn.Module):
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         c = self.cfg
+        dtype = _compute_dtype(c, self.embedding)
         # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
         # is a vocab-parallel gather whose output can take the batch sharding directly.
-        table_VD = constrain(self.embedding.astype(c.dtype), "vocab", None)
+        table_VD = constrain(self.embedding.astype(dtype), "vocab", None)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if c.positions == "learned":
-            x_BLD = x_BLD + self.pos_embedding[: tokens_BL.shape[1]].astype(c.dtype)[None]
+            x_BLD = x_BLD + self.pos_embedding[: tokens_BL.shape[1]].astype(dtype)[None]
         return constrain(x_BLD, "batch", "seq", "embed")
 
 
@@ -185,18 +193,19 @@ class Block(nn.Module):
         c = self.cfg
         B, L, D = x_BLD.shape
         H, K, F = c.num_heads, c.head_dim, c.mlp_dim
-        w = lambda p: p.astype(c.dtype)
+        dtype = _compute_dtype(c, x_BLD)
+        w = lambda p: p.astype(dtype)
         # Matmul operands are kept 2-D ([B*L, D]): XLA:CPU is much faster on them than on 3-D operands.
         h_TD = layer_norm(x_BLD, self.ln1_scale, self.ln1_bias).reshape(B * L, D)
         qkv = (h_TD @ w(self.qkv_kernel).reshape(D, H * 3 * K)).reshape(B, L, H, 3, K)
         q_BLHK, k_BLHK, v_BLHK = (constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
         if c.positions == "rotary":
             q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
-        if jnp.dtype(c.dtype) == jnp.float16:
+        if jnp.dtype(dtype) == jnp.float16:
             # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
             # take attention in float32.
             q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True).astype(c.dtype)
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True).astype(dtype)
         a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
         o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
@@ -220,12 +229,14 @@ class Head(nn.Module):
     def __call__(self, x_BLD: jax.Array, embedding_VD: jax.Array | None = None) -> jax.Array:
         c = self.cfg
         B, L, D = x_BLD.shape
+        dtype = _compute_dtype(c, x_BLD)
         h_TD = layer_norm(x_BLD, self.ln_scale, self.ln_bias).reshape(B * L, D)
         if c.tie_embeddings:
-            logits_TV = h_TD @ embedding_VD.astype(c.dtype).T
+            logits_TV = h_TD @ embedding_VD.astype(dtype).T
         else:
-            logits_TV = h_TD @ self.kernel.astype(c.dtype)
-        return constrain(logits_TV.reshape(B, L, -1).astype(c.output_dtype), "batch", "seq", "vocab")
+            logits_TV = h_TD @ self.kernel.astype(dtype)
+        out_dtype = dtype if c.output_dtype is None else c.output_dtype
+        return constrain(logits_TV.reshape(B, L, -1).astype(out_dtype), "batch", "seq", "vocab")
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
@@ -375,16 +386,6 @@ class GPT:
         for key in ("inputs", "targets"):
             if not isinstance(batch[key], jax.Array):
                 check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
-
-    def pipeline(self, schedule: Any, **kwargs: Any) -> Any:
-        """This model as a ``jp.pipeline.Pipeline`` of its three parts (``embed``, ``stage``, ``head_loss``).
-
-        For ``jp.train.make_train_step(None, tx, mesh=mesh, pipeline=model.pipeline(schedule))``: stage ``s`` of
-        ``schedule.num_stages`` runs blocks ``s*N/p .. (s+1)*N/p - 1``; the batch is ``{"inputs", "targets"}``
-        as for :meth:`loss`. ``kwargs`` go to ``Pipeline`` (e.g. ``stash="inputs"``).
-        """
-        from jaxpar.pipeline import Pipeline  # local: the models do not depend on the pipeline otherwise
-        return Pipeline(self.embed, self.stage, self.head_loss, schedule, **kwargs)
 
     def generate(self, params: dict, prompt: list[int], num_tokens: int, rng: jax.Array,
                  temperature: float = 0.8) -> list[int]:

@@ -2,12 +2,12 @@
 
 * :mod:`jaxpar.pipeline.schedules`: ``Schedule`` tables, validation and analysis; ``gpipe``, ``one_f_one_b``.
 * :mod:`jaxpar.pipeline.runtime`: ``value_and_grad`` and ``apply`` run any valid table over the ``pipe`` axis.
-* :mod:`jaxpar.pipeline.model`: ``Pipeline``, a model given to ``jp.train.make_train_step`` as three parts.
+* :mod:`jaxpar.pipeline.model`: ``Pipeline``, a model as three parts: the gradient function of ``jp.train.make_train_step``.
 """
 
-from jaxpar.pipeline.model import BoundPipeline, Pipeline
+from jaxpar.pipeline.model import Pipeline
 from jaxpar.pipeline.runtime import apply, value_and_grad
 from jaxpar.pipeline.schedules import Action, B, F, Schedule, W, gpipe, one_f_one_b, validate
 
-__all__ = ["Action", "B", "BoundPipeline", "F", "Pipeline", "Schedule", "W", "apply", "gpipe", "one_f_one_b",
+__all__ = ["Action", "B", "F", "Pipeline", "Schedule", "W", "apply", "gpipe", "one_f_one_b",
            "validate", "value_and_grad"]

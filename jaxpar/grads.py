@@ -1,0 +1,276 @@
+"""Gradient functions: what a train step differentiates, and how a batch splits into microbatches.
+
+A gradient function is a :class:`GradFn`: ``grad_fn(params, batch, rng, scale, ctx) -> (loss, aux, grads)``,
+traced inside the train step, plus ``grad_fn.check(params, batch, ctx)``, run on the host before tracing.
+``grads`` is the gradient of ``scale * loss`` (``scale``: the float32 loss scale of mixed-precision training,
+1 without one) in the params' dtypes; ``loss`` is unscaled float32 and ``aux`` a dict of scalars.
+
+* :func:`value_and_grad` turns a ``loss_fn(params, batch, rng) -> (loss, aux)`` into one;
+* :func:`accumulate` averages one over strided microbatches (gradient accumulation);
+* ``jp.pipeline.Pipeline`` is one that runs a model's stages as a pipeline over the ``pipe`` mesh axis.
+
+``jp.train.make_train_step`` takes a ``GradFn`` or a plain ``loss_fn`` (wrapped by :func:`value_and_grad`).
+
+Microbatches are strided: microbatch ``j`` of ``m`` holds rows ``j, j+m, j+2m, ...`` of the batch, so each
+stays spread over the batch mesh axes. :func:`split_microbatches`, :func:`microbatch` and
+:func:`merge_microbatches` are the one implementation (accumulation and the pipeline share them), and
+:func:`check_batch_size` the one divisibility check.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import sharding as shd
+from jaxpar.precision import Policy
+
+LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+RESERVED_METRICS = ("loss", "grad_norm", "loss_scale", "skipped")
+
+
+class Context(NamedTuple):
+    """Where a gradient function runs: the step's mesh, logical axis rules and precision policy."""
+    mesh: Mesh
+    rules: shd.Rules = shd.DEFAULT_RULES
+    policy: Policy | None = None
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch dimension is split over (``data``, ``fsdp`` by default)."""
+        return shd.batch_axes(self.rules, self.mesh)
+
+
+# ------------------------------------------------------------------------------------------ microbatches
+
+def split_microbatches(x: jax.Array, m: int, batch_axes: tuple[str, ...] = ()) -> jax.Array:
+    """``[B, ...] -> [B/m, m, ...]`` (a reshape, no copy): microbatch ``j`` is ``[:, j]``, rows ``j, j+m, ...``,
+    each spread over ``batch_axes``. Traced; under the step's mesh."""
+    x = x.reshape(x.shape[0] // m, m, *x.shape[1:])
+    return shd.constrain_spec(x, P(batch_axes or None))
+
+
+def microbatch(x_micro: jax.Array, j: jax.Array | int) -> jax.Array:
+    """Microbatch ``j`` (a traced or static index) of a ``[B/m, m, ...]`` array: ``[B/m, ...]``."""
+    return jax.lax.dynamic_index_in_dim(x_micro, j, 1, keepdims=False)
+
+
+def merge_microbatches(x_micro: jax.Array, batch_axes: tuple[str, ...] = ()) -> jax.Array:
+    """Inverse of :func:`split_microbatches`: ``[B/m, m, ...] -> [B, ...]``."""
+    x = x_micro.reshape(x_micro.shape[0] * x_micro.shape[1], *x_micro.shape[2:])
+    return shd.constrain_spec(x, P(batch_axes or None))
+
+
+def weighted_mean(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """``total / weight`` in float32, and 0 (not NaN) where ``weight`` is 0: the weighted mean of values
+    whose weighted sum is ``total`` (an empty batch contributes nothing)."""
+    return jnp.where(weight > 0, total.astype(jnp.float32) / jnp.where(weight > 0, weight, 1.0), 0.0)
+
+
+def reduce_aux(aux_m: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-microbatch aux ``[m]`` -> scalars: ``weight`` summed, every other entry weight-averaged (the plain
+    mean without a weight)."""
+    leaves = list(aux_m.values())
+    if not leaves:
+        return {}
+    w = aux_m.get("weight", jnp.ones(leaves[0].shape[:1], jnp.float32)).astype(jnp.float32)
+    return {k: w.sum() if k == "weight" else weighted_mean((v.astype(jnp.float32) * w).sum(), w.sum())
+            for k, v in aux_m.items()}
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
+                     grad_accum_steps: int = 1, microbatches: int = 1) -> None:
+    """Raises ValueError unless a global batch of ``batch_size`` rows splits evenly.
+
+    The batch splits into ``grad_accum_steps`` accumulation batches, each into ``microbatches`` pipeline
+    microbatches, and each of those over the batch mesh axes (``data*fsdp`` with the default rules).
+
+    Raises:
+      ValueError: naming the size that does not divide and the smallest batch multiple that works.
+    """
+    axes = shd.batch_axes(rules, mesh)
+    n, k, m = math.prod(mesh.shape[a] for a in axes), grad_accum_steps, microbatches
+    names = "*".join(axes) or "1"
+    if batch_size < 1:
+        raise ValueError(f"batch {batch_size} is empty; pass at least {n * k * m} rows")
+    if batch_size % k:
+        raise ValueError(f"batch {batch_size} is not divisible by grad_accum_steps = {k}; use a batch that is a "
+                         f"multiple of {k * m * n}")
+    acc = batch_size // k
+    step = "" if k == 1 else f" (the batch of one of the grad_accum_steps = {k} accumulation steps)"
+    if acc % m:
+        raise ValueError(f"batch {acc} is not divisible by num_microbatches = {m}{step}; use a batch that is a "
+                         f"multiple of {k * m * n}, or another number of microbatches")
+    if (acc // m) % n:
+        if m > 1:
+            what = f"microbatch {acc // m} (batch {acc} / {m} microbatches){step}"
+        elif k > 1:
+            what = f"microbatch {acc} (batch {batch_size} / grad_accum_steps {k})"
+        else:
+            what = f"batch {batch_size}"
+        raise ValueError(f"{what} is not divisible by {names} = {n}; use a batch that is a multiple of {k * m * n}")
+
+
+# ------------------------------------------------------------------------------------ gradient functions
+
+class GradFn(abc.ABC):
+    """A gradient function: ``grad_fn(params, batch, rng, scale, ctx) -> (loss, aux, grads)``.
+
+    Attributes: ``grad_accum_steps`` accumulation batches per step and ``microbatches`` pipeline
+    microbatches per accumulation batch (for the batch-size check; 1 and 1 unless a subclass splits);
+    ``uses_pipe``: whether it runs over the mesh's ``pipe`` axis (a step on a mesh with ``pipe > 1`` needs one
+    that does).
+    """
+    grad_accum_steps: int = 1
+    microbatches: int = 1
+    uses_pipe: bool = False
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Raises TypeError/ValueError for a mesh this function cannot run on (when the step is built)."""
+
+    @abc.abstractmethod
+    def __call__(self, params: Any, batch: Any, rng: jax.Array, scale: jax.Array,
+                 ctx: Context) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+        """Traced inside the step under ``ctx.mesh``: ``(loss, aux, grads)``; ``grads`` of ``scale * loss``."""
+
+    def check(self, params: Any, batch: Any, ctx: Context) -> None:
+        """Raises ValueError (on the host, before tracing) for params or a batch this function cannot run.
+
+        ``params`` and ``batch`` hold arrays or ``jax.ShapeDtypeStruct``\\ s (only shapes and dtypes are read);
+        ``batch`` is the global batch, with the policy's dtypes. The batch size has already been checked.
+        """
+
+
+def check_loss_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Validates ``loss_fn``'s return value (at trace time): ``(scalar float loss, dict of scalars or None)``.
+
+    Returns ``(loss, aux)`` with ``aux`` a dict (``{}`` for None) of scalars, non-float ones as float32.
+    """
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"loss_fn must return (loss, aux) with aux a dict (or None); got {type(out).__name__}")
+    loss, aux = out
+    if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"loss_fn's loss must be a floating scalar array (a mean over the batch), got "
+                         f"{getattr(loss, 'shape', type(loss).__name__)} {getattr(loss, 'dtype', '')}")
+    aux = {} if aux is None else aux
+    if not isinstance(aux, dict):
+        raise ValueError(f"loss_fn's aux must be a dict of scalars (or None), got {type(aux).__name__}")
+    out_aux = {}
+    for k, v in aux.items():
+        if not isinstance(k, str) or k in RESERVED_METRICS:
+            raise ValueError(f"aux key {k!r} is not allowed: keys are strings other than {RESERVED_METRICS}")
+        v = jnp.asarray(v)
+        if v.shape != ():
+            raise ValueError(f"aux[{k!r}] has shape {v.shape}; aux values must be scalars (reduce them first)")
+        out_aux[k] = v.astype(jnp.float32) if not jnp.issubdtype(v.dtype, jnp.floating) else v
+    return loss, out_aux
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueAndGrad(GradFn):
+    loss_fn: LossFn
+
+    def __call__(self, params, batch, rng, scale, ctx):
+        policy = ctx.policy
+
+        def f(p):
+            if policy is not None:   # cast inside the differentiated function: grads come back in param dtype
+                p = policy.cast_to_compute(p)
+            loss, aux = check_loss_output(self.loss_fn(p, batch, rng))
+            loss = loss.astype(jnp.float32)
+            return loss * scale, (loss, aux)
+        (_, (loss, aux)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, aux, grads
+
+
+def value_and_grad(loss_fn: LossFn) -> GradFn:
+    """The gradient function of ``loss_fn(params, batch, rng) -> (loss, aux)``.
+
+    ``loss`` is a floating scalar (a mean over the batch), ``aux`` a dict of scalars or None (keys other than
+    ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``). Under the context's policy, params are cast to its
+    compute dtype inside the differentiated function, so gradients come back in the param dtype; the loss
+    is taken in float32.
+
+    Raises:
+      TypeError: ``loss_fn`` is not callable (at once). ValueError: a bad ``loss_fn`` output (when traced).
+    """
+    if isinstance(loss_fn, GradFn) or not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
+    return _ValueAndGrad(loss_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Accumulate(GradFn):
+    inner: GradFn
+    steps: int
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.steps * self.inner.grad_accum_steps
+
+    @property
+    def microbatches(self) -> int:
+        return self.inner.microbatches
+
+    @property
+    def uses_pipe(self) -> bool:
+        return self.inner.uses_pipe
+
+    def check_mesh(self, mesh):
+        self.inner.check_mesh(mesh)
+
+    def check(self, params, batch, ctx):
+        struct = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // self.steps, *np.shape(a)[1:]),
+                                                jnp.result_type(a))
+        self.inner.check(params, jax.tree.map(struct, batch), ctx)
+
+    def __call__(self, params, batch, rng, scale, ctx):
+        micro = jax.tree.map(lambda x: split_microbatches(x, self.steps, ctx.batch_axes), batch)
+        take = lambda j: jax.tree.map(lambda x: microbatch(x, j), micro)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
+
+        def body(grad_sum, j):
+            loss, aux, grads = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx)
+            w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
+            # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
+            wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
+            grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
+            return grad_sum, (wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
+
+        grad_sum, (loss_m, aux_m, w_m) = jax.lax.scan(body, zeros(params), jnp.arange(self.steps))
+        w_sum = w_m.sum()
+        aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
+        grads = jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, params)
+        return weighted_mean(loss_m.sum(), w_sum), aux, grads
+
+
+def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
+    """Gradient accumulation: the weighted mean of ``grad_fn`` over ``steps`` strided microbatches.
+
+    Microbatch ``j`` holds rows ``j, j+steps, ...`` and the key ``fold_in(rng, j)``; it is run in a
+    ``lax.scan``, so memory stays that of one microbatch, and gradients are summed in float32. A microbatch's
+    weight is ``aux["weight"]`` when present (e.g. its token count), else 1, so the result is the whole
+    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. An all-empty batch (total
+    weight 0) gives zero loss and gradients, not NaN.
+
+    Raises:
+      TypeError: ``grad_fn`` is not a GradFn. ValueError: ``steps`` is not a positive int.
+    """
+    if not isinstance(grad_fn, GradFn):
+        raise TypeError(f"accumulate needs a jp.grads.GradFn (e.g. jp.grads.value_and_grad(loss_fn)), got {grad_fn!r}")
+    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"grad_accum_steps={steps!r} must be a positive int")
+    return grad_fn if steps == 1 else _Accumulate(grad_fn, int(steps))
+
+
+__all__ = ["Context", "GradFn", "LossFn", "RESERVED_METRICS", "accumulate", "check_batch_size", "check_loss_output",
+           "merge_microbatches", "microbatch", "reduce_aux", "split_microbatches", "value_and_grad", "weighted_mean"]
