@@ -18,19 +18,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
+from typing import Annotated
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import digits  # noqa: E402
-from _common import simulate_cpu_devices  # noqa: E402
+import tyro
+
+import digits  # experiments/digits.py: Python puts the script's directory first on sys.path
+import jaxpar as jp
 
 DISTRIBUTIONS = ("uniform", "global", "erk")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Sweep configuration; each run is a ``digits.Config`` with these overrides."""
+    """Sweep configuration; each run is a ``digits.Config`` with these settings."""
     sparsities: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)   # final sparsities of the pruned kernels
     distributions: tuple[str, ...] = DISTRIBUTIONS          # uniform, global and/or erk
     n_m: tuple[int, int] | None = (2, 4)                    # also run this N:M pattern (None: skip it)
@@ -39,26 +40,29 @@ class Config:
     prune_begin: int = 60                                   # first pruning step
     prune_end: int = 300                                    # final sparsity reached here; masks fixed after
     prune_frequency: int = 10                               # steps between mask refreshes
-    simulate_devices: int = 8                               # host CPU devices to simulate on CPU
+    mesh: Annotated[jp.run.MeshConfig, tyro.conf.OmitArgPrefixes] = jp.run.MeshConfig()  # every run's mesh
     out_dir: str = "runs/prune_sweep"                       # results.json, the PNG and one folder per run
 
     def __post_init__(self):
         if not self.seeds or not self.sparsities and self.n_m is None:
             raise ValueError("the sweep needs at least one seed and one sparsity (or n_m)")
-        unknown = set(self.distributions) - set(DISTRIBUTIONS)
-        if unknown:
-            raise ValueError(f"unknown distributions {sorted(unknown)}; use some of {DISTRIBUTIONS}")
-        if any(not 0 < s < 1 for s in self.sparsities):
-            raise ValueError(f"sparsities {self.sparsities} must lie in (0, 1)")
+        if any(s <= 0 for s in self.sparsities):
+            raise ValueError(f"sparsities {self.sparsities} must be > 0 (the dense run is always included)")
+        self.runs()  # every run's digits.Config: the library checks distributions, sparsities and steps now
 
-    def runs(self) -> list[tuple[str, dict]]:
-        """(configuration name, digits.Config overrides) for every configuration, dense first."""
-        out = [("dense", {})]
-        out += [(f"{d} {s:.0%}", dict(sparsity=s, distribution=d)) for s in self.sparsities
-                for d in self.distributions]
+    def runs(self) -> list[tuple[str, digits.Config]]:
+        """(configuration name, the digits run) for every configuration and seed, dense first."""
+        settings = [("dense", {})]
+        settings += [(f"{d} {s:.0%}", dict(sparsity=s, distribution=d)) for s in self.sparsities
+                     for d in self.distributions]
         if self.n_m is not None:
-            out.append((f"{self.n_m[0]}:{self.n_m[1]}", dict(n_m=self.n_m)))
-        return out
+            settings.append((f"{self.n_m[0]}:{self.n_m[1]}", dict(n_m=self.n_m)))
+        out = Path(self.out_dir)
+        schedule = dict(prune_begin=self.prune_begin, prune_end=self.prune_end, prune_frequency=self.prune_frequency)
+        return [(name, digits.Config(
+                    steps=self.steps, seed=seed, mesh=self.mesh, pruning=jp.run.PruningConfig(**schedule, **kw),
+                    out_dir=str(out / name.replace(" ", "_").replace(":", "of").replace("%", "") / f"seed{seed}")))
+                for name, kw in settings for seed in self.seeds]
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
@@ -92,27 +96,21 @@ def table(summary: dict[str, dict], distributions=DISTRIBUTIONS) -> str:
     return head + "\n".join(lines)
 
 
-def main(cfg: Config) -> dict[str, dict]:
-    simulate_cpu_devices(cfg.simulate_devices)
-    import jaxpar as jp
+def row(name: str, run: digits.Config, test: dict[str, float]) -> dict:
+    """One run's line of results.json: its configuration, seed and test metrics."""
+    p = run.pruning
+    return {"name": name, "distribution": p.distribution if p.enabled and p.n_m is None else None,
+            "target": p.target, "n_m": list(p.n_m) if p.n_m else None, "seed": run.seed,
+            **{k: test[k] for k in ("accuracy", "loss", "sparsity")}}
 
+
+def main(cfg: Config) -> dict[str, dict]:
+    jp.run.simulate_cpu_devices(cfg.mesh.simulate_devices)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name, overrides in cfg.runs():
-        for seed in cfg.seeds:
-            run_cfg = digits.Config(steps=cfg.steps, seed=seed, simulate_devices=cfg.simulate_devices,
-                                    prune_begin=cfg.prune_begin, prune_end=cfg.prune_end,
-                                    prune_frequency=cfg.prune_frequency,
-                                    out_dir=str(out / name.replace(" ", "_").replace(":", "of").replace("%", "")
-                                                / f"seed{seed}"), **overrides)
-            test = digits.run(run_cfg)
-            n_m = list(overrides["n_m"]) if "n_m" in overrides else None
-            target = overrides.get("sparsity", 1 - n_m[0] / n_m[1] if n_m else 0.0)
-            rows.append({"name": name, "distribution": overrides.get("distribution"), "target": target,
-                         "n_m": n_m, "seed": seed, **{k: test[k] for k in ("accuracy", "loss", "sparsity")}})
+    rows = [row(name, run, digits.run(run)) for name, run in cfg.runs()]
     summary = summarize(rows)
-    (out / "results.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "runs": rows,
+    (out / "results.json").write_text(json.dumps({"config": jp.run.flat_config(cfg), "runs": rows,
                                                   "summary": summary}, indent=1))
     series = {d: [(s["sparsity"], s["accuracy"], s["std"]) for s in summary.values()
                   if s["distribution"] == d and not s["n_m"]] for d in cfg.distributions}
@@ -126,5 +124,4 @@ def main(cfg: Config) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    import tyro
     main(tyro.cli(Config))

@@ -1,4 +1,4 @@
-"""Checkpoints over orbax: async atomic saves, restore onto any mesh, corruption checks, preemption.
+"""Checkpoints over orbax: async atomic saves, restore onto any mesh, corruption checks.
 
 One checkpoint is one step directory written by orbax's ``CheckpointManager``: orbax writes it under a
 temporary name and renames it when every item and every process is done (atomic finalize), so only
@@ -30,6 +30,8 @@ the step, the first bad leaf and the earlier steps that can be restored instead.
 fallback to an older step: the caller decides (``restore(step=...)``), so a resumed run never starts from
 a step it did not ask for. The checksum is a position-weighted wrapping uint32 sum of each leaf's bits,
 computed on the devices, so it does not depend on the mesh the state is saved from or restored onto.
+
+Saving every n steps and on preemption is the training loop's: ``jaxpar.loop.checkpoint(manager)``.
 """
 
 from __future__ import annotations
@@ -37,12 +39,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import sys
-import threading
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxpar._compat import orbax_state_handler
 
 FORMAT = "jaxpar.checkpoint/1"
 TRASH = ".jaxpar-trash"  # under the checkpoint directory: old steps renamed here, then removed (not a step name)
@@ -165,17 +165,8 @@ def _checksums(tree: Any) -> list[int]:
 # --------------------------------------------------------------------------------------------- manager
 
 def _handlers() -> dict[str, Any]:
-    # Replica-parallel saving slices every replicated shard with a jitted op per shape (about 70 XLA
-    # compiles, ~6 s on CPU, for a small GPT's first save); one replica writing each shard is enough here.
-    try:
-        th = ocp.type_handlers
-        registry = th.create_type_handler_registry(
-            (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
-            (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=False)))
-        state = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-    except (AttributeError, TypeError):  # an orbax without these options: its defaults work, only slower
-        state = ocp.PyTreeCheckpointHandler()
-    return {"state": state, "extras": ocp.JsonCheckpointHandler(), "jaxpar": ocp.JsonCheckpointHandler()}
+    return {"state": orbax_state_handler(), "extras": ocp.JsonCheckpointHandler(),
+            "jaxpar": ocp.JsonCheckpointHandler()}
 
 
 def _check_extras(extras: Any) -> dict:
@@ -501,117 +492,4 @@ def restore_or_init(manager: CheckpointManager, init: Callable[[], Any], target:
     return manager.restore(step, target=target()), step
 
 
-# ------------------------------------------------------------------------------------------ preemption
-
-class PreemptionHandler:
-    """Turns the first SIGTERM (a scheduler's preemption notice) into a request to stop cleanly.
-
-    The first signal only sets a flag; the training loop sees it through :meth:`should_stop`, finishes the
-    current step, saves and exits 0 (see :func:`run_steps`). The handler then restores the default action,
-    so a second signal terminates the process at once (a partly written checkpoint stays invisible:
-    orbax finalizes atomically).
-
-    In a multi-process run :meth:`should_stop` is a collective: every process calls it at the same step
-    and all get the same answer (true if any process was signalled), so all stop at the same step.
-
-    Use as a context manager, or call :meth:`close` to restore the previous handlers.
-
-    Args:
-      signals: the signals to catch (default SIGTERM).
-
-    Raises:
-      ValueError: when created outside the main thread (Python delivers signals to the main thread only).
-    """
-
-    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)):
-        if threading.current_thread() is not threading.main_thread():
-            raise ValueError("PreemptionHandler must be created in the main thread (signals are delivered there)")
-        self._event = threading.Event()
-        self._previous = {s: signal.signal(s, self._handle) for s in signals}
-        self.stopped_at: int | None = None
-
-    def _handle(self, signum, frame) -> None:
-        del frame
-        self._event.set()
-        signal.signal(signum, signal.SIG_DFL)
-        if jax.process_index() == 0:
-            print(f"received {signal.Signals(signum).name}: finishing the current step, saving a checkpoint and "
-                  "exiting (send it again to exit at once)", file=sys.stderr, flush=True)
-
-    @property
-    def requested(self) -> bool:
-        """Whether this process has received a signal (no communication)."""
-        return self._event.is_set()
-
-    def should_stop(self) -> bool:
-        """Whether to stop now; a collective over processes in a multi-process run (call it in lockstep)."""
-        local = self._event.is_set()
-        if jax.process_count() == 1:
-            return local
-        from jax.experimental import multihost_utils
-        flags = multihost_utils.process_allgather(np.asarray([int(local)], np.int32))
-        return bool(np.asarray(flags).any())
-
-    def close(self) -> None:
-        """Restores the signal handlers that were installed before."""
-        for s, previous in self._previous.items():
-            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
-        self._previous = {}
-
-    def __enter__(self) -> "PreemptionHandler":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def run_steps(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], start: int, stop: int,
-              manager: CheckpointManager | None = None, *, preemption: PreemptionHandler | None = None,
-              extras_fn: Callable[[int], dict] | None = None,
-              max_in_flight: int = 2) -> Iterator[tuple[int, dict[str, float], Any]]:
-    """:func:`jaxpar.train.run_steps` with periodic checkpoints and a clean stop on preemption.
-
-    Runs steps ``start .. stop-1``, yielding ``(step, host_metrics, state)`` in order (``state`` is the
-    newest dispatched one). After step ``t`` is dispatched, the state that has applied ``t + 1`` updates
-    is saved as checkpoint ``t + 1`` when ``manager.should_save(t + 1)``, before the next step can donate
-    its buffers, and after the metrics of every step up to ``t`` are yielded (so a log written from them
-    never misses steps that a resumed run will not repeat). When ``preemption.should_stop()`` turns true,
-    the remaining metrics are yielded, the state reached is saved (forced), the save is waited for,
-    ``preemption.stopped_at`` is set to its step, and the iteration ends early; the caller then exits with
-    status 0. ``should_stop`` is checked after every step (a collective in a multi-process run).
-
-    Args:
-      step_fn, state, batch_fn, start, stop, max_in_flight: as for :func:`jaxpar.train.run_steps`.
-      manager: where to save (None: no checkpoints).
-      preemption: a :class:`PreemptionHandler` (None: never stop early).
-      extras_fn: ``extras_fn(step) -> dict`` saved with checkpoint ``step`` (default ``{"step": step}``).
-    """
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
-    extras_fn = extras_fn or (lambda s: {"step": s})
-    pending: deque = deque()
-
-    def drain(keep: int):
-        while len(pending) > keep:
-            t0, m = pending.popleft()
-            yield t0, {k: float(v) for k, v in jax.device_get(m).items()}, state
-
-    for t in range(start, stop):
-        state, metrics = step_fn(state, batch_fn(t))
-        pending.append((t, metrics))
-        if manager is not None and manager.should_save(t + 1):
-            yield from drain(0)  # every step up to a checkpoint is logged before the checkpoint exists
-            manager.save(t + 1, state, extras_fn(t + 1))
-        if preemption is not None and preemption.should_stop():
-            yield from drain(0)
-            if manager is not None:
-                manager.save(t + 1, state, extras_fn(t + 1), force=True)
-                manager.wait()
-            preemption.stopped_at = t + 1
-            return
-        yield from drain(max_in_flight - 1)
-    yield from drain(0)
-
-
-__all__ = ["CheckpointError", "CheckpointManager", "PreemptionHandler", "compare", "restore_or_init", "run_steps",
-           "FORMAT"]
+__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "compare", "restore_or_init"]

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpar import _compat
+
 AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "tensor")
 
 
@@ -92,15 +94,9 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "JAXPAR_COORDINATOR_ADDRESS", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID")
 
 
-def _cluster_detected() -> bool:
-    """Whether JAX's own auto-detection would find a cluster (SLURM, Open MPI, TPU, k8s, ...)."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    try:
-        from jax._src import clusters  # noqa: PLC0415  (JAX's detection; private, hence guarded)
-        return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
-    except Exception:  # a future JAX moving the module: fall back to the common variables
-        return any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"))
+# Whether JAX's own auto-detection would find a cluster (SLURM, Open MPI, TPU, k8s, ...); a module attribute so
+# tests can replace it.
+_cluster_detected = _compat.cluster_detected
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -103,8 +103,8 @@ def step_fn(spec: Spec, mesh=None):
     key = ("step", spec.mesh, spec.precision, spec.pruning, spec.loss_scale, spec.optimizer, mesh)
     if key not in _JOBS:
         import jaxpar as jp
-        mesh, _, loss_fn, tx, policy = build(spec, mesh)
-        _JOBS[key] = jp.train.make_train_step(loss_fn, tx, mesh=mesh, policy=policy)
+        mesh, _, loss_fn, tx, _ = build(spec, mesh)
+        _JOBS[key] = jp.train.make_train_step(loss_fn, tx, mesh=mesh)  # the policy travels on the state
     return _JOBS[key]
 
 
@@ -170,7 +170,7 @@ def train(spec: Spec, out: str | Path, steps: int, mesh=None, *, block_after_che
     (out / f"rows_{jax.process_index()}.json").write_text(json.dumps(
         [jp.data.process_slice(spec.batch_size, mesh).start, jp.data.process_slice(spec.batch_size, mesh).stop]))
 
-    with jp.checkpoint.PreemptionHandler() as preemption:
+    with jp.loop.PreemptionHandler() as preemption:
         handled = sigterm_pipe() if await_sigterm_before_step is not None else None
 
         def batch_fn(t):
@@ -179,11 +179,9 @@ def train(spec: Spec, out: str | Path, steps: int, mesh=None, *, block_after_che
                 os.read(handled, 1)  # returns once the preemption handler has run
             return batch(spec, t, mesh)
 
-        for t, m, state in jp.checkpoint.run_steps(step, state, batch_fn, start, steps, ckpt,
-                                                   preemption=preemption, extras_fn=lambda s: {"data_step": s}):
-            writer.write(t + 1, m)
-        if preemption.stopped_at is None:
-            ckpt.save(steps, state, {"data_step": steps}, force=True)
+        hooks = [jp.loop.Hook(lambda s, _, m: writer.write(s, m), every=1, needs_state=False),
+                 jp.loop.checkpoint(ckpt, extras_fn=lambda s: {"data_step": s})]  # every interval, end, SIGTERM
+        state = jp.loop.run(step, state, batch_fn, start, steps, hooks=hooks, preemption=preemption).state
     ckpt.close()
     writer.close()
     return state, start, preemption.stopped_at
@@ -195,8 +193,8 @@ def replay(spec: Spec, out: str | Path, start: int, steps: int, mesh=None) -> li
     step, (mesh, init_fn, _, tx, policy) = step_fn(spec, mesh), build(spec, mesh)
     ckpt = jp.checkpoint.CheckpointManager(Path(out) / "ckpt")
     state = ckpt.restore(start, target=jp.train.abstract_state(init_fn, tx, mesh=mesh, policy=policy))
-    return [m["loss"] for _, m, state in jp.train.run_steps(step, state, lambda t: batch(spec, t, mesh),
-                                                            start, steps)]
+    return [m["loss"] for _, m, state in jp.loop.run_steps(step, state, lambda t: batch(spec, t, mesh),
+                                                           start, steps)]
 
 
 def main(argv=None) -> int:

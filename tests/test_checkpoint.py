@@ -111,7 +111,7 @@ def saved(tmp_path_factory, devices):
     spec = dataclasses.replace(SPEC, precision="f32")
     mesh, init_fn, loss_fn, tx, policy = worker.build(spec)
     state = jp.train.init_state(init_fn, tx, jax.random.key(0), mesh=mesh, policy=policy)
-    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, policy=policy, donate=False)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)
     for t in range(3):
         state, _ = step(state, worker.batch(spec, t, mesh))
     directory = tmp_path_factory.mktemp("saved")
@@ -406,9 +406,9 @@ def test_second_sigterm_exits_at_once(tmp_path):
     script = textwrap.dedent("""
         import os, sys
         sys.path.insert(0, "tests")
-        import jaxpar as jp
+        import jaxpar.loop
         from ckpt_worker import sigterm_pipe
-        handler = jp.checkpoint.PreemptionHandler()
+        handler = jaxpar.loop.PreemptionHandler()
         handled = sigterm_pipe()  # chained onto jaxpar's handler
         print("SYNC ready", flush=True)
         os.read(handled, 1)  # the first SIGTERM was handled
@@ -444,14 +444,15 @@ def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
         import os, runpy, sys
         sys.path.insert(0, "tests")
         import jaxpar as jp
+        import jaxpar.loop
         from ckpt_worker import sigterm_pipe, sync
         handled = []
 
-        class PreemptionHandler(jp.checkpoint.PreemptionHandler):
+        class PreemptionHandler(jp.loop.PreemptionHandler):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 handled.append(sigterm_pipe())
-        jp.checkpoint.PreemptionHandler = PreemptionHandler
+        jp.loop.PreemptionHandler = PreemptionHandler
         write = jp.metrics.MetricsWriter.write
 
         def write_then_await_sigterm(self, step, metrics, split="train"):

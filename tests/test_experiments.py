@@ -7,10 +7,16 @@ from pathlib import Path
 
 import pytest
 
+import jaxpar as jp
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name):
+    """experiments/<name>.py as a module, imported as ``python experiments/<name>.py`` would run it: with
+    experiments/ on sys.path (Python puts a script's directory there; prune_sweep imports digits)."""
+    if str(ROOT / "experiments") not in sys.path:
+        sys.path.append(str(ROOT / "experiments"))
     spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -49,8 +55,8 @@ def test_charlm_rejects_bad_config():
 def test_charlm_with_pruning_and_fp16(tmp_path):
     charlm = load("charlm")
     cfg = charlm.Config(steps=40, eval_interval=20, eval_batches=1, batch_size=16, seq_len=32, d_model=64,
-                        num_layers=2, sample_chars=5, sparsity=0.5, distribution="global", precision="fp16",
-                        out_dir=str(tmp_path))
+                        num_layers=2, sample_chars=5, pruning=jp.run.PruningConfig(sparsity=0.5, distribution="global"),
+                        precision=jp.run.PrecisionConfig("fp16"), out_dir=str(tmp_path))
     assert charlm.main(cfg) < 3.5
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if r["split"] == "val"][-1]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import jaxpar as jp
 from jaxpar.pipeline import B, F, Schedule, W, gpipe, one_f_one_b
-from jaxpar.pipeline.runtime import control_table
+from jaxpar.pipeline.table import control_table
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
@@ -51,10 +52,40 @@ def test_runtime_buffers_come_from_the_table(name):
     """The interpreter's slot assignment uses exactly the table's peak counts (maximum over stages)."""
     for p, m in [(1, 3), (2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (3, 7)]:
         s = BUILDERS[name](p, m)
-        ctrl, sizes = control_table(s)
-        assert ctrl.shape == (s.num_ticks, p, 9)
-        assert sizes == {"stash": max(s.peak_stash), "activations": max(max(a for a, _ in s.recv_slots), 1),
-                         "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
+        actions, sizes = control_table(s)
+        assert len(actions) == 9
+        for field, a in actions._asdict().items():
+            assert a.shape == (s.num_ticks, p) and a.dtype == np.int32, (field, a.shape, a.dtype)
+        assert sizes._asdict() == {"stash": max(s.peak_stash), "activations": max(max(a for a, _ in s.recv_slots), 1),
+                                   "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
+
+
+FIELDS = {"stash": ("stash_slot", "stash_slot", None), "activations": ("act_write", "act_read", "act_on"),
+          "cotangents": ("cot_write", "cot_read", "cot_on")}   # buffer -> (written at start, read at stop, flag)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_control_table_follows_the_schedule(name):
+    """Each entry's kind and microbatch are the table's action; every buffer interval is read from the slot it
+    was written to; intervals live at once on a stage never share a slot; a flag marks exactly each arrival."""
+    for p, m in [(1, 3), (2, 2), (3, 7), (4, 8)]:
+        s = BUILDERS[name](p, m)
+        actions, sizes = control_table(s)
+        for t, row in enumerate(s.table):
+            for st, a in enumerate(row):
+                want = 0 if a is None else 3 if a.kind == "B" else 2 if st == p - 1 else 1
+                assert actions.kind[t, st] == want, (name, p, m, t, st, a)
+                assert actions.microbatch[t, st] == (0 if a is None else a.microbatch)
+        for buffer, ivs in s.lifetimes().items():
+            write, read, on = (getattr(actions, f) if f else None for f in FIELDS[buffer])
+            slot = {iv: int(write[iv.start, iv.stage]) for iv in ivs}
+            for iv in ivs:
+                assert read[iv.stop, iv.stage] == slot[iv] and 0 <= slot[iv] < getattr(sizes, buffer), (buffer, iv)
+                clash = [o for o in ivs if o != iv and o.stage == iv.stage and slot[o] == slot[iv]
+                         and o.start < iv.stop and iv.start < o.stop]
+                assert not clash, (name, p, m, buffer, iv, clash)
+            if on is not None:
+                assert int(on.sum()) == len(ivs) and all(on[iv.start, iv.stage] == 1 for iv in ivs), buffer
 
 
 def test_1f1b_phases_follow_narayanan():

@@ -226,7 +226,7 @@ CHARLM_DRIFT = 1e-4
 @pytest.mark.slow
 def test_charlm_pipe2_matches_pipe1(tmp_path):
     charlm = load_charlm()
-    common = dict(fsdp=2, tensor=2, microbatches=4, schedule="1f1b", steps=4, eval_interval=2, eval_batches=1,
+    common = dict(mesh=jp.run.MeshConfig(fsdp=2, tensor=2), microbatches=4, schedule="1f1b", steps=4, eval_interval=2, eval_batches=1,
                   batch_size=16, seq_len=32, d_model=32, num_layers=2, warmup_steps=1, sample_chars=1,
                   checkpoint_interval=0, seed=5)
     rows = {}

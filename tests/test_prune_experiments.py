@@ -1,16 +1,18 @@
 """The pruning entry points: digits.py's pruning flags and prune_sweep.py (short configurations)."""
 
+import dataclasses
 import json
 
 import pytest
 
+import jaxpar as jp
 from test_experiments import load
 
 
 def test_digits_pruning_flags_prune_and_train(tmp_path):
     digits = load("digits")
-    cfg = digits.Config(steps=120, sparsity=0.8, distribution="global", prune_begin=20, prune_end=80,
-                        prune_frequency=5, out_dir=str(tmp_path))
+    cfg = digits.Config(steps=120, pruning=jp.run.PruningConfig(sparsity=0.8, distribution="global", prune_begin=20,
+                                                                prune_end=80, prune_frequency=5), out_dir=str(tmp_path))
     test = digits.run(cfg)
     assert test["sparsity"] == pytest.approx(0.8, abs=1e-3)
     assert test["accuracy"] > 0.8
@@ -20,8 +22,8 @@ def test_digits_rejects_bad_pruning_flags():
     digits = load("digits")
     for bad in (dict(sparsity=1.0), dict(sparsity=0.5, distribution="layer"), dict(n_m=(4, 2)),
                 dict(sparsity=0.5, prune_begin=300, prune_end=200), dict(sparsity=0.5, prune_end=10_000)):
-        with pytest.raises(ValueError):
-            digits.Config(**bad)
+        with pytest.raises(ValueError, match="pruning flags"):
+            digits.Config(pruning=dataclasses.replace(digits.Config().pruning, **bad))
 
 
 def test_prune_sweep_writes_results_plot_and_table(tmp_path, capsys):

@@ -26,8 +26,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import grads as gr
 from jaxpar import sharding as shd
-from jaxpar.pipeline import runtime
+from jaxpar.pipeline.checks import check_mesh_and_schedule, check_stage_fn, struct
+from jaxpar.pipeline.interpreter import AXIS, value_and_grad_core
 from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.stash import STASH_MODES
 
 
 def _split_params(params: Any, key: str) -> tuple[Any, Any]:
@@ -37,7 +39,7 @@ def _split_params(params: Any, key: str) -> tuple[Any, Any]:
 def _to_stages(a: jax.Array, p: int) -> jax.Array:
     """``[L, ...] -> [p, L/p, ...]``, stage axis on ``pipe`` (free when the layers axis is already on pipe)."""
     a = a.reshape(p, a.shape[0] // p, *a.shape[1:])
-    return jax.lax.with_sharding_constraint(a, P(runtime.AXIS, *([P.UNCONSTRAINED] * (a.ndim - 1))))
+    return jax.lax.with_sharding_constraint(a, P(AXIS, *([P.UNCONSTRAINED] * (a.ndim - 1))))
 
 
 def _from_stages(a: jax.Array) -> jax.Array:
@@ -94,8 +96,8 @@ class Pipeline(gr.GradFn):
         if not self.schedule.has_backward:
             raise ValueError(f"Pipeline.schedule {self.schedule.name!r} is forward-only; training needs gpipe or "
                              "one_f_one_b")
-        if self.stash not in runtime.STASH_MODES:
-            raise ValueError(f"Pipeline.stash={self.stash!r}; use one of {runtime.STASH_MODES}")
+        if self.stash not in STASH_MODES:
+            raise ValueError(f"Pipeline.stash={self.stash!r}; use one of {STASH_MODES}")
 
     @property
     def microbatches(self) -> int:
@@ -104,7 +106,7 @@ class Pipeline(gr.GradFn):
     def check_mesh(self, mesh) -> None:
         """Raises TypeError/ValueError unless the mesh's ``pipe`` size is ``schedule.num_stages`` (and the other
         mesh/schedule checks of :func:`jaxpar.pipeline.value_and_grad`)."""
-        runtime.check_mesh_and_schedule(self.schedule, mesh, self.stash)
+        check_mesh_and_schedule(self.schedule, mesh, self.stash)
 
     # ------------------------------------------------------------------------------------------- checks
     def check(self, params: Any, batch: Any, ctx: gr.Context) -> None:
@@ -134,14 +136,14 @@ class Pipeline(gr.GradFn):
 
     def _check_shapes(self, stages: Any, rest: Any, batch: Any, ctx: gr.Context) -> None:
         p, m = self.schedule.num_stages, self.schedule.num_microbatches
-        structs = lambda t: jax.tree.map(runtime._struct, t)
+        structs = lambda t: jax.tree.map(struct, t)
         if ctx.policy is not None:
             rest, stages = ctx.policy.cast_to_compute(structs(rest)), ctx.policy.cast_to_compute(structs(stages))
-        staged = jax.tree.map(lambda a: runtime._struct(a, (p, np.shape(a)[0] // p, *np.shape(a)[1:])), stages)
-        mb = lambda a: runtime._struct(a, (np.shape(a)[0] // m, *np.shape(a)[1:]))
+        staged = jax.tree.map(lambda a: struct(a, (p, np.shape(a)[0] // p, *np.shape(a)[1:])), stages)
+        mb = lambda a: struct(a, (np.shape(a)[0] // m, *np.shape(a)[1:]))
         with shd.use(ctx.mesh, ctx.rules):
             x = jax.eval_shape(self.embed_fn, structs(rest), batch[self.inputs_key])
-            y = runtime.check_stage_fn(self.stage_fn, staged, x, m)
+            y = check_stage_fn(self.stage_fn, staged, x, m)
             jax.eval_shape(_checked_head_loss(self.head_loss_fn), structs(rest), y,
                            jax.tree.map(mb, batch[self.targets_key]))
 
@@ -158,7 +160,7 @@ class Pipeline(gr.GradFn):
         stages, rest = _split_params(compute_params, self.stage_key)
         staged = jax.tree.map(lambda a: _to_stages(a, self.schedule.num_stages), stages)
         x, embed_vjp = jax.vjp(lambda r: self.embed_fn(r, batch[self.inputs_key]), rest)
-        core = runtime.value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
+        core = value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
                                            ctx.mesh, ctx.batch_axes, self.stash, True)
         (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale)
         (g_embed,) = embed_vjp(g_x)

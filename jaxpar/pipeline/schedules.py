@@ -5,8 +5,9 @@ A :class:`Schedule` says what every stage does at every tick: ``F(microbatch, ch
 separate weight-gradient pass, for zero-bubble tables) or ``None`` (idle). Chunk ``c`` on stage ``s`` is the
 virtual stage ``v = c * num_stages + s`` (Narayanan et al. 2021, sec. 2.2.2, interleaved stages); a
 non-interleaved table has one chunk. Plain Python builds and checks a table; one interpreter
-(:mod:`jaxpar.pipeline.runtime`) executes any valid table; the same table gives the bubble fraction, the
-peak number of stashed activations and the receive-buffer sizes.
+(:mod:`jaxpar.pipeline.interpreter`, through :mod:`jaxpar.pipeline.table`'s control table) executes any
+valid table; the same table gives the bubble fraction, the peak number of stashed activations and the
+receive-buffer sizes.
 
 Timing model (what the validator enforces): every action takes one tick; a value an action produces
 (an activation sent forward, a cotangent sent backward) can be used from the next tick on, so a dependency

@@ -1,0 +1,96 @@
+"""Version workarounds: every place jaxpar depends on a JAX or orbax version, or on a private module.
+
+jaxpar supports jax 0.10 (CPU machines) and 0.11 (the GPU machine) with orbax-checkpoint 0.12. Each
+function here names the version it works around and what to do once that version is no longer
+supported, so dropping a version is reading this file, not searching the code base. Nothing else in
+jaxpar reads ``jax._src`` or branches on a version.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+try:  # private: JAX's cluster auto-detection (SLURM, Open MPI, TPU, k8s); see cluster_detected
+    from jax._src import clusters as _clusters
+except ImportError:  # a JAX that moved it
+    _clusters = None
+
+# The environment variables the common cluster managers set, for a JAX without ``jax._src.clusters``.
+_CLUSTER_VARIABLES = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes that ``x`` (a value traced inside ``jax.shard_map``) varies over.
+
+    jax 0.10 keeps them in ``jax.typeof(x).mat.varying`` (a ``ManualAxisType``); jax 0.11 in
+    ``jax.typeof(x).vma``. Outside ``shard_map`` the set is empty.
+
+    When jax 0.10 is dropped: read ``jax.typeof(x).vma`` directly and delete this function.
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def psum_16bit_safe(x: jax.Array, axis_name: str) -> jax.Array:
+    """``jax.lax.psum(x, axis_name)`` inside ``shard_map``, taken in float32 for 16-bit floats.
+
+    XLA:CPU's all-reduce promotion aborts the process on a ``psum`` of bfloat16/float16 values inside
+    ``shard_map`` (jax 0.10.2, CPU). The float32 sum is rounded back to ``x``'s dtype, so the result is
+    exact wherever one device holds the value and the others zeros (how the pipeline uses it); a sum of
+    several non-zero 16-bit terms rounds once instead of at every step.
+
+    When jax 0.10 is dropped (and a 16-bit ``psum`` runs on XLA:CPU): use ``jax.lax.psum`` directly.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return jax.lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
+    return jax.lax.psum(x, axis_name)
+
+
+def cluster_detected() -> bool:
+    """Whether JAX's own cluster auto-detection would find a cluster in this process's environment.
+
+    JAX exposes no public probe for what ``jax.distributed.initialize()`` would detect; its detectors live
+    in the private ``jax._src.clusters`` (jax 0.10 and 0.11: ``ClusterEnv._cluster_types``, each with
+    ``opt_in_only_method`` and ``is_env_present()``). A JAX that moves or changes them falls back to the
+    variables SLURM, Open MPI and Cloud TPU set. ``JAX_COORDINATOR_ADDRESS`` counts as a cluster.
+
+    When JAX offers a public detection API: use it and delete this function.
+    """
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    try:
+        return any(not env.opt_in_only_method and env.is_env_present() for env in _clusters.ClusterEnv._cluster_types)
+    except Exception:  # noqa: BLE001  (no _clusters, or another internal layout: use the common variables)
+        return any(v in os.environ for v in _CLUSTER_VARIABLES)
+
+
+def orbax_state_handler() -> ocp.PyTreeCheckpointHandler:
+    """orbax's PyTree handler with replica-parallel array saving turned off, where orbax has the option.
+
+    Replica-parallel saving (orbax-checkpoint 0.12's default) slices every replicated shard with a jitted
+    op per shape: about 70 XLA compiles, ~6 s on CPU, for a small GPT's first save. One replica writing
+    each shard is enough here. The option goes in through a type-handler registry
+    (``ocp.type_handlers.create_type_handler_registry`` with ``ArrayHandler(use_replica_parallel=False)``,
+    orbax-checkpoint 0.12); an orbax without these names or arguments gets its default handler, which
+    writes the same checkpoint, only slower.
+
+    The fallback is for an orbax-checkpoint without ``ArrayHandler(use_replica_parallel=...)`` (releases
+    before the 0.12 series jaxpar is tested with, or a later one that drops the option). When the
+    supported orbax versions all have it: remove the fallback; if orbax's default stops being
+    replica-parallel: return ``ocp.PyTreeCheckpointHandler()`` and delete this function.
+    """
+    try:
+        th = ocp.type_handlers
+        registry = th.create_type_handler_registry(
+            (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+            (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=False)))
+        return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    except (AttributeError, TypeError):  # an orbax without these options: its defaults work, only slower
+        return ocp.PyTreeCheckpointHandler()

@@ -1,0 +1,90 @@
+"""What a pipeline stage keeps from a microbatch's forward for its backward (the stash), and how it is rebuilt.
+
+Two modes (``stash=`` of ``jp.pipeline.value_and_grad``):
+
+* ``'residuals'``: the forward is ``jax.vjp`` of the stage function; of its pullback's residuals, only those
+  that depend on the stage input are stashed (:func:`residual_plan`). Those that depend only on the
+  parameters (e.g. a reshaped weight) are recomputed by the backward and never stashed per microbatch.
+* ``'inputs'``: only the stage input is stashed; the backward recomputes the forward (activation
+  checkpointing of the whole stage: less memory, one more forward per microbatch).
+
+The interpreter keeps one buffer per stashed leaf, ``[stash slots, ...]``, written by F and read by B in the
+slot the control table names (:mod:`jaxpar.pipeline.table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+STASH_MODES = ("residuals", "inputs")
+
+# ``residual_plan``'s result: (per pullback leaf, whether it is stashed; the struct of each stashed leaf).
+Plan = tuple[tuple[bool, ...], tuple[jax.ShapeDtypeStruct, ...]]
+
+
+def residual_plan(stage_fn: Callable, params: Any, x: jax.Array) -> Plan:
+    """Which leaves of ``jax.vjp(stage_fn, params, x)``'s pullback depend on ``x`` (those are stashed).
+
+    Returns ``(stashed flag per leaf, ShapeDtypeStruct of each stashed leaf)``. Dependence is traced through
+    the jaxpr (an equation's outputs depend on ``x`` when any of its inputs does).
+    """
+    closed = jax.make_jaxpr(lambda p, x: jax.tree.leaves(jax.vjp(stage_fn, p, x)[1]))(params, x)
+    jaxpr = closed.jaxpr
+    dep = set(jaxpr.invars[len(jax.tree.leaves(params)):])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jcore.Literal) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    stashed = tuple(not isinstance(v, jcore.Literal) and v in dep for v in jaxpr.outvars)
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a, keep in zip(closed.out_avals, stashed) if keep)
+    return stashed, avals
+
+
+def stashed_structs(mode: str, plan: Plan | None, x_mb: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The ``ShapeDtypeStruct`` of each leaf stashed per microbatch (``x_mb``: one microbatch's input)."""
+    return (jax.ShapeDtypeStruct(x_mb.shape, x_mb.dtype),) if mode == "inputs" else plan[1]
+
+
+def forward_and_stash(stage_fn: Callable, mode: str, params: Any, x: jax.Array, plan: Plan | None) -> tuple:
+    """One microbatch's forward: ``(stage_fn(params, x), the leaves to stash)``.
+
+    Raises:
+      RuntimeError: the vjp has another number of residuals than when ``plan`` was made (a stage function
+        whose traced program depends on more than shapes and dtypes).
+    """
+    if mode == "inputs":
+        return stage_fn(params, x), (x,)
+    y, pullback = jax.vjp(stage_fn, params, x)
+    leaves = jax.tree.leaves(pullback)
+    if len(leaves) != len(plan[0]):
+        raise RuntimeError(f"stage_fn's vjp has {len(leaves)} residuals here but {len(plan[0])} when planned")
+    return y, tuple(r for r, keep in zip(leaves, plan[0]) if keep)
+
+
+def pullback_from_stash(stage_fn: Callable, mode: str, params: Any, x: jax.Array, res: tuple,
+                        plan: Plan | None) -> Callable:
+    """The pullback of ``stage_fn`` at the stashed microbatch: ``g -> (d params, d x)``.
+
+    ``'residuals'``: rebuilt from the stash (``res``) and a forward at ``x`` whose input-dependent part is
+    dead code (the compiler removes it), so only the parameter-only residuals are recomputed.
+    ``'inputs'``: the vjp of a fresh forward at the stashed input.
+    """
+    if mode == "inputs":
+        return jax.vjp(stage_fn, params, res[0])[1]
+    leaves, treedef = jax.tree.flatten(jax.vjp(stage_fn, params, x)[1])
+    stashed = iter(res)
+    return jax.tree.unflatten(treedef, [next(stashed) if keep else r for r, keep in zip(leaves, plan[0])])
+
+
+def write_stash(stash: tuple, res: tuple, slot: jax.Array, on: jax.Array) -> tuple:
+    """Writes one microbatch's residuals into their slot when ``on`` (F ticks), in place.
+
+    A two-way ``lax.cond`` whose false branch passes the buffers through: XLA updates them in place. (Threaded
+    through the multi-way action switch instead, every stash buffer was copied at every tick; a masked
+    select-and-write reads the slot back at every tick.) The action switch only reads the stash.
+    """
+    write = lambda st: tuple(jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(st, res))
+    return jax.lax.cond(on, write, lambda st: st, stash)

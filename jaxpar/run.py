@@ -1,0 +1,219 @@
+"""Run tooling for entry points (``experiments/*.py``): what every script shares.
+
+* start-up: :func:`simulate_cpu_devices`, :func:`log_devices`, :func:`check_resumed_config`;
+* config pieces shared by the scripts, frozen dataclasses whose flags stay flat on the command line
+  (``Annotated[MeshConfig, tyro.conf.OmitArgPrefixes]`` gives ``--fsdp``, not ``--mesh.fsdp``):
+  :class:`MeshConfig`, :class:`PrecisionConfig`, :class:`PruningConfig`, and :func:`flat_config`, the one
+  flat dict a run's ``config.json`` and checkpoints hold;
+* the standard loop hooks (``jp.loop.Hook``): :func:`write_metrics`, :func:`throughput`,
+  :func:`progress_bar`, and :func:`say` for a line above the bar.
+
+Optional libraries (tqdm) are imported where used. Importing this module starts no JAX backend, so
+:func:`simulate_cpu_devices` works after ``import jaxpar`` as long as nothing has run on a device yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import optax
+
+from jaxpar import pruning
+from jaxpar.loop import Hook
+from jaxpar.mesh import describe, make_mesh
+from jaxpar.metrics import MetricsWriter, Throughput
+from jaxpar.precision import DynamicLossScale, Policy, loss_scaling
+from jaxpar._optional import require
+
+_DEVICE_FLAG = "xla_force_host_platform_device_count"
+
+
+# --------------------------------------------------------------------------------------------- start-up
+
+def simulate_cpu_devices(n: int) -> None:
+    """Asks XLA for ``n`` host CPU devices (``--xla_force_host_platform_device_count``); no effect on GPU/TPU.
+
+    Call it before anything runs on a device (importing jax or jaxpar is fine: JAX starts its backends on
+    first use). A device count already in ``XLA_FLAGS`` (e.g. set by ``python -m jaxpar.launch``) is kept.
+
+    Raises:
+      ValueError: ``n`` not an int >= 1.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_devices={n!r} must be an int >= 1 (1: no simulated devices)")
+    if n > 1 and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_DEVICE_FLAG}={n}".strip()
+
+
+def log_devices(mesh: jax.sharding.Mesh) -> None:
+    """Process 0 prints the jax version, the devices and the mesh, e.g. ``jax 0.10.2 | 8 devices (cpu) | ...``."""
+    if jax.process_index() == 0:
+        print(f"jax {jax.__version__} | {jax.device_count()} devices ({jax.devices()[0].device_kind}) | "
+              f"mesh {describe(mesh)}", flush=True)
+
+
+def flat_config(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as one flat JSON dict (tuples as lists), nested configs merged in as their flags are.
+
+    Raises:
+      ValueError: two fields of the same name (they would be one flag).
+    """
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        items = flat_config(value).items() if dataclasses.is_dataclass(value) else [(field.name, value)]
+        for name, v in items:
+            if name in out:
+                raise ValueError(f"config field {name!r} appears twice in {type(cfg).__name__}; rename one")
+            out[name] = v
+    return json.loads(json.dumps(out))
+
+
+def check_resumed_config(out_dir: str | os.PathLike, cfg: Any, may_change: frozenset[str]) -> None:
+    """Refuses to resume a run whose ``<out_dir>/config.json`` differs from ``cfg`` outside ``may_change``.
+
+    A checkpoint in ``<out_dir>/checkpoints`` would otherwise silently continue the old run under new
+    settings (model, optimizer, data, seed), or fail to restore. Nothing is checked when that directory
+    holds no checkpoint.
+
+    Raises:
+      SystemExit: with a message naming each changed flag (old -> new) and the two ways out.
+    """
+    out_dir = Path(out_dir)
+    saved_path, ckpt_dir = out_dir / "config.json", out_dir / "checkpoints"
+    if not saved_path.is_file() or not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        return
+    saved, now = json.loads(saved_path.read_text()), flat_config(cfg)
+    changed = sorted(k for k in now if k not in may_change and k in saved and saved[k] != now[k])
+    if changed:
+        diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in changed)
+        raise SystemExit(f"{out_dir} holds checkpoints of a run with other settings ({diff}); resuming would "
+                         f"continue that run: pass a new --out-dir for a new run, or delete {out_dir}/checkpoints")
+
+
+# ------------------------------------------------------------------------------------------ config pieces
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (``jp.make_mesh``, which checks the sizes): they multiply to the device count."""
+    data: int = -1                 # data-parallel axis size (-1: the devices left over)
+    fsdp: int = 2                  # FSDP axis size (params and optimizer state sharded over it)
+    tensor: int = 2                # tensor-parallel axis size (Megatron split of attention and MLP)
+    simulate_devices: int = 8      # host CPU devices to simulate when running on CPU
+
+    def make(self, pipe: int = 1) -> jax.sharding.Mesh:
+        """``jp.make_mesh`` with these sizes and ``pipe`` pipeline stages."""
+        return make_mesh(data=self.data, pipe=pipe, fsdp=self.fsdp, tensor=self.tensor)
+
+
+PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.Policy.from_string
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed precision: the policy, and dynamic loss scaling for float16."""
+    precision: Literal["f32", "bf16", "fp16"] = "f32"  # bf16: params f32, compute bf16; fp16: same + loss scaling
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+
+    def policy(self) -> Policy:
+        return Policy.from_string(PRECISIONS[self.precision])
+
+    def wrap(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``tx`` inside dynamic loss scaling for fp16 (outermost: a skipped step skips everything), else ``tx``."""
+        return loss_scaling(tx, DynamicLossScale()) if self.precision == "fp16" else tx
+
+
+@dataclasses.dataclass(frozen=True)
+class PruningConfig:
+    """Gradual magnitude pruning (Zhu & Gupta 2017) after the optimizer; dense when sparsity is 0."""
+    sparsity: float = 0.0          # final fraction of pruned kernel weights (0: dense; with n_m: 1 - N/M)
+    distribution: Literal["uniform", "global", "erk"] = "uniform"  # how sparsity is spread over kernels
+    n_m: tuple[int, int] | None = None  # N:M structured sparsity along each kernel's input axis, e.g. 2 4
+    prune_begin: int = -1          # first pruning step (Zhu & Gupta cubic ramp); -1: steps // 4
+    prune_end: int = -1            # step at which the final sparsity is reached; -1: 3 * steps // 4
+    prune_frequency: int = 20      # steps between mask refreshes
+
+    @property
+    def enabled(self) -> bool:
+        return self.sparsity != 0 or self.n_m is not None
+
+    @property
+    def target(self) -> float:
+        """The final sparsity: ``sparsity``, or ``1 - N/M`` for N:M alone (0.0 when dense)."""
+        if self.n_m is not None and not self.sparsity:
+            return 1 - self.n_m[0] / self.n_m[1]
+        return self.sparsity
+
+    def window(self, steps: int) -> tuple[int, int]:
+        """(first pruning step, step the final sparsity is reached) in a run of ``steps`` steps."""
+        return (self.prune_begin if self.prune_begin != -1 else steps // 4,
+                self.prune_end if self.prune_end != -1 else 3 * steps // 4)
+
+    def apply(self, tx: optax.GradientTransformation, steps: int, axis_names: Any = None):
+        """``optax.chain(tx, magnitude_pruning(...))`` for a run of ``steps`` steps (``tx`` itself when dense).
+
+        ``jp.pruning`` checks the values; this method adds the defaults relative to the run's length (-1)
+        and that the pruning window lies inside the run.
+
+        Raises:
+          ValueError: a setting ``jp.pruning`` rejects, or a window ending after ``steps``; the message
+            names the flags.
+        """
+        if not self.enabled:
+            return tx
+        begin, end = self.window(steps)
+        flags = (f"--sparsity {self.sparsity} --distribution {self.distribution} --n-m {self.n_m} "
+                 f"--prune-begin {begin} --prune-end {end} --prune-frequency {self.prune_frequency}")
+        try:
+            if end > steps:
+                raise ValueError(f"the pruning window ends after the run's {steps} steps; pick steps inside the run")
+            schedule = pruning.polynomial_sparsity(self.target, begin, end, frequency=self.prune_frequency)
+            transform = pruning.magnitude_pruning(schedule, self.distribution, self.n_m, axis_names=axis_names)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"pruning flags {flags}: {e}") from None
+        return optax.chain(tx, transform)
+
+
+# ------------------------------------------------------------------------------------------------ hooks
+
+def write_metrics(writer: MetricsWriter, split: str = "train") -> Hook:
+    """A metrics hook writing every step's metrics to ``writer`` (JSONL, TensorBoard) under ``split``."""
+    return Hook(lambda step, _, metrics: writer.write(step, metrics, split), every=1, needs_state=False)
+
+
+def throughput(speed: Throughput) -> Hook:
+    """A metrics hook adding ``speed.tick()`` (``tokens_per_s``, ``mfu``) to every step's metrics; put it
+    before the hooks that log them."""
+    return Hook(lambda step, _, metrics: metrics.update(speed.tick()), every=1, needs_state=False)
+
+
+def progress_bar(total: int, initial: int = 0, desc: str = "train") -> Hook:
+    """A metrics hook advancing a tqdm bar (process 0 only) with the loss and tokens/s; closed at the end."""
+    tqdm = require("tqdm", "jp.run.progress_bar").tqdm
+    bar = tqdm(total=total, initial=initial, desc=desc, disable=jax.process_index() != 0, mininterval=1.0)
+
+    def advance(step, _, metrics):
+        bar.update(1)
+        shown = {"loss": ("loss", "{:.3f}"), "tok_s": ("tokens_per_s", "{:,.0f}")}
+        bar.set_postfix({k: f.format(metrics[m]) for k, (m, f) in shown.items() if m in metrics})
+    return Hook(advance, every=1, needs_state=False, finish=bar.close)
+
+
+def say(text: str) -> None:
+    """Process 0 prints ``text`` on stdout, above a progress bar if one is shown, and flushes."""
+    if jax.process_index() == 0:
+        require("tqdm", "jp.run.say").tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+
+__all__ = ["MeshConfig", "PrecisionConfig", "PruningConfig", "check_resumed_config", "flat_config",
+           "log_devices", "progress_bar", "say", "simulate_cpu_devices", "throughput", "write_metrics"]
