@@ -111,6 +111,9 @@ def main(cfg: Config) -> float | None:
     corpus = jp.data.CharCorpus.load(cfg.text)
     mesh = cfg.mesh.make(pipe=cfg.pipe)
     jp.run.log_devices(mesh)
+    # the step checks this too, but only after init and the first outputs: fail before anything is written
+    jp.grads.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps,
+                              cfg.microbatches if cfg.pipe > 1 else 1)
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                           d_model=cfg.d_model, max_seq_len=cfg.seq_len, positions=cfg.positions,
                           tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers, remat=cfg.remat))

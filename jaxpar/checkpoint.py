@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpar.jit import check_live
+
 from jaxpar._compat import orbax_state_handler
 
 FORMAT = "jaxpar.checkpoint/1"
@@ -169,6 +171,15 @@ def _handlers() -> dict[str, Any]:
             "jaxpar": ocp.JsonCheckpointHandler()}
 
 
+def _check_saveable(state: Any) -> None:
+    """TypeError naming the first leaf that is not an array; ValueError for donated arrays."""
+    for path, x in _leaves_with_paths(state):
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(f"state leaf {path} is a {type(x).__name__}; a checkpoint holds arrays (jax or numpy) "
+                            "only: put other values in extras=")
+    check_live(state)
+
+
 def _check_extras(extras: Any) -> dict:
     if extras is None:
         return {}
@@ -283,10 +294,11 @@ class CheckpointManager:
         extras = _check_extras(extras)
         if not (force or self.should_save(step)) or step in self._started or step in self._mgr.all_steps():
             return False
-        self._started.add(step)
+        _check_saveable(state)
         tree, impls = _to_saveable(state)
         meta = {"format": FORMAT, "step": step, "prng_keys": impls,
                 "leaves": [dict(d, checksum=c) for d, c in zip(_describe(tree), _checksums(tree))]}
+        self._started.add(step)   # only once the state is known good: a failed save can be retried
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), extras=ocp.args.JsonSave(extras),
                                   jaxpar=ocp.args.JsonSave(meta))
         # orbax waits for the previous save anyway; waiting here first lets the steps it pushed out (renamed

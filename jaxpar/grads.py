@@ -97,6 +97,10 @@ def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules = shd.DEFAULT
     Raises:
       ValueError: naming the size that does not divide and the smallest batch multiple that works.
     """
+    for name, value in (("batch_size", batch_size), ("grad_accum_steps", grad_accum_steps),
+                        ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (value < 1 and name != "batch_size"):
+            raise ValueError(f"{name}={value!r} must be {'an int' if name == 'batch_size' else 'a positive int'}")
     axes = shd.batch_axes(rules, mesh)
     n, k, m = math.prod(mesh.shape[a] for a in axes), grad_accum_steps, microbatches
     names = "*".join(axes) or "1"
@@ -150,24 +154,28 @@ class GradFn(abc.ABC):
         """
 
 
-def check_loss_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+def check_loss_output(out: Any, what: str = "loss_fn") -> tuple[jax.Array, dict[str, jax.Array]]:
     """Validates ``loss_fn``'s return value (at trace time): ``(scalar float loss, dict of scalars or None)``.
 
     Returns ``(loss, aux)`` with ``aux`` a dict (``{}`` for None) of scalars, non-float ones as float32.
     """
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise ValueError(f"loss_fn must return (loss, aux) with aux a dict (or None); got {type(out).__name__}")
+        got = "a bare array" if hasattr(out, "shape") else type(out).__name__
+        raise ValueError(f"{what} must return (loss, aux) with aux a dict (or None), e.g. return loss, {{}}; "
+                         f"got {got}")
     loss, aux = out
     if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise ValueError(f"loss_fn's loss must be a floating scalar array (a mean over the batch), got "
+        raise ValueError(f"{what}'s loss must be a floating scalar array (a mean over the batch), got "
                          f"{getattr(loss, 'shape', type(loss).__name__)} {getattr(loss, 'dtype', '')}")
     aux = {} if aux is None else aux
     if not isinstance(aux, dict):
-        raise ValueError(f"loss_fn's aux must be a dict of scalars (or None), got {type(aux).__name__}")
+        raise ValueError(f"{what}'s aux must be a dict of scalars (or None), got {type(aux).__name__}")
     out_aux = {}
     for k, v in aux.items():
         if not isinstance(k, str) or k in RESERVED_METRICS:
             raise ValueError(f"aux key {k!r} is not allowed: keys are strings other than {RESERVED_METRICS}")
+        if not hasattr(v, "dtype") and not isinstance(v, (int, float)):
+            raise ValueError(f"aux[{k!r}] is a {type(v).__name__}; aux values must be numeric scalars")
         v = jnp.asarray(v)
         if v.shape != ():
             raise ValueError(f"aux[{k!r}] has shape {v.shape}; aux values must be scalars (reduce them first)")
@@ -213,17 +221,10 @@ class _Accumulate(GradFn):
     inner: GradFn
     steps: int
 
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.steps * self.inner.grad_accum_steps
-
-    @property
-    def microbatches(self) -> int:
-        return self.inner.microbatches
-
-    @property
-    def uses_pipe(self) -> bool:
-        return self.inner.uses_pipe
+    def __post_init__(self):   # the batch splits into steps x the inner function's splits
+        for name, value in (("grad_accum_steps", self.steps * self.inner.grad_accum_steps),
+                            ("microbatches", self.inner.microbatches), ("uses_pipe", self.inner.uses_pipe)):
+            object.__setattr__(self, name, value)
 
     def check_mesh(self, mesh):
         self.inner.check_mesh(mesh)

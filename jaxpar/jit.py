@@ -30,10 +30,19 @@ def _check_placed(args: Any, allow_abstract: bool) -> None:
             raise TypeError(f"expected jax arrays placed on the mesh (from jp.train.init_state or a checkpoint "
                             f"restore){' or jax.ShapeDtypeStruct' if allow_abstract else ''}; got "
                             f"{type(x).__name__}")
-        if x.is_deleted():
-            raise ValueError("this state was donated to an earlier step and its buffers are gone: use the state "
-                             "that step returned (state, metrics = step(state, batch)), or build the step with "
-                             "donate=False")
+    check_live(args)
+
+
+def check_live(tree: Any) -> None:
+    """Raises ValueError when a jax array of ``tree`` was donated (its buffers deleted).
+
+    Call it before handing arrays to a ``jax.jit`` function: jaxlib 0.10's CPU client can crash the process
+    (a segmentation fault, not an exception) when a compiled function is called on a donated array.
+    """
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree)):
+        raise ValueError("this state was donated to an earlier step and its buffers are gone: use the state "
+                         "that step returned (state, metrics = step(state, batch)), or build the step with "
+                         "donate=False")
 
 
 class MeshJit:

@@ -227,6 +227,19 @@ def _cast_inputs(policy: Policy | None, batch: Any) -> Any:
     return batch if policy is None else policy.cast_to_compute(batch)
 
 
+def _check_grad_output(out: Any, params: Any, grad_fn: GradFn) -> tuple[jax.Array, dict, Any]:
+    """A gradient function's ``(loss, aux, grads)``, validated at trace time (loss and aux as every loss's;
+    grads with the params' structure)."""
+    name = type(grad_fn).__name__
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError(f"the gradient function {name} must return (loss, aux, grads); got {type(out).__name__}")
+    loss, aux = gr.check_loss_output(out[:2], f"the gradient function {name}")
+    if jax.tree.structure(out[2]) != jax.tree.structure(params):
+        raise ValueError(f"the gradient function {name} returned grads of structure {jax.tree.structure(out[2])}; "
+                         f"they must have the params' structure {jax.tree.structure(params)}")
+    return loss, aux, out[2]
+
+
 def _global_norm(tree: Any) -> jax.Array:
     """L2 norm over all leaves, accumulated in float32."""
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
@@ -254,24 +267,46 @@ class Step:
     """
 
     def __init__(self, jitted: MeshJit, batches: _Batches, grad_fn: GradFn | None,
-                 check_batch: Callable[[Any], None] | None):
+                 check_batch: Callable[[Any], None] | None, tx: optax.GradientTransformation | None = None):
+        if check_batch is not None and not callable(check_batch):
+            raise TypeError(f"check_batch must be a function check_batch(batch) that raises on a bad batch (e.g. "
+                            f"model.check_batch) or None, got {check_batch!r}")
         self._jitted, self._batches, self._grad_fn, self._check_batch = jitted, batches, grad_fn, check_batch
-        self._checked: set = set()
+        self._tx, self._checked = tx, set()
+
+    def _check_state(self, state: Any, batch: Any, concrete: bool) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state must be a jp.train.TrainState (from jp.train.init_state or a checkpoint "
+                            f"restore), got {type(state).__name__}")
+        _check_common(self._batches.mesh, self._batches.rules, state.policy)
+        if concrete and any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch))):
+            raise TypeError("step(state, batch) runs the step and needs arrays; for jax.ShapeDtypeStruct inputs "
+                            "(e.g. jp.train.abstract_state) use step.lower(state, batch)")
+        if self._tx is not None:
+            expected = jax.eval_shape(_effective_tx(self._tx, state.policy).init, state.params)
+            if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):
+                raise ValueError("the state's opt_state does not have the structure this step's tx gives "
+                                 "(tx.init(params)): build the state with the same tx as the step "
+                                 f"(state: {jax.tree.structure(state.opt_state)}; tx: {jax.tree.structure(expected)})")
 
     def _prepare(self, state: TrainState, batch: Any, concrete: bool) -> Any:
         b = self._batches
         g = self._grad_fn
+        key = jax.tree.structure((state, batch)), tuple(
+            (np.shape(x), jnp.result_type(x), isinstance(x, jax.ShapeDtypeStruct)) for x in jax.tree.leaves((state, batch)))
+        first = key not in self._checked
+        if first:
+            self._check_state(state, batch, concrete)
         check_batch_size(b.size(batch), b.mesh, b.rules, g.grad_accum_steps if g else 1, g.microbatches if g else 1)
         if self._check_batch is not None and concrete:
             self._check_batch(batch)
         batch = b.place(batch)
-        if g is not None:
-            key = jax.tree.structure((state, batch)), tuple((x.shape, x.dtype) for x in jax.tree.leaves((state, batch)))
-            if key not in self._checked:
+        if first:
+            if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
                 g.check(abstract(state.params), _cast_inputs(state.policy, abstract(batch)),
                         gr.Context(b.mesh, b.rules, state.policy))
-                self._checked.add(key)
+            self._checked.add(key)
         return batch
 
     def __call__(self, state: TrainState, batch: Any) -> Any:
@@ -329,15 +364,15 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        loss, aux, grads = grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale,
-                                   gr.Context(mesh, rules, state.policy))
+        loss, aux, grads = _check_grad_output(grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale,
+                                                      gr.Context(mesh, rules, state.policy)), state.params, grad_fn)
         state = _apply_update(tx, state, grads)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
         return state, metrics
 
     jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)),
                      donate_argnums=(0,) if donate else (), track=lambda out: out[1])  # metrics: state is donated
-    return Step(jitted, _Batches(mesh, rules), grad_fn, check_batch)
+    return Step(jitted, _Batches(mesh, rules), grad_fn, check_batch, tx)
 
 
 def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,

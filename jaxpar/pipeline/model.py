@@ -48,7 +48,7 @@ def _from_stages(a: jax.Array) -> jax.Array:
 
 def _checked_head_loss(head_loss_fn: Callable) -> Callable:
     """``head_loss_fn`` whose output is validated as every loss is: ``(scalar loss, dict of scalars)``."""
-    return lambda params, y, targets: gr.check_loss_output(head_loss_fn(params, y, targets))
+    return lambda params, y, targets: gr.check_loss_output(head_loss_fn(params, y, targets), "head_loss_fn")
 
 
 @dataclasses.dataclass(frozen=True)

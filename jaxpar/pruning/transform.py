@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar.jit import check_live
 from jaxpar.pruning import select
 from jaxpar.pruning.schedules import SparsitySchedule, as_schedule, constant_sparsity
 from jaxpar.pruning.structure import LeafPlan, Path, ReductionAxes, key_name, make_plans, path_str
@@ -257,6 +258,7 @@ def sparsity_report(params: Any, prunable: Callable[[Path], bool] | None = None,
       "sparsity"}, "all": {...}}`` over every floating leaf; ``path`` joins key names with ``/``; sizes and
       counts are Python ints, sparsities Python floats.
     """
+    check_live(params)
     plans = make_plans(params, axis_names, prunable)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     floating = [i for i, (_, x) in enumerate(flat) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
