@@ -356,6 +356,7 @@ def test_kill_while_deleting_an_old_checkpoint_keeps_the_newest(tmp_path):
 
 # ------------------------------------------------------------------------------------------ resume parity
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_resume_after_sigkill_is_bit_identical(tmp_path, devices):
     """2N steps straight == N steps, SIGKILL, resume, N more: params, optimizer, loss-scale and pruning state
     bitwise, and the same loss curve; fp16 with dynamic loss scaling and magnitude pruning on 2x2x2."""
@@ -382,6 +383,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, devices):
     assert len({r["loss_scale"] for r in want}) > 1  # the loss scale changed along the way
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_sigterm_saves_the_step_reached_and_exits_zero(tmp_path):
     """SIGTERM while the worker waits before step 3 (it blocks until the handler ran): it finishes step 3,
     saves checkpoint 4 (the only one: --interval 0), and exits 0."""
@@ -428,6 +430,7 @@ def test_second_sigterm_exits_at_once(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ charlm
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
     """charlm: SIGTERM mid-run exits 0 with a checkpoint at the step reached; rerunning the same command
     (``--resume``) continues to the same losses, validation losses and final params as a straight run."""

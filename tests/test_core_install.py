@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 OPTIONAL = ("matplotlib", "tqdm", "tyro", "tensorboardX", "sklearn", "IPython")
 
 _BLOCK = f"""
@@ -29,6 +31,7 @@ def run(code: str, cwd) -> subprocess.CompletedProcess:
                           env=env, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_core_only_import_and_one_training_step(tmp_path):
     out = run(_BLOCK + """
 import jax, jax.numpy as jnp, numpy as np, optax

@@ -52,6 +52,7 @@ def test_charlm_rejects_bad_config():
         charlm.Config(steps=10, warmup_steps=20)
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_charlm_with_pruning_and_fp16(tmp_path):
     charlm = load("charlm")
     cfg = charlm.Config(steps=40, eval_interval=20, eval_batches=1, batch_size=16, seq_len=32, d_model=64,

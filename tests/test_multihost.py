@@ -42,6 +42,7 @@ def launch(args: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_two_processes_match_one_process(tmp_path, devices):
     del devices
     out = tmp_path / "two"

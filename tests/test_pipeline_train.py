@@ -68,6 +68,7 @@ def test_pipelined_step_matches_single_device(case, mesh_factory):
     print(f"\n[pipeline step] {case}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_five_adamw_steps_pipe2_match_pipe1(mesh_factory):
     """GPT with 4 layers (2 per stage), 1F1B over 4 microbatches, AdamW: losses per step and final params.
 
@@ -162,6 +163,7 @@ def test_errors(mesh_factory):
         widen.check(params, gpt_batch(np.random.default_rng(0), 16), ctx)
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_charlm_runs_data2_pipe2_tensor2(tmp_path):
     path = Path(__file__).resolve().parents[1] / "experiments" / "charlm.py"
     spec = importlib.util.spec_from_file_location("experiments_charlm_pipe", path)

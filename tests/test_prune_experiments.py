@@ -26,6 +26,7 @@ def test_digits_rejects_bad_pruning_flags():
             digits.Config(pruning=dataclasses.replace(digits.Config().pruning, **bad))
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_prune_sweep_writes_results_plot_and_table(tmp_path, capsys):
     sweep = load("prune_sweep")
     cfg = sweep.Config(sparsities=(0.8,), distributions=("global",), n_m=(2, 4), seeds=(0,), steps=60,

@@ -105,7 +105,7 @@ def reference(config: str):
     return dict(params=jax.device_get(out["params"]), history=out["history"])
 
 
-@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("use_jit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["jit", "eager"])  # eager: slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_pruning_harness(config, layout, use_jit, tmp_path):

@@ -101,6 +101,7 @@ def test_lower_from_abstract_state_and_batch_compiles_the_gpt(mesh_factory):
         step(abstract, gpt_batch(np.random.default_rng(SEED), 16, SMALL_GPT))
 
 
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_the_policy_travels_on_the_state(mesh_factory):
     """One step built once: a float32 state computes in float32, a mixed_bf16 state in bfloat16 (its loss
     differs from the float32 one by bf16 rounding, not 0), and the restore target carries the policy."""
