@@ -101,7 +101,7 @@ def test_eval_step_matches_the_loss_computed_here(layout, mesh_factory):
 TRAIN_LAYOUTS = {"1dev": {}, "data8": {"data": 8}, "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}}
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.slow)])  # k=4: slow
 def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
     """Two sgd steps: step t's loss and gradient are the dropout loss's with fold_in(state_rng, t), and with
     grad_accum_steps=k microbatch j gets fold_in(that key, j) (a distinct mask per microbatch); the same

@@ -31,6 +31,7 @@ def test_digits_reaches_95_percent(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "loss.png").exists()
 
 
+@pytest.mark.slow  # a charlm run; .ci/run runs it
 def test_charlm_short_run_writes_outputs(tmp_path, capsys):
     charlm = load("charlm")
     cfg = charlm.Config(steps=40, eval_interval=20, eval_batches=2, batch_size=16, seq_len=32, d_model=64,

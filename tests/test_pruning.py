@@ -106,7 +106,8 @@ def reference(config: str):
 
 
 @pytest.mark.parametrize("use_jit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["jit", "eager"])  # eager: slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [l if l in ("1dev", "fsdp8") else pytest.param(l, marks=pytest.mark.slow)
+                                    for l in LAYOUTS])  # tensor8 and explicit: slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_pruning_harness(config, layout, use_jit, tmp_path):
     ref = reference(config)
@@ -157,6 +158,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow  # 50 steps; .ci/run runs it
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_pruned_weights_stay_exactly_zero_for_50_steps(optimizer, mesh_factory, np_rng):
     """A train step on a 2x2x2 mesh; pruning at step 5 (moments already built up), then 50 more steps."""
