@@ -360,7 +360,6 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
     _check_pipe(grad_fn, mesh)
 
     def _step(state: TrainState, batch: Any):
-        precision.check_outermost(state.opt_state)
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
