@@ -166,7 +166,7 @@ def test_reshard_on_restore(saved, layout):
 
 def test_restore_into_another_model_names_the_path(saved):
     ckpt = jp.checkpoint.CheckpointManager(saved["dir"])
-    init_fn, _ = gpt_parts(dataclasses.replace(SMALL_GPT, d_model=32, num_heads=4))
+    init_fn, _ = gpt_parts(dataclasses.replace(SMALL_GPT, d_model=32, num_heads=4, head_dim=0))
     mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
     with pytest.raises(ValueError, match=r"\.params\['blocks'\]\['down_bias'\].*saved shape \(2, 64\) float32, "
                                          r"target shape \(2, 32\) float32"):

@@ -32,8 +32,10 @@ BASE = GPTConfig(vocab_size=37, vocab_multiple=64, num_layers=2, num_heads=4, d_
 CONFIGS = {
     "learned-tied": BASE,
     "learned-untied": dataclasses.replace(BASE, tie_embeddings=False, d_mlp=48),
-    "rotary-tied": dataclasses.replace(BASE, positions="rotary", num_heads=2, d_mlp=48),
+    "rotary-tied": dataclasses.replace(BASE, positions="rotary", num_heads=2, head_dim=0, d_mlp=48),  # K = 16
     "rotary-untied": dataclasses.replace(BASE, positions="rotary", tie_embeddings=False),
+    # head size independent of d_model / num_heads (what structural pruning leaves after removing heads)
+    "rotary-head_dim": dataclasses.replace(BASE, positions="rotary", num_heads=3, head_dim=6),
 }
 ids = list(CONFIGS)
 

@@ -26,7 +26,7 @@ from jaxpar.models import GPT, GPTConfig
 
 SEED = 23
 MESH = {"data": 2, "pipe": 2, "tensor": 2}
-NARROW = {"d_model": 32, "num_heads": 4}    # the suite's small GPTs, narrower: compile time is the cost here
+NARROW = {"d_model": 32, "num_heads": 4, "head_dim": 0}   # the suite's small GPTs, narrower: compile time is the cost here
 CASES = {  # model config, schedule, microbatches, grad_accum_steps
     "tied-1f1b-m4": (dataclasses.replace(SMALL_GPT, **NARROW), jp.pipeline.one_f_one_b, 4, 1),
     "untied-rotary-scan-gpipe-m2-accum2": (dataclasses.replace(SMALL_GPT_VARIANT, **NARROW), jp.pipeline.gpipe, 2, 2),

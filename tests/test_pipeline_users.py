@@ -26,7 +26,7 @@ import jaxpar as jp
 from jaxpar.models import GPT
 
 SEED = 31
-NARROW = dict(d_model=32, num_heads=4)            # compile time is the cost: the suite's small GPT, narrower
+NARROW = dict(d_model=32, num_heads=4, head_dim=0)           # compile time is the cost: the suite's small GPT, narrower
 PFT = {"pipe": 2, "fsdp": 2, "tensor": 2}         # the 3-D layout users run: pipe x fsdp x tensor
 ROOT = Path(__file__).resolve().parents[1]
 

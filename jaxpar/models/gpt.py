@@ -39,6 +39,8 @@ class GPTConfig:
     num_heads: int = 4             # H attention heads (divisible by the tensor axis)
     d_model: int = 128             # D model width
     d_mlp: int = 0                 # F MLP width; 0 means 4 * d_model
+    head_dim: int = 0              # K per head; 0 means d_model // num_heads, resolved at construction (so
+                                   # dataclasses.replace(cfg, num_heads=...) keeps the head size; pass 0 to re-derive)
     max_seq_len: int = 128         # longest sequence (learned position table size)
     positions: str = "learned"     # "learned" or "rotary"
     tie_embeddings: bool = True    # logits = x @ embedding.T when True, else a separate head kernel
@@ -57,8 +59,13 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 0:
+            raise ValueError(f"GPTConfig.head_dim={self.head_dim!r} must be an int >= 0 (0 means d_model // num_heads)")
+        if self.head_dim == 0:
+            if self.d_model % self.num_heads:
+                raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; "
+                                 "set head_dim explicitly or change num_heads")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
         for name in ("dtype", "param_dtype", "output_dtype"):
@@ -80,10 +87,6 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.d_mlp={self.d_mlp!r} must be an int >= 0 (0 means 4 * d_model)")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    @property
     def mlp_dim(self) -> int:
         return self.d_mlp or 4 * self.d_model
 
@@ -92,17 +95,17 @@ class GPTConfig:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def num_params(self, embeddings: bool = True) -> int:
-        D, F, N = self.d_model, self.mlp_dim, self.num_layers
-        block = 3 * D * D + D * D + D + 2 * D * F + F + D + 4 * D
+        D, F, N, HK = self.d_model, self.mlp_dim, self.num_layers, self.num_heads * self.head_dim
+        block = 3 * D * HK + HK * D + D + 2 * D * F + F + D + 4 * D
         emb = self.padded_vocab * D + (self.max_seq_len * D if self.positions == "learned" else 0)
         head = 2 * D + (0 if self.tie_embeddings else D * self.padded_vocab)
         return N * block + head + (emb if embeddings else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * (non-embedding params + unembedding) + 12 * N * L * D for attention
-        (Kaplan et al. 2020, sec. 2.1; PaLM, Chowdhery et al. 2022, app. B)."""
+        """Training FLOPs per token: 6 * (non-embedding params + unembedding) + 12 * N * L * H * K for attention
+        (Kaplan et al. 2020, sec. 2.1, with H * K = d_model; PaLM, Chowdhery et al. 2022, app. B)."""
         dense = self.num_params(embeddings=False) + self.padded_vocab * self.d_model
-        return 6.0 * dense + 12.0 * self.num_layers * seq_len * self.d_model
+        return 6.0 * dense + 12.0 * self.num_layers * seq_len * self.num_heads * self.head_dim
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, std: float | None):
