@@ -47,45 +47,93 @@ def test_receive_slots():
         assert f == ((0, 1),) + ((1, 1),) * (p - 1), (p, m, f)
 
 
-@pytest.mark.parametrize("name", list(BUILDERS))
+# every builder, at the (p, m) cases below (interleaved with 2 chunks, m a multiple of p)
+TABLES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
+          "zb-h1": jp.pipeline.zero_bubble, "zb-v": jp.pipeline.zero_bubble_v}
+TABLE_CASES = [(1, 3), (2, 2), (2, 8), (3, 6), (4, 4), (4, 8)]
+
+
+def _cases(name):
+    return [(p, m) for p, m in TABLE_CASES if name == "gpipe" or (m >= p and (name != "interleaved" or m % p == 0))]
+
+
+@pytest.mark.parametrize("name", list(TABLES))
 def test_runtime_buffers_come_from_the_table(name):
     """The interpreter's slot assignment uses exactly the table's peak counts (maximum over stages)."""
-    for p, m in [(1, 3), (2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (3, 7)]:
-        s = BUILDERS[name](p, m)
-        actions, sizes = control_table(s)
-        assert len(actions) == 9
-        for field, a in actions._asdict().items():
-            assert a.shape == (s.num_ticks, p) and a.dtype == np.int32, (field, a.shape, a.dtype)
-        assert sizes._asdict() == {"stash": max(s.peak_stash), "activations": max(max(a for a, _ in s.recv_slots), 1),
-                                   "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
+    for p, m in _cases(name):
+        s = TABLES[name](p, m)
+        ct = control_table(s)
+        assert len(ct.actions) == 11
+        for field, a in ct.actions._asdict().items():
+            shape = (s.num_ticks, p, 3) if field.startswith("arrive") else (s.num_ticks, p)
+            assert a.shape == shape and a.dtype == np.int32, (field, a.shape, a.dtype)
+        bstash = max(max(s._per_stage_peak("bstash")), 1)
+        assert ct.sizes._asdict() == {"stash": max(s.peak_stash), "bstash": bstash,
+                                      "wstash": max(max(s.peak_wstash), 1),
+                                      "activations": max(max(a for a, _ in s.recv_slots), 1),
+                                      "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
 
 
-FIELDS = {"stash": ("stash_slot", "stash_slot", None), "activations": ("act_write", "act_read", "act_on"),
-          "cotangents": ("cot_write", "cot_read", "cot_on")}   # buffer -> (written at start, read at stop, flag)
+# buffer -> (the field holding its slot when written, the field holding it when read, the arrival code or None)
+FIELDS = {"stash": ("stash_slot", "stash_slot", None), "bstash": ("bstash_slot", "bstash_slot", None),
+          "wstash": ("wstash_slot", "wstash_slot", None),
+          "activations": ("arrive_slot", "act_read", 1), "cotangents": ("arrive_slot", "cot_read", 2)}
+PREV, NEXT, SELF = 0, 1, 2
 
 
-@pytest.mark.parametrize("name", list(BUILDERS))
+def _expected_source(s, iv, buffer):
+    """Where a received value comes from, from the placement: previous stage, next stage or this one."""
+    v = s.virtual_stage(iv.stage, iv.chunk)
+    last = s.num_virtual_stages - 1
+    sender = s.location(v - 1)[0] if buffer == "activations" else iv.stage if v == last else s.location(v + 1)[0]
+    return SELF if sender == iv.stage else PREV if sender == (iv.stage - 1) % s.num_stages else NEXT
+
+
+@pytest.mark.parametrize("name", list(TABLES))
 def test_control_table_follows_the_schedule(name):
-    """Each entry's kind and microbatch are the table's action; every buffer interval is read from the slot it
-    was written to; intervals live at once on a stage never share a slot; a flag marks exactly each arrival."""
-    for p, m in [(1, 3), (2, 2), (3, 7), (4, 8)]:
-        s = BUILDERS[name](p, m)
-        actions, sizes = control_table(s)
+    """Each entry's kind, microbatch and chunk are the table's action; every buffer interval is read from the
+    slot it was written to; intervals live at once on a stage never share a slot; arrivals come from the
+    neighbour that holds the producing virtual stage, over a ppermute pair the table lists."""
+    for p, m in _cases(name):
+        s = TABLES[name](p, m)
+        ct = control_table(s)
+        a_ = ct.actions
         for t, row in enumerate(s.table):
             for st, a in enumerate(row):
-                want = 0 if a is None else 3 if a.kind == "B" else 2 if st == p - 1 else 1
-                assert actions.kind[t, st] == want, (name, p, m, t, st, a)
-                assert actions.microbatch[t, st] == (0 if a is None else a.microbatch)
+                v = None if a is None else s.virtual_stage(st, a.chunk)
+                want = 0 if a is None else {"F": 2 if v == s.num_virtual_stages - 1 else 1, "W": 5,
+                                            "B": 4 if s.split_backward else 3}[a.kind]
+                assert a_.kind[t, st] == want, (name, p, m, t, st, a)
+                assert a_.microbatch[t, st] == (0 if a is None else a.microbatch)
+                assert a_.chunk[t, st] == (0 if a is None else a.chunk) and a_.first[t, st] == (v == 0)
+        arrivals = 0
         for buffer, ivs in s.lifetimes().items():
-            write, read, on = (getattr(actions, f) if f else None for f in FIELDS[buffer])
-            slot = {iv: int(write[iv.start, iv.stage]) for iv in ivs}
+            write, read, code = FIELDS[buffer]
+            slot = {}
             for iv in ivs:
-                assert read[iv.stop, iv.stage] == slot[iv] and 0 <= slot[iv] < getattr(sizes, buffer), (buffer, iv)
+                if code is None:
+                    slot[iv] = int(getattr(a_, write)[iv.start, iv.stage])
+                else:
+                    src = _expected_source(s, iv, buffer)
+                    assert a_.arrive_buffer[iv.start, iv.stage, src] == code, (name, buffer, iv, src)
+                    slot[iv] = int(a_.arrive_slot[iv.start, iv.stage, src])
+                    pairs = {PREV: ct.to_next, NEXT: ct.to_prev, SELF: None}[src]
+                    if pairs is not None:
+                        sender = (iv.stage - 1) % p if src == PREV else (iv.stage + 1) % p
+                        assert (sender, iv.stage) in pairs, (name, buffer, iv, ct.to_next, ct.to_prev)
+                    arrivals += 1
+            for iv in ivs:
+                assert getattr(a_, read)[iv.stop, iv.stage] == slot[iv] and 0 <= slot[iv] < getattr(ct.sizes, buffer)
                 clash = [o for o in ivs if o != iv and o.stage == iv.stage and slot[o] == slot[iv]
                          and o.start < iv.stop and iv.start < o.stop]
                 assert not clash, (name, p, m, buffer, iv, clash)
-            if on is not None:
-                assert int(on.sum()) == len(ivs) and all(on[iv.start, iv.stage] == 1 for iv in ivs), buffer
+        assert int((a_.arrive_buffer > 0).sum()) == arrivals
+        if s.split_backward:   # B reads the stash slot its F wrote (held until its W)
+            when = s.ticks()
+            for (kind, j, v), t in when.items():
+                if kind == "B":
+                    st = s.location(v)[0]
+                    assert a_.stash_slot[t, st] == a_.stash_slot[when[("F", j, v)], st]
 
 
 def test_1f1b_phases_follow_narayanan():
@@ -122,6 +170,8 @@ def test_text_gantt():
 
 def test_gantt_plot(tmp_path):
     path = jp.plot.schedule_gantt(one_f_one_b(4, 8), tmp_path / "1f1b.png")
+    assert path.stat().st_size > 5000
+    path = jp.plot.schedule_gantt(jp.pipeline.zero_bubble_v(2, 4), tmp_path / "zbv.png")   # chunks and W
     assert path.stat().st_size > 5000
 
 

@@ -1,16 +1,29 @@
-"""Pipeline parallelism: schedules as data (GPipe, 1F1B), one shard_map interpreter, the pipelined gradient function.
+"""Pipeline parallelism: schedules as data, one shard_map interpreter, the pipelined gradient function.
 
-* :mod:`jaxpar.pipeline.schedules`: ``Schedule`` tables, validation and analysis; ``gpipe``, ``one_f_one_b``.
+* :mod:`jaxpar.pipeline.schedules`: the ``Schedule`` data model (actions per tick and stage, chunks and their
+  placement), validation and analysis.
+* :mod:`jaxpar.pipeline.builders`: ``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble`` (ZB-H1) and
+  ``zero_bubble_v`` (ZB-V) tables.
+* :mod:`jaxpar.pipeline.custom`: ``from_actions``, a user's own schedule as per-stage action lists (torch's
+  CSV form too); :mod:`jaxpar.pipeline.analysis`: ``compare`` and ``timing`` with per-action costs.
+* :mod:`jaxpar.pipeline.layout`: ``to_stage_layout`` / ``from_stage_layout`` of stacked stage parameters.
 * :mod:`jaxpar.pipeline.table`: the control-table compiler (a schedule -> named ``[ticks, stages]`` arrays).
-* :mod:`jaxpar.pipeline.interpreter` (with :mod:`~jaxpar.pipeline.stash`): the ``shard_map`` body that executes
-  any table; :mod:`jaxpar.pipeline.checks`: argument checks before tracing.
+* :mod:`jaxpar.pipeline.interpreter` (with :mod:`~jaxpar.pipeline.stash` and :mod:`~jaxpar.pipeline.split`, the
+  B/W split of a backward): the ``shard_map`` body that executes any table; :mod:`jaxpar.pipeline.checks`:
+  argument checks before tracing.
 * :mod:`jaxpar.pipeline.runtime`: ``value_and_grad`` and ``apply`` run any valid table over the ``pipe`` axis.
-* :mod:`jaxpar.pipeline.model`: ``Pipeline``, a model as three parts: the gradient function of ``jp.train.make_train_step``.
+* :mod:`jaxpar.pipeline.model`: ``Pipeline``, a model as three parts: the gradient function of
+  ``jp.train.make_train_step``.
 """
 
+from jaxpar.pipeline.analysis import compare, timing
+from jaxpar.pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble, zero_bubble_v
+from jaxpar.pipeline.custom import from_actions
+from jaxpar.pipeline.layout import from_stage_layout, to_stage_layout
 from jaxpar.pipeline.model import Pipeline
 from jaxpar.pipeline.runtime import apply, value_and_grad
-from jaxpar.pipeline.schedules import Action, B, F, Schedule, W, gpipe, one_f_one_b, validate
+from jaxpar.pipeline.schedules import Action, B, F, Schedule, W, round_robin, v_shape, validate
 
-__all__ = ["Action", "B", "F", "Pipeline", "Schedule", "W", "apply", "gpipe", "one_f_one_b",
-           "validate", "value_and_grad"]
+__all__ = ["Action", "B", "F", "Pipeline", "Schedule", "W", "apply", "compare", "from_actions", "from_stage_layout",
+           "gpipe", "interleaved_1f1b", "one_f_one_b", "round_robin", "timing", "to_stage_layout", "v_shape",
+           "validate", "value_and_grad", "zero_bubble", "zero_bubble_v"]

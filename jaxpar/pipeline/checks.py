@@ -29,8 +29,8 @@ def struct(a: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct
 
 
 def check_mesh_and_schedule(schedule: Schedule, mesh: Mesh, stash: str = "residuals") -> None:
-    """Raises TypeError/ValueError unless ``mesh`` has a ``pipe`` axis of the schedule's size and the runtime
-    can execute the schedule (F and B actions, one chunk per stage) with this ``stash`` mode."""
+    """Raises TypeError/ValueError unless ``mesh`` has a ``pipe`` axis of the schedule's size and ``stash`` is a
+    known mode (the runtime executes every valid table: any chunks and placement, fused or split backwards)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a jp.pipeline.Schedule (e.g. jp.pipeline.one_f_one_b(p, m)), got "
                         f"{type(schedule).__name__}")
@@ -42,25 +42,25 @@ def check_mesh_and_schedule(schedule: Schedule, mesh: Mesh, stash: str = "residu
         raise ValueError(f"the mesh has {AXIS}={mesh.shape[AXIS]} but schedule {schedule.name!r} has num_stages="
                          f"{schedule.num_stages}; build the schedule for {mesh.shape[AXIS]} stages or the mesh with "
                          f"pipe={schedule.num_stages}")
-    if schedule.num_chunks != 1 or any(a is not None and a.kind == "W" for row in schedule.table for a in row):
-        raise ValueError(f"schedule {schedule.name!r} has {schedule.num_chunks} chunks per stage or W actions; the "
-                         "runtime executes tables of F and B actions with one chunk per stage")
     if stash not in STASH_MODES:
         raise ValueError(f"stash={stash!r}; use one of {STASH_MODES}")
 
 
-def check_stage_params(stage_params: Any, num_stages: int) -> None:
-    """Raises ValueError unless every leaf has a leading axis of exactly ``num_stages``."""
+def check_stage_params(stage_params: Any, schedule: Schedule) -> None:
+    """Raises ValueError unless every leaf has a leading axis of exactly ``num_stages * num_chunks``."""
     leaves = jax.tree_util.tree_flatten_with_path(stage_params)[0]
     if not leaves:
         raise ValueError("stage_params has no arrays; pass the stacked parameters of the stages")
+    p, v = schedule.num_stages, schedule.num_chunks
     for path, leaf in leaves:
         shape = np.shape(leaf)
-        if not shape or shape[0] != num_stages:
-            raise ValueError(
-                f"stage_params{jax.tree_util.keystr(path)} has shape {shape}: every leaf needs a leading axis of "
-                f"exactly num_stages = {num_stages} (index s = stage s); reshape stacked [layers, ...] params to "
-                f"[num_stages, layers // num_stages, ...]")
+        if not shape or shape[0] != p * v:
+            where = (f"num_stages = {p} (index s = stage s); reshape stacked [layers, ...] params to "
+                     f"[num_stages, layers // num_stages, ...]") if v == 1 else (
+                     f"num_stages * num_chunks = {p * v} (the virtual stages in stage layout: "
+                     f"jp.pipeline.to_stage_layout of the [{p * v}, ...] params in model order)")
+            raise ValueError(f"stage_params{jax.tree_util.keystr(path)} has shape {shape}: every leaf needs a "
+                             f"leading axis of exactly {where}")
 
 
 def check_batch(x: Any, targets: Any, num_microbatches: int, mesh: Mesh, rules: shd.Rules) -> None:

@@ -5,19 +5,26 @@ The interpreter runs over the ``pipe`` mesh axis only (``axis_names={'pipe'}``):
 does outside a pipeline. It is a ``lax.scan`` over the schedule's ticks; at every tick each stage
 
 1. reads its entry of the constant control table (:func:`jaxpar.pipeline.table.control_table`: its action,
-   microbatch, and the buffer slots it reads and writes), indexed by ``lax.axis_index('pipe')``;
-2. runs that action through ``lax.switch``: idle; ``F`` (``jax.vjp`` of the stage function, stashing what
-   the backward needs); ``F`` on the last stage (also the loss, its gradient for the head parameters and the
-   loss cotangent of the stage output); ``B`` (the stashed pullback applied to the received cotangent:
-   parameter gradients are accumulated, the input cotangent is sent back);
-3. sends its output activation to the next stage and its input cotangent to the previous one with two
-   ``lax.ppermute``\\ s, and writes what it received into the receive slots the table names.
+   microbatch, chunk, and the buffer slots it reads and writes), indexed by ``lax.axis_index('pipe')``;
+2. runs that action on the chunk's parameters through ``lax.switch``: idle; ``F`` (``jax.vjp`` of the stage
+   function, stashing what the backward needs); ``F`` on the last virtual stage (also the loss, its gradient
+   for the head parameters and the loss cotangent of the stage output); ``B`` (the stashed pullback applied
+   to the received cotangent: parameter gradients are accumulated, the input cotangent is sent back); in a
+   table with split backwards, ``B`` computes the input cotangent only and stashes what ``W`` needs, and ``W``
+   the parameter gradient (:mod:`jaxpar.pipeline.split`);
+3. hands its one output (activation or cotangent) to both neighbouring stages with ``lax.ppermute``\\ s and
+   keeps it itself, and writes what it received into the receive slots the table names (the table's
+   routing: sends in both directions in one tick, local hand-offs between chunks of one stage).
 
-The backward is driven by hand, one ``jax.vjp`` per microbatch, not by differentiating a forward loop, so
-any order of ``F``\\ s and ``B``\\ s runs: GPipe, and a true 1F1B whose stash holds only the microbatches in
-flight. Buffers are sized from the table (:class:`~jaxpar.pipeline.table.BufferSizes`).
+The backward is driven by hand, one ``jax.vjp`` per microbatch and chunk, not by differentiating a forward
+loop, so any order of ``F``\\ s, ``B``\\ s and ``W``\\ s runs: GPipe, a true 1F1B whose stash holds only the
+microbatches in flight, interleaved 1F1B, ZB-H1, ZB-V. Buffers are sized from the table
+(:class:`~jaxpar.pipeline.table.BufferSizes`).
 
-What a stage stashes for its backward, and how it rebuilds the pullback: :mod:`jaxpar.pipeline.stash`.
+Stage parameters come in the stage layout (:func:`jaxpar.pipeline.layout.to_stage_layout`): leading axis
+``num_stages * num_chunks``, stage ``s``'s chunks ``s*v .. s*v + v - 1`` on its own devices; chunk ``c`` is
+row ``c`` of the stage's block. What a stage stashes for its backward, and how it rebuilds the pullback:
+:mod:`jaxpar.pipeline.stash`.
 
 Microbatches are strided, in :mod:`jaxpar.grads`' ``[B/m, m, ...]`` layout: microbatch ``j`` holds global rows
 ``j, j + m, j + 2m, ...``, so each stays spread over the batch mesh axes (as gradient accumulation does).
@@ -36,9 +43,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import _compat
 from jaxpar.grads import merge_microbatches, microbatch, split_microbatches
+from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
-from jaxpar.pipeline.stash import forward_and_stash, pullback_from_stash, residual_plan, stashed_structs, write_stash
-from jaxpar.pipeline.table import BWD, FWD, FWD_LAST, Actions, BufferSizes, control_table
+from jaxpar.pipeline.stash import (backward_leaves, forward_and_stash, held_to_weight, pullback_from_stash,
+                                   residual_plan, stashed_structs, write_stash)
+from jaxpar.pipeline.table import (ACTIVATIONS, BWD, BWD_INPUT, COTANGENTS, FWD, FWD_LAST, NEXT, PREV, SELF, Actions,
+                                   BufferSizes, ControlTable, control_table)
 
 AXIS = "pipe"
 
@@ -62,23 +72,69 @@ def _put(buf: jax.Array, value: jax.Array, index: jax.Array, on: jax.Array, axis
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(on, value.astype(buf.dtype), old), index, axis)
 
 
+def _chunk(tree: Any, chunk: jax.Array, num_chunks: int) -> Any:
+    """Row ``chunk`` of every leaf (static row 0 with one chunk)."""
+    if num_chunks == 1:
+        return jax.tree.map(lambda a: a[0], tree)
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), tree)
+
+
+def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int) -> Any:
+    """``acc[chunk] += value`` for every leaf (in place)."""
+    if num_chunks == 1:
+        return jax.tree.map(lambda a, g: a + g[None], acc, value)
+    def add(a, g):
+        row = jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(a, row + g, chunk, 0)
+    return jax.tree.map(add, acc, value)
+
+
+def _route(table: ControlTable, c: Actions, act, cot, messages: tuple) -> tuple:
+    """Writes the messages of this tick (from the previous stage, the next one, this one) into the receive
+    slots the table names; a (source, buffer) pair the table never uses is not traced at all."""
+    kinds = table.actions.arrive_buffer
+    for k in (PREV, NEXT, SELF):
+        if (kinds[..., k] == ACTIVATIONS).any():
+            act = _put(act, messages[k], c.arrive_slot[k], c.arrive_buffer[k] == ACTIVATIONS)
+        if (kinds[..., k] == COTANGENTS).any():
+            cot = _put(cot, messages[k], c.arrive_slot[k], c.arrive_buffer[k] == COTANGENTS)
+    return act, cot
+
+
+def _part(held: tuple[bool, ...], values: tuple) -> tuple[tuple, tuple]:
+    """The stashed values split into (held until W, freed at B)."""
+    return (tuple(v for v, h in zip(values, held) if h), tuple(v for v, h in zip(values, held) if not h))
+
+
+def _merge(held: tuple[bool, ...], kept: tuple, rest: tuple) -> tuple:
+    kept, rest = iter(kept), iter(rest)
+    return tuple(next(kept) if h else next(rest) for h in held)
+
+
+class _Stashes(NamedTuple):
+    """The stash buffers (per leaf ``[slots, ...]``) and, in the action branches, the slot each is read at."""
+    stash: Any             # F writes, B (and W) read: the leaves W reads (without a split: all)
+    bstash: Any            # split backwards: F writes, B reads: the leaves only B reads
+    wstash: Any            # split backwards: B writes, W reads: what B hands to W
+
+
 class _Out(NamedTuple):
     """What one tick's action produces (zeros for the parts an action does not produce)."""
-    send_f: jax.Array      # activation for the next stage
-    send_b: jax.Array      # input cotangent for the previous stage (last stage, F: the loss cotangent)
+    send: jax.Array        # the message: F's activation (last virtual stage: the loss cotangent), B's d input
     res: tuple             # F: what it stashes
-    dparams: Any           # B: this microbatch's stage-parameter gradient (float32)
-    dhead: Any             # F on the last stage: head-parameter gradient (float32)
-    loss: jax.Array        # F on the last stage: loss / m (float32)
-    aux: Any               # F on the last stage: loss_fn's aux
+    wres: tuple            # split B: what its W needs (empty without split backwards)
+    dparams: Any           # B (fused) or W: this microbatch's chunk-parameter gradient (float32)
+    dhead: Any             # F on the last virtual stage: head-parameter gradient (float32)
+    loss: jax.Array        # F on the last virtual stage: loss / m (float32)
+    aux: Any               # F on the last virtual stage: loss_fn's aux
 
 
 class _Carry(NamedTuple):
-    stash: tuple           # per stashed leaf [stash slots, ...]: F writes its slot, B reads it
+    stashes: _Stashes      # per stashed leaf [slots, ...] (see _Stashes)
     act: jax.Array         # [activation slots, mb, ...] received activations
-    cot: jax.Array         # [cotangent slots, mb, ...] received (last stage: loss) cotangents
-    gx: jax.Array          # [B/m, m, ...] d loss / d x, written by stage 0's B
-    dparams: Any           # float32 stage-parameter gradient
+    cot: jax.Array         # [cotangent slots, mb, ...] received (last virtual stage: loss) cotangents
+    gx: jax.Array          # [B/m, m, ...] d loss / d x, written by virtual stage 0's B
+    dparams: Any           # float32 [chunks, ...] stage-parameter gradient
     dhead: Any             # float32 head-parameter gradient
     loss: jax.Array
     aux: Any               # per leaf [m]
@@ -103,6 +159,10 @@ class _Interpreter:
     def m(self) -> int:
         return self.schedule.num_microbatches
 
+    @property
+    def v(self) -> int:
+        return self.schedule.num_chunks
+
     # --- the pipe axis (absent with one stage: the interpreter then runs as plain GSPMD, no shard_map) ---
     def _stage(self) -> jax.Array:
         return jax.lax.axis_index(AXIS) if self.p > 1 else jnp.zeros((), jnp.int32)
@@ -118,12 +178,15 @@ class _Interpreter:
         psum = _compat.psum_16bit_safe if from_one_stage else jax.lax.psum
         return jax.tree.map(lambda x: psum(x, AXIS), tree)
 
-    def _send(self, send_f, send_b):
+    def _send(self, table: ControlTable, message: jax.Array) -> tuple:
+        """``(from the previous stage, from the next stage, own)``: the message handed round over the pairs the
+        table uses (with two stages one ``ppermute`` reaches both neighbours)."""
+        none = jnp.zeros_like(message)
         if self.p == 1:
-            return jnp.zeros_like(send_f), jnp.zeros_like(send_b)
-        fwd = [(s, s + 1) for s in range(self.p - 1)]
-        return (jax.lax.ppermute(send_f, AXIS, fwd),
-                jax.lax.ppermute(send_b, AXIS, [(b, a) for a, b in fwd]))
+            return none, none, message
+        from_prev = jax.lax.ppermute(message, AXIS, table.to_next) if table.to_next else none
+        from_next = jax.lax.ppermute(message, AXIS, table.to_prev) if table.to_prev else none
+        return from_prev, (from_prev if self.p == 2 else from_next), message
 
     def _scaled_loss(self, head, y, tgt, scale):
         """``(scale * loss / m, (loss / m, aux))``: the differentiated value carries the loss scale."""
@@ -132,88 +195,113 @@ class _Interpreter:
         loss = loss.astype(jnp.float32) / self.m
         return loss * scale, (loss, aux)
 
-    def _branches(self, plan, zero: _Out, scale):
-        """The actions, ``(params, head, x, g, tgt, stash, slot) -> _Out``; the stash is read-only here (B
-        reads its slot inside its branch, so other ticks never touch it)."""
+    def _branches(self, plan, split, zero: _Out, scale):
+        """The actions, ``(params, head, x, g, tgt, stashes, slots) -> _Out`` (``stashes``, ``slots``:
+        :class:`_Stashes` of buffers and of the slots to read); the stashes are read-only here (B and W read
+        their slots inside their branches, so other ticks never touch them)."""
         f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+        held = held_to_weight(self.stash, plan, split)
+        read = lambda bufs, slot: tuple(b[slot] for b in bufs)
+        stashed = lambda st, sl: _merge(held, read(st.stash, sl.stash), read(st.bstash, sl.bstash))
+        leaves = lambda params, x, res: backward_leaves(self.stage_fn, self.stash, params, x, res, plan)[1]
 
-        def idle(params, head, x, g, tgt, stash, slot):
+        def idle(params, head, x, g, tgt, st, sl):
             return zero
 
-        def fwd(params, head, x, g, tgt, stash, slot):
+        def fwd(params, head, x, g, tgt, st, sl):
             y, res = forward_and_stash(self.stage_fn, self.stash, params, x, plan)
-            return zero._replace(send_f=y, res=res)
+            return zero._replace(send=y, res=res)
 
-        def fwd_last(params, head, x, g, tgt, stash, slot):
+        def fwd_last(params, head, x, g, tgt, st, sl):
             y, res = forward_and_stash(self.stage_fn, self.stash, params, x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
                 head, y, tgt, scale)
-            return self._vary(zero._replace(send_b=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
+            return self._vary(zero._replace(send=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
 
-        def bwd(params, head, x, g, tgt, stash, slot):
-            res = tuple(b[slot] for b in stash)
+        def bwd(params, head, x, g, tgt, st, sl):
+            res = stashed(st, sl)
             dparams, dx = pullback_from_stash(self.stage_fn, self.stash, params, x, res, plan)(g)
-            return zero._replace(send_b=dx, dparams=f32(dparams))
-        return [idle, fwd, fwd_last, bwd]
+            return zero._replace(send=dx, dparams=f32(dparams))
+
+        def bwd_input(params, head, x, g, tgt, st, sl):
+            dx, carry = split_lib.backward_input(split, params, x, leaves(params, x, stashed(st, sl)), g)
+            return self._vary(zero._replace(send=dx, wres=carry))
+
+        def bwd_weight(params, head, x, g, tgt, st, sl):
+            freed = tuple(jnp.zeros(b.shape[1:], b.dtype) for b in st.bstash)   # read by B only: dead code here
+            res = _merge(held, read(st.stash, sl.stash), freed)
+            dparams = split_lib.backward_weight(split, params, x, leaves(params, x, res), read(st.wstash, sl.wstash))
+            return self._vary(zero._replace(dparams=f32(dparams)))
+        return [idle, fwd, fwd_last, bwd] + ([bwd_input, bwd_weight] if split is not None else [])
 
     # --- value and gradient ------------------------------------------------------------------------------
-    def _init(self, params, head, x_micro, t_micro, sizes: BufferSizes, plan) -> tuple[_Carry, _Out]:
+    def _init(self, params, head, x_micro, t_micro, sizes: BufferSizes, plan, split) -> tuple[_Carry, _Out]:
         x0 = x_micro[:, 0]
         res = stashed_structs(self.stash, plan, x0)
+        wres = split.carry_structs if split is not None else ()
         aux = jax.eval_shape(lambda h, y, t: self._scaled_loss(h, y, t, 1.0)[1][1], head, x0,
                              jax.tree.map(lambda t: t[:, 0], t_micro))
         f32 = jnp.float32
-        zero = _Out(jnp.zeros_like(x0), jnp.zeros_like(x0), _zeros(res), _zeros(params, f32), _zeros(head, f32),
+        one = _chunk(params, 0, 1)
+        zero = _Out(jnp.zeros_like(x0), _zeros(res), _zeros(wres), _zeros(one, f32), _zeros(head, f32),
                     jnp.zeros((), f32), _zeros(aux))
         buffers = lambda n: jnp.zeros((n, *x0.shape), x0.dtype)
-        carry = _Carry(stash=tuple(jnp.zeros((sizes.stash, *r.shape), r.dtype) for r in res),
+        slots = lambda n, structs: tuple(jnp.zeros((n, *r.shape), r.dtype) for r in structs)
+        kept, freed = _part(held_to_weight(self.stash, plan, split), res)
+        stashes = _Stashes(slots(sizes.stash, kept), slots(sizes.bstash, freed), slots(sizes.wstash, wres))
+        carry = _Carry(stashes=stashes,
                        act=buffers(sizes.activations), cot=buffers(sizes.cotangents),
-                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=zero.dparams, dhead=zero.dhead,
+                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(params, f32), dhead=zero.dhead,
                        loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
         return self._vary(carry), self._vary(zero)
 
     def value_and_grad(self, stage_params, head, x_micro, t_micro, scale):
-        """Inside shard_map: per-stage ``[1, ...]`` params, replicated head, ``[B/m, m, ...]`` inputs/targets,
-        and the loss scale (gradients are of ``scale * loss``; the loss is returned unscaled)."""
-        actions, sizes = control_table(self.schedule)
+        """Inside shard_map: this stage's ``[num_chunks, ...]`` params, replicated head, ``[B/m, m, ...]``
+        inputs/targets, and the loss scale (gradients are of ``scale * loss``; the loss is returned unscaled)."""
+        table = control_table(self.schedule)
         stage = self._stage()
-        params = jax.tree.map(lambda a: a[0], stage_params)
         head, x_micro, t_micro, scale = self._vary((head, x_micro, t_micro, scale))
-        plan = residual_plan(self.stage_fn, params, x_micro[:, 0]) if self.stash == "residuals" else None
-        carry, zero = self._init(params, head, x_micro, t_micro, sizes, plan)
-        branches = self._branches(plan, zero, scale)
+        one = _chunk(stage_params, 0, 1)
+        plan = residual_plan(self.stage_fn, one, x_micro[:, 0]) if self.stash == "residuals" else None
+        split = split_lib.split_plan(self.stage_fn, one, x_micro[:, 0]) if self.schedule.split_backward else None
+        carry, zero = self._init(stage_params, head, x_micro, t_micro, table.sizes, plan, split)
+        branches = self._branches(plan, split, zero, scale)
+        held = held_to_weight(self.stash, plan, split)
 
         def tick(carry: _Carry, row: Actions):
             c = jax.tree.map(lambda a: a[stage], row)
             kind, mb = c.kind, c.microbatch
-            x_in = jnp.where(stage == 0, microbatch(x_micro, mb), carry.act[c.act_read])
+            params = _chunk(stage_params, c.chunk, self.v)
+            x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), carry.act[c.act_read])
             tgt = jax.tree.map(lambda t: microbatch(t, mb), t_micro)
-            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, carry.stash,
-                                 c.stash_slot)
-            recv_f, recv_b = self._send(out.send_f, out.send_b)
+            st, sl = carry.stashes, _Stashes(c.stash_slot, c.bstash_slot, c.wstash_slot)
+            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl)
+            act, cot = _route(table, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            kept, freed = _part(held, out.res)
+            is_fwd = (kind == FWD) | (kind == FWD_LAST)
             return _Carry(
-                stash=write_stash(carry.stash, out.res, c.stash_slot, (kind == FWD) | (kind == FWD_LAST)),
-                act=_put(carry.act, recv_f, c.act_write, c.act_on == 1),
-                cot=_put(carry.cot, jnp.where(stage == self.p - 1, out.send_b, recv_b), c.cot_write,
-                         c.cot_on == 1),
-                gx=_put(carry.gx, out.send_b, mb, (stage == 0) & (kind == BWD), axis=1),
-                dparams=add(carry.dparams, out.dparams), dhead=add(carry.dhead, out.dhead),
+                stashes=_Stashes(write_stash(st.stash, kept, c.stash_slot, is_fwd),
+                                 write_stash(st.bstash, freed, c.bstash_slot, is_fwd),
+                                 write_stash(st.wstash, out.wres, c.wstash_slot, kind == BWD_INPUT)),
+                act=act, cot=cot,
+                gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == BWD) | (kind == BWD_INPUT)), axis=1),
+                dparams=_add_chunk(carry.dparams, out.dparams, c.chunk, self.v), dhead=add(carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
                 aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == FWD_LAST), carry.aux, out.aux)), None
 
-        carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, actions))
-        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype)[None], carry.dparams, params)
+        carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
+        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), carry.dparams, stage_params)
         g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._psum(carry.dhead), head)
         g_x = self._psum(carry.gx, from_one_stage=True)
         return self._psum(carry.loss), (g_stage, g_head, g_x), self._psum(carry.aux, from_one_stage=True)
 
     # --- forward only ---------------------------------------------------------------------------------
     def apply(self, stage_params, x_micro):
-        """Inside shard_map: runs the schedule's F actions; returns the last stage's outputs ``[B/m, m, ...]``."""
-        actions, sizes = control_table(self.schedule)
+        """Inside shard_map: runs the schedule's F actions; returns the last virtual stage's outputs
+        ``[B/m, m, ...]``."""
+        table = control_table(self.schedule)
         stage = self._stage()
-        params = jax.tree.map(lambda a: a[0], stage_params)
         x_micro = self._vary(x_micro)
         x0 = x_micro[:, 0]
         zero = self._vary(jnp.zeros_like(x0))
@@ -224,13 +312,13 @@ class _Interpreter:
             act, ys = carry
             c = jax.tree.map(lambda a: a[stage], row)
             kind, mb = c.kind, c.microbatch
-            x_in = jnp.where(stage == 0, microbatch(x_micro, mb), act[c.act_read])
-            y = jax.lax.switch(kind, branches, params, x_in)
-            recv, _ = self._send(y, zero)
-            return (_put(act, recv, c.act_write, c.act_on == 1), _put(ys, y, mb, kind == FWD_LAST, 1)), None
+            x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), act[c.act_read])
+            y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in)
+            act, _ = _route(table, c, act, None, self._send(table, y))
+            return (act, _put(ys, y, mb, kind == FWD_LAST, 1)), None
 
-        init = self._vary((jnp.zeros((sizes.activations, *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
-        (_, ys), _ = jax.lax.scan(tick, init, jax.tree.map(jnp.asarray, actions))
+        init = self._vary((jnp.zeros((table.sizes.activations, *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
+        (_, ys), _ = jax.lax.scan(tick, init, jax.tree.map(jnp.asarray, table.actions))
         return self._psum(ys, from_one_stage=True)
 
 

@@ -3,9 +3,15 @@
 ``Pipeline(embed_fn, stage_fn, head_loss_fn, schedule)`` is a gradient function (``jp.grads.GradFn``):
 ``jp.train.make_train_step(Pipeline(...), tx, mesh=mesh)`` trains a model whose params tree holds its stacked layers under one key (``"blocks"`` for the GPT). Each step:
 
-1. the stacked ``[layers, ...]`` leaves are reshaped to ``[num_stages, layers / num_stages, ...]``. With a
-   ``pipe`` axis larger than 1 the layers axis is already split over ``pipe`` (``jp.sharding.effective_rules``),
-   so stage ``s`` finds layers ``s*L/p .. (s+1)*L/p - 1`` on its own devices and nothing moves;
+1. the stacked ``[layers, ...]`` leaves are put in the schedule's stage layout
+   (:func:`jaxpar.pipeline.layout.to_stage_layout`; the identity for one chunk per stage) and reshaped to
+   ``[num_stages * num_chunks, layers / (num_stages * num_chunks), ...]``. With a ``pipe`` axis larger than 1
+   the layers axis is already split over ``pipe`` (``jp.sharding.effective_rules``), so with one chunk stage
+   ``s`` finds layers ``s*L/p .. (s+1)*L/p - 1`` on its own devices and nothing moves. With several chunks
+   (interleaved, ZB-V) the params are either kept in model order (``params_layout="model"``, the default:
+   the step permutes the layers to the stage layout, and the gradient back, so weights cross ``pipe`` every
+   step) or already in stage layout (``params_layout="stage"``: init them through
+   :meth:`Pipeline.to_stage_layout`; nothing moves);
 2. ``x = embed_fn(params, inputs)`` runs before the pipeline (GSPMD over the batch axes, replicated over
    ``pipe``); :func:`jaxpar.pipeline.value_and_grad`'s interpreter runs the stages and the head/loss;
 3. the embedding's gradient comes from ``g_x`` through ``jax.vjp(embed_fn)``; it is added to the head's
@@ -28,6 +34,7 @@ from jaxpar import grads as gr
 from jaxpar import sharding as shd
 from jaxpar.pipeline.checks import check_mesh_and_schedule, check_stage_fn, struct
 from jaxpar.pipeline.interpreter import AXIS, value_and_grad_core
+from jaxpar.pipeline.layout import from_stage_layout, to_stage_layout
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
 
@@ -36,9 +43,10 @@ def _split_params(params: Any, key: str) -> tuple[Any, Any]:
     return params[key], {k: v for k, v in params.items() if k != key}
 
 
-def _to_stages(a: jax.Array, p: int) -> jax.Array:
-    """``[L, ...] -> [p, L/p, ...]``, stage axis on ``pipe`` (free when the layers axis is already on pipe)."""
-    a = a.reshape(p, a.shape[0] // p, *a.shape[1:])
+def _to_stages(a: jax.Array, n: int) -> jax.Array:
+    """``[L, ...] -> [n, L/n, ...]`` (``n`` virtual stages), leading axis on ``pipe`` (free when the layers axis
+    is already on pipe)."""
+    a = a.reshape(n, a.shape[0] // n, *a.shape[1:])
     return jax.lax.with_sharding_constraint(a, P(AXIS, *([P.UNCONSTRAINED] * (a.ndim - 1))))
 
 
@@ -62,16 +70,18 @@ class Pipeline(gr.GradFn):
     Attributes:
       embed_fn: ``embed_fn(params, inputs) -> x``, ``x`` of shape ``[B, ...]`` (e.g. ``x_BLD``). ``params``
         is the model's params tree without ``stage_key``.
-      stage_fn: ``stage_fn(stage_params, x_mb) -> y_mb`` over one stage's ``[layers / num_stages, ...]`` slice
-        of the stacked params; keeps ``x_mb``'s shape and dtype.
+      stage_fn: ``stage_fn(stage_params, x_mb) -> y_mb`` over one virtual stage's ``[layers / (num_stages *
+        num_chunks), ...]`` slice of the stacked params; keeps ``x_mb``'s shape and dtype.
       head_loss_fn: ``head_loss_fn(params, y_mb, targets_mb) -> (loss, aux)``, like every loss: a float
         scalar mean over the microbatch and a dict of scalars or None (``aux["weight"]`` is summed, other
         entries are weight-averaged). ``params`` as for ``embed_fn``. Runs on the last stage.
-      schedule: e.g. ``jp.pipeline.one_f_one_b(num_stages, num_microbatches)``; ``num_stages`` must be the
-        mesh's ``pipe`` size.
+      schedule: e.g. ``jp.pipeline.one_f_one_b(num_stages, num_microbatches)``, ``interleaved_1f1b``,
+        ``zero_bubble``, ``zero_bubble_v``; ``num_stages`` must be the mesh's ``pipe`` size.
       stage_key: the params entry holding the stacked ``[layers, ...]`` stage params.
       inputs_key, targets_key: the batch entries given to ``embed_fn`` and ``head_loss_fn``.
       stash: ``'residuals'`` or ``'inputs'`` (see :func:`jaxpar.pipeline.value_and_grad`).
+      params_layout: ``'model'`` (``params[stage_key]`` in model order; the step converts) or ``'stage'``
+        (already in the schedule's stage layout, :meth:`to_stage_layout`). The same for one chunk per stage.
 
     The loss is the mean of the microbatch losses (microbatches have equal size); the step's ``rng`` is not
     used (no dropout inside pipelined stages). The GPT's parts: ``Pipeline(model.embed, model.stage,
@@ -85,6 +95,7 @@ class Pipeline(gr.GradFn):
     inputs_key: str = "inputs"
     targets_key: str = "targets"
     stash: str = "residuals"
+    params_layout: str = "model"
     uses_pipe = True
 
     def __post_init__(self):
@@ -95,9 +106,21 @@ class Pipeline(gr.GradFn):
             raise TypeError(f"Pipeline.schedule must be a jp.pipeline.Schedule, got {type(self.schedule).__name__}")
         if not self.schedule.has_backward:
             raise ValueError(f"Pipeline.schedule {self.schedule.name!r} is forward-only; training needs gpipe or "
-                             "one_f_one_b")
+                             "one_f_one_b (or interleaved_1f1b, zero_bubble, zero_bubble_v)")
         if self.stash not in STASH_MODES:
             raise ValueError(f"Pipeline.stash={self.stash!r}; use one of {STASH_MODES}")
+        if self.params_layout not in ("model", "stage"):
+            raise ValueError(f"Pipeline.params_layout={self.params_layout!r}; use 'model' (params in model order) or "
+                             "'stage' (params already through Pipeline.to_stage_layout)")
+
+    def to_stage_layout(self, params: Any) -> Any:
+        """``params`` with ``params[stage_key]`` put in the schedule's stage layout (for ``params_layout='stage'``;
+        boxed Flax params too, e.g. ``lambda rng: pipeline.to_stage_layout(model.init(rng))``)."""
+        return {**params, self.stage_key: to_stage_layout(params[self.stage_key], self.schedule)}
+
+    def from_stage_layout(self, params: Any) -> Any:
+        """The inverse of :meth:`to_stage_layout`: ``params[stage_key]`` back in model order."""
+        return {**params, self.stage_key: from_stage_layout(params[self.stage_key], self.schedule)}
 
     @property
     def microbatches(self) -> int:
@@ -121,12 +144,13 @@ class Pipeline(gr.GradFn):
             raise ValueError(f"Pipeline.stage_key={self.stage_key!r} is not an entry of the params ({have}); "
                              "name the entry that holds the stacked [layers, ...] stage params")
         stages, rest = _split_params(params, self.stage_key)
-        p = self.schedule.num_stages
+        p, n = self.schedule.num_stages, self.schedule.num_virtual_stages
+        what = f"num_stages = {p}" if n == p else f"num_stages * num_chunks = {n}"
         for path, leaf in jax.tree_util.tree_flatten_with_path(stages)[0]:
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % p:
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % n:
                 raise ValueError(
                     f"params[{self.stage_key!r}]{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}: its layers "
-                    f"axis is not divisible by num_stages = {p}; use a number of layers that is a multiple of {p}, "
+                    f"axis is not divisible by {what}; use a number of layers that is a multiple of {n}, "
                     f"or another pipe size")
         for k in (self.inputs_key, self.targets_key):
             if not isinstance(batch, dict) or k not in batch:
@@ -135,11 +159,11 @@ class Pipeline(gr.GradFn):
         self._check_shapes(stages, rest, batch, ctx)
 
     def _check_shapes(self, stages: Any, rest: Any, batch: Any, ctx: gr.Context) -> None:
-        p, m = self.schedule.num_stages, self.schedule.num_microbatches
+        n, m = self.schedule.num_virtual_stages, self.schedule.num_microbatches
         structs = lambda t: jax.tree.map(struct, t)
         if ctx.policy is not None:
             rest, stages = ctx.policy.cast_to_compute(structs(rest)), ctx.policy.cast_to_compute(structs(stages))
-        staged = jax.tree.map(lambda a: struct(a, (p, np.shape(a)[0] // p, *np.shape(a)[1:])), stages)
+        staged = jax.tree.map(lambda a: struct(a, (n, np.shape(a)[0] // n, *np.shape(a)[1:])), stages)
         mb = lambda a: struct(a, (np.shape(a)[0] // m, *np.shape(a)[1:]))
         with shd.use(ctx.mesh, ctx.rules):
             x = jax.eval_shape(self.embed_fn, structs(rest), batch[self.inputs_key])
@@ -158,13 +182,18 @@ class Pipeline(gr.GradFn):
         del rng
         compute_params = params if ctx.policy is None else ctx.policy.cast_to_compute(params)
         stages, rest = _split_params(compute_params, self.stage_key)
-        staged = jax.tree.map(lambda a: _to_stages(a, self.schedule.num_stages), stages)
+        if self.params_layout == "model":
+            stages = to_stage_layout(stages, self.schedule)
+        staged = jax.tree.map(lambda a: _to_stages(a, self.schedule.num_virtual_stages), stages)
         x, embed_vjp = jax.vjp(lambda r: self.embed_fn(r, batch[self.inputs_key]), rest)
         core = value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
                                            ctx.mesh, ctx.batch_axes, self.stash, True)
         (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale)
         (g_embed,) = embed_vjp(g_x)
         g_rest = jax.tree.map(jnp.add, g_embed, g_head)       # tied weights: both uses add up
-        grads = {k: jax.tree.map(_from_stages, g_staged) if k == self.stage_key else g_rest[k] for k in params}
+        g_stages = jax.tree.map(_from_stages, g_staged)
+        if self.params_layout == "model":
+            g_stages = from_stage_layout(g_stages, self.schedule)
+        grads = {k: g_stages if k == self.stage_key else g_rest[k] for k in params}
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return loss, gr.reduce_aux(aux), grads

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import sharding as shd
 from jaxpar.jit import MeshJit
 from jaxpar.pipeline.checks import (check_batch, check_loss_fn, check_mesh_and_schedule, check_stage_fn,
-                                    check_stage_params, struct)
+                                    check_stage_params)
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
@@ -58,45 +58,51 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
                    rules: shd.Rules = shd.DEFAULT_RULES, stash: str = "residuals") -> Callable:
     """Loss and gradients of a pipelined model: ``f(stage_params, head_params, x, targets)``.
 
-    The model is ``loss = mean_j loss_fn(head_params, stage_{p-1}(... stage_0(x_j)), targets_j)`` over the
-    ``m`` microbatches ``j``, where ``stage_s(x) = stage_fn(stage_params[s], x)``. The schedule's table
-    decides the order of the forward and backward passes (GPipe: Huang et al. 2019; 1F1B: Narayanan et al.
-    2021, sec. 2.2); every schedule gives the same numbers up to float rounding.
+    The model is ``loss = mean_j loss_fn(head_params, stage_{V-1}(... stage_0(x_j)), targets_j)`` over the
+    ``m`` microbatches ``j``, where ``stage_v(x) = stage_fn(params of virtual stage v, x)`` and ``V =
+    num_stages * num_chunks``. The schedule's table decides the order of the forward and backward passes and
+    where each virtual stage runs (GPipe: Huang et al. 2019; 1F1B and interleaved 1F1B: Narayanan et al.
+    2021, sec. 2.2; ZB-H1 and ZB-V with split backwards: Qi et al. 2024); every schedule gives the same
+    numbers up to float rounding.
 
     Args:
-      stage_fn: ``stage_fn(params_of_one_stage, x_mb) -> y_mb``, ``y_mb`` of ``x_mb``'s shape and dtype.
-        ``params_of_one_stage`` is ``stage_params`` without its leading axis. It may use GSPMD constraints
-        over the non-pipe axes (it runs inside ``shard_map`` over ``pipe`` only).
+      stage_fn: ``stage_fn(params_of_one_virtual_stage, x_mb) -> y_mb``, ``y_mb`` of ``x_mb``'s shape and dtype.
+        ``params_of_one_virtual_stage`` is one row of ``stage_params`` (its leading axis removed). It may use
+        GSPMD constraints over the non-pipe axes (it runs inside ``shard_map`` over ``pipe`` only).
       loss_fn: ``loss_fn(head_params, y_mb, targets_mb) -> scalar`` (a mean over the microbatch), run on
-        the last stage.
-      schedule: a training :class:`Schedule` (``gpipe``, ``one_f_one_b``) with ``num_stages`` equal to the
-        mesh's ``pipe`` size.
+        the stage holding the last virtual stage.
+      schedule: a training :class:`Schedule` (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``,
+        ``zero_bubble``, ``zero_bubble_v``, or a user's table, e.g. ``from_actions``) with ``num_stages`` equal
+        to the mesh's ``pipe`` size.
       mesh: a jaxpar mesh (``jp.make_mesh``).
       rules: logical axis rules; the ``batch`` rule gives the axes each microbatch is split over.
       stash: ``'residuals'`` (stash the input-dependent vjp residuals) or ``'inputs'`` (stash stage inputs
-        and recompute the forward in the backward).
+        and recompute the forward in the backward, and in the ``W`` of a split backward).
 
     Returns:
       ``f(stage_params, head_params, x, targets) -> (loss, (g_stage_params, g_head_params, g_x))``, jitted.
-      ``stage_params``: a pytree whose every leaf has a leading axis of ``num_stages``, placed on
-      ``P('pipe')`` (host arrays are placed so). ``head_params``: any pytree, replicated over ``pipe``.
-      ``x``: ``[B, ...]``, the global batch leading; ``targets``: a pytree of ``[B, ...]`` arrays. Microbatch
-      ``j`` is rows ``j, j+m, j+2m, ...`` (strided: each stays spread over the ``data``/``fsdp`` axes).
-      ``loss``: float32 scalar. Gradients have their inputs' shapes, dtypes and shardings; ``g_x`` is
-      ``d loss / d x`` (it includes the ``1/m``).
+      ``stage_params``: a pytree whose every leaf has a leading axis of ``V = num_stages * num_chunks``
+      virtual stages in the schedule's **stage layout** (:func:`jaxpar.pipeline.to_stage_layout` of the
+      ``[V, ...]`` params in model order; the identity with one chunk), placed on ``P('pipe')`` (host arrays
+      are placed so); ``g_stage_params`` comes back in the same layout (:func:`jaxpar.pipeline.from_stage_layout`
+      gives model order). ``head_params``: any pytree, replicated over ``pipe``. ``x``: ``[B, ...]``, the
+      global batch leading; ``targets``: a pytree of ``[B, ...]`` arrays. Microbatch ``j`` is rows ``j, j+m,
+      j+2m, ...`` (strided: each stays spread over the ``data``/``fsdp`` axes). ``loss``: float32 scalar.
+      Gradients have their inputs' shapes, dtypes and shardings; ``g_x`` is ``d loss / d x`` (it includes the
+      ``1/m``).
 
     Raises (before tracing):
       TypeError: ``schedule`` not a Schedule or ``mesh`` not a Mesh.
-      ValueError: the mesh's ``pipe`` size is not ``schedule.num_stages``; a forward-only, interleaved or
-        ``W`` schedule; a ``stage_params`` leaf whose leading axis is not ``num_stages``; a batch not
-        divisible by ``num_microbatches``, or a microbatch not divisible by the batch axes (``data*fsdp``);
-        ``targets`` with another batch size; a ``stage_fn`` that changes the activation's shape or dtype; a
-        ``loss_fn`` that does not return a float scalar; an unknown ``stash``.
+      ValueError: the mesh's ``pipe`` size is not ``schedule.num_stages``; a forward-only schedule; a
+        ``stage_params`` leaf whose leading axis is not ``num_stages * num_chunks``; a batch not divisible by
+        ``num_microbatches``, or a microbatch not divisible by the batch axes (``data*fsdp``); ``targets`` with
+        another batch size; a ``stage_fn`` that changes the activation's shape or dtype; a ``loss_fn`` that
+        does not return a float scalar; an unknown ``stash``.
     """
     check_mesh_and_schedule(schedule, mesh, stash)
     if not schedule.has_backward:
         raise ValueError(f"schedule {schedule.name!r} is forward-only; use jp.pipeline.apply for inference, or a "
-                         "training schedule (gpipe, one_f_one_b)")
+                         "training schedule (gpipe, one_f_one_b, interleaved_1f1b, zero_bubble, zero_bubble_v)")
     shd.validate_rules(rules, mesh)
     axes, staged, replicated, batched = _specs(mesh, rules)
     core = value_and_grad_core(stage_fn, loss_fn, schedule, mesh, axes, stash)
@@ -106,7 +112,7 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
 
     def check(stage_params, head_params, x, targets):
         m = schedule.num_microbatches
-        check_stage_params(stage_params, schedule.num_stages)
+        check_stage_params(stage_params, schedule)
         check_batch(x, targets, m, mesh, rules)
         with shd.use(mesh, rules):
             x_mb = check_stage_fn(stage_fn, stage_params, x, m)
@@ -126,14 +132,15 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
 def apply(stage_fn: Callable, schedule: Schedule, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES) -> Callable:
     """Forward pass of a pipelined stack (inference): ``f(stage_params, x) -> y``.
 
-    Runs the forward-only table of the schedule's ``(p, m)`` (:meth:`Schedule.forward_only`: ``F(j)`` on stage
-    ``s`` at tick ``j + s``) through the same interpreter as :func:`value_and_grad`.
+    Runs the forward-only table of the schedule (:meth:`Schedule.forward_only`: its ``F``\\ s in its order, each
+    at its earliest tick; GPipe and 1F1B: ``F(j)`` on stage ``s`` at tick ``j + s``) through the same
+    interpreter as :func:`value_and_grad`.
 
     Args:
       stage_fn, schedule, mesh, rules: as for :func:`value_and_grad`.
 
     Returns:
-      ``f(stage_params, x) -> y``, jitted: ``y = stage_{p-1}(... stage_0(x))`` with ``x``'s shape, dtype and
+      ``f(stage_params, x) -> y``, jitted: ``y = stage_{V-1}(... stage_0(x))`` with ``x``'s shape, dtype and
       sharding, computed microbatch by microbatch (strided, as in :func:`value_and_grad`).
 
     Raises (before tracing):
@@ -146,7 +153,7 @@ def apply(stage_fn: Callable, schedule: Schedule, *, mesh: Mesh, rules: shd.Rule
     jitted = MeshJit(apply_core(stage_fn, schedule, mesh, axes), mesh, rules, lambda s, x: x, checked_args=())
 
     def run(stage_params, x):
-        check_stage_params(stage_params, schedule.num_stages)
+        check_stage_params(stage_params, schedule)
         check_batch(x, {}, schedule.num_microbatches, mesh, rules)
         with shd.use(mesh, rules):
             check_stage_fn(stage_fn, stage_params, x, schedule.num_microbatches)

@@ -1,26 +1,40 @@
 """Pipeline schedules as data: a table of actions per (tick, stage), its validation and its analysis.
 
-A :class:`Schedule` says what every stage does at every tick: ``F(microbatch, chunk)`` (forward),
-``B(microbatch, chunk)`` (backward: input and weight gradients together), ``W(microbatch, chunk)`` (a
-separate weight-gradient pass, for zero-bubble tables) or ``None`` (idle). Chunk ``c`` on stage ``s`` is the
-virtual stage ``v = c * num_stages + s`` (Narayanan et al. 2021, sec. 2.2.2, interleaved stages); a
-non-interleaved table has one chunk. Plain Python builds and checks a table; one interpreter
+A :class:`Schedule` says what every stage (device on the ``pipe`` axis) does at every tick:
+``F(microbatch, chunk)`` (forward), ``B(microbatch, chunk)`` (backward), ``W(microbatch, chunk)`` (a separate
+weight-gradient pass, in zero-bubble tables) or ``None`` (idle). Without ``W``\\ s a ``B`` computes the input
+and the weight gradients together; with them (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2) a
+``B`` computes the input gradient only and the ``W`` of the same microbatch and chunk the weight gradient.
+
+**Chunks and placement.** Each stage holds ``num_chunks`` model chunks (virtual stages; Narayanan et al. 2021,
+sec. 2.2, interleaved stages). The model is the chain of ``num_stages * num_chunks`` virtual stages
+``0 .. V-1``; ``placement[s][c]`` is the virtual stage that chunk ``c`` of stage ``s`` runs. The default is
+round-robin, ``placement[s][c] = c * num_stages + s`` (:func:`round_robin`: chunk 0 goes down the stages,
+then chunk 1 down again, ...); :func:`v_shape` is the V placement of ZB-V (stage ``s`` holds ``s`` and
+``2p - 1 - s``: chunk 0 goes down, chunk 1 comes back up, the loss is on stage 0). A non-interleaved table
+has one chunk. Activations flow from virtual stage ``v`` to ``v + 1`` and cotangents back, between the
+stages holding them (the same stage: a local hand-off).
+
+Plain Python builds and checks a table (:mod:`jaxpar.pipeline.builders` has the builders); one interpreter
 (:mod:`jaxpar.pipeline.interpreter`, through :mod:`jaxpar.pipeline.table`'s control table) executes any
 valid table; the same table gives the bubble fraction, the peak number of stashed activations and the
 receive-buffer sizes.
 
-Timing model (what the validator enforces): every action takes one tick; a value an action produces
-(an activation sent forward, a cotangent sent backward) can be used from the next tick on, so a dependency
-must sit at a strictly earlier tick.
+Timing model (what the validator enforces): every action takes one tick; a value an action produces (an
+activation sent forward, a cotangent sent backward) can be used from the next tick on, so a dependency
+must sit at a strictly earlier tick. (:func:`jaxpar.pipeline.analysis.timing` re-times a table with
+per-action costs.)
 
 Buffer model (what the analysis counts, and what the runtime allocates):
 
-* **stash**: stage ``s`` keeps what its backward needs (vjp residuals, or the stage input when
-  recomputing) for microbatch ``j`` from its ``F(j)`` to its ``B(j)`` (to its ``W(j)`` when the table has
-  ``W``s);
+* **stash**: stage ``s`` keeps what the backward of a chunk needs (vjp residuals, or the chunk's input when
+  recomputing) for microbatch ``j`` from its ``F(j)`` to its ``B(j)``; when the table has ``W``\\ s, what the
+  ``W(j)`` reads until the ``W(j)``, and the rest (**bstash**) until the ``B(j)``;
+* **wstash** (tables with ``W``\\ s): what ``W(j)`` needs from ``B(j)`` (the cotangents inside the chunk), from
+  ``B(j)`` to ``W(j)``;
 * **activation receive slots**: the input of ``F(j)`` on virtual stage ``v > 0`` waits in a slot from the
-  tick the previous virtual stage produced it until the ``F`` that reads it;
-* **cotangent receive slots**: the output cotangent of ``B(j)`` waits from the tick the next virtual stage's
+  tick virtual stage ``v - 1`` produced it until the ``F`` that reads it;
+* **cotangent receive slots**: the output cotangent of ``B(j)`` waits from the tick virtual stage ``v + 1``'s
   ``B(j)`` produced it; on the last virtual stage it is the loss cotangent, computed by its ``F(j)``.
 
 A buffer written at tick ``t0`` and read at tick ``t1`` occupies a slot over ``[t0, t1)``: a slot read at
@@ -34,6 +48,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 KINDS = ("F", "B", "W")
+Placement = tuple[tuple[int, ...], ...]
 
 
 class Action(NamedTuple):
@@ -52,13 +67,24 @@ def F(microbatch: int, chunk: int = 0) -> Action:
 
 
 def B(microbatch: int, chunk: int = 0) -> Action:
-    """The backward pass (input and weight gradients) of ``microbatch`` through ``chunk`` of a stage."""
+    """The backward pass of ``microbatch`` through ``chunk`` (input gradient only when the table has ``W``\\ s)."""
     return Action("B", microbatch, chunk)
 
 
 def W(microbatch: int, chunk: int = 0) -> Action:
-    """The weight-gradient pass of ``microbatch`` (a table that has ``W``s has one for every ``B``)."""
+    """The weight-gradient pass of ``microbatch`` (a table that has ``W``\\ s has one for every ``B``)."""
     return Action("W", microbatch, chunk)
+
+
+def round_robin(num_stages: int, num_chunks: int) -> Placement:
+    """``placement[s][c] = c * num_stages + s``: interleaved stages (Narayanan et al. 2021, sec. 2.2.2)."""
+    return tuple(tuple(c * num_stages + s for c in range(num_chunks)) for s in range(num_stages))
+
+
+def v_shape(num_stages: int) -> Placement:
+    """``placement[s] = (s, 2p - 1 - s)``: the V placement of ZB-V (Qi et al. 2024, "Pipeline Parallelism with
+    Controllable Memory", sec. 3): chunk 0 goes down the stages, chunk 1 comes back up."""
+    return tuple((s, 2 * num_stages - 1 - s) for s in range(num_stages))
 
 
 class Interval(NamedTuple):
@@ -79,6 +105,20 @@ def _max_overlap(intervals: Sequence[Interval]) -> int:
     return peak
 
 
+def dependencies(kind: str, microbatch: int, vstage: int, num_vstages: int) -> list[tuple[str, int, int]]:
+    """The ``(kind, microbatch, virtual stage)`` actions that must run at earlier ticks than this one.
+
+    ``F(j)`` of ``v`` after ``F(j)`` of ``v - 1``; ``B(j)`` of ``v`` after ``F(j)`` of ``v`` and ``B(j)`` of
+    ``v + 1``; ``W(j)`` of ``v`` after ``B(j)`` of ``v``.
+    """
+    j, v = microbatch, vstage
+    if kind == "F":
+        return [("F", j, v - 1)] if v > 0 else []
+    if kind == "B":
+        return [("F", j, v)] + ([("B", j, v + 1)] if v < num_vstages - 1 else [])
+    return [("B", j, v)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A pipeline schedule: ``table[tick][stage]`` is an :class:`Action` or ``None`` (idle).
@@ -88,21 +128,49 @@ class Schedule:
       num_stages: pipeline stages ``p`` (the mesh's ``pipe`` size that runs it).
       num_microbatches: microbatches ``m`` the global batch is split into.
       table: ``num_ticks`` rows of ``num_stages`` entries.
-      num_chunks: model chunks per stage (1 unless interleaved).
+      num_chunks: model chunks (virtual stages) per stage ``v`` (1 unless interleaved).
+      placement: ``placement[s][c]``, the virtual stage chunk ``c`` of stage ``s`` runs: ``p`` rows of ``v``
+        ints that together hold ``0 .. p*v - 1`` once each. ``None`` (the default): :func:`round_robin`.
 
     Raises:
-      ValueError: (from construction) a malformed table or one that breaks a dependency, misses an action
-        or repeats one; the message names the tick, stage and action.
+      ValueError: (from construction) a malformed table or placement, or a table that breaks a dependency,
+        misses an action or repeats one; the message names the tick, stage, chunk and action.
     """
     name: str
     num_stages: int
     num_microbatches: int
     table: tuple[tuple[Action | None, ...], ...]
     num_chunks: int = 1
+    placement: Placement | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "table", tuple(tuple(row) for row in self.table))
+        if self.placement is None and _positive_int(self.num_stages) and _positive_int(self.num_chunks):
+            object.__setattr__(self, "placement", round_robin(self.num_stages, self.num_chunks))
+        elif self.placement is not None:
+            try:
+                object.__setattr__(self, "placement", tuple(tuple(row) for row in self.placement))
+            except TypeError:
+                raise ValueError(f"schedule {self.name!r}: placement={self.placement!r} must be num_stages rows of "
+                                 "num_chunks virtual-stage indices") from None
         validate(self)
+
+    # ------------------------------------------------------------------------------------------ placement
+    @property
+    def num_virtual_stages(self) -> int:
+        """``V = num_stages * num_chunks``: the length of the model's chain of virtual stages."""
+        return self.num_stages * self.num_chunks
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """The virtual stage (index in the model's chain) that ``chunk`` of ``stage`` runs."""
+        return self.placement[stage][chunk]
+
+    def location(self, vstage: int) -> tuple[int, int]:
+        """``(stage, chunk)`` holding virtual stage ``vstage``."""
+        for s, row in enumerate(self.placement):
+            if vstage in row:
+                return s, row.index(vstage)
+        raise ValueError(f"virtual stage {vstage} is not in 0..{self.num_virtual_stages - 1}")
 
     # ------------------------------------------------------------------------------------------ analysis
     @property
@@ -116,33 +184,47 @@ class Schedule:
         return any(a is not None and a.kind == "B" for row in self.table for a in row)
 
     @property
+    def split_backward(self) -> bool:
+        """True when the table has ``W`` actions (its ``B``\\ s then compute input gradients only)."""
+        return any(a is not None and a.kind == "W" for row in self.table for a in row)
+
+    @property
     def bubble_fraction(self) -> float:
         """Idle (tick, stage) slots over all slots, every action costing one tick.
 
-        For GPipe and 1F1B with ``p`` stages and ``m`` microbatches this is ``(p-1)/(m+p-1)``.
+        For GPipe and 1F1B with ``p`` stages and ``m`` microbatches this is ``(p-1)/(m+p-1)``. For per-action
+        costs (a ``B`` that includes ``W`` costing 2), see :func:`jaxpar.pipeline.analysis.timing`.
         """
         idle = sum(a is None for row in self.table for a in row)
         return idle / (self.num_ticks * self.num_stages)
 
-    def lifetimes(self) -> dict[str, tuple[Interval, ...]]:
-        """The buffer intervals of the table: ``{'stash', 'activations', 'cotangents'}`` -> intervals.
+    def ticks(self) -> dict[tuple[str, int, int], int]:
+        """``(kind, microbatch, virtual stage) -> tick`` of every action."""
+        return _tick_index(self)
 
-        See the module docstring for what each buffer holds and when its slot is in use.
+    def lifetimes(self) -> dict[str, tuple[Interval, ...]]:
+        """The buffer intervals: ``{'stash', 'bstash', 'wstash', 'activations', 'cotangents'}`` -> intervals.
+
+        See the module docstring for what each buffer holds and when its slot is in use; ``bstash`` and
+        ``wstash`` are empty without ``W``\\ s.
         """
-        p, v_last = self.num_stages, self.num_stages * self.num_chunks - 1
-        when = _tick_index(self)
-        split_w = any(key[0] == "W" for key in when)
-        out: dict[str, list[Interval]] = {"stash": [], "activations": [], "cotangents": []}
+        when, last = _tick_index(self), self.num_virtual_stages - 1
+        split = self.split_backward
+        out: dict[str, list[Interval]] = {"stash": [], "bstash": [], "wstash": [], "activations": [],
+                                          "cotangents": []}
         for (kind, j, v), t in when.items():
-            s, c = v % p, v // p
+            s, c = self.location(v)
             if kind == "F" and self.has_backward:
-                free = when[("W" if split_w else "B", j, v)]
-                out["stash"].append(Interval(s, t, free, j, c))
+                out["stash"].append(Interval(s, t, when[("W" if split else "B", j, v)], j, c))
+            if kind == "F" and split:
+                out["bstash"].append(Interval(s, t, when[("B", j, v)], j, c))
             if kind == "F" and v > 0:
                 out["activations"].append(Interval(s, when[("F", j, v - 1)], t, j, c))
             if kind == "B":
-                src = when[("F", j, v)] if v == v_last else when[("B", j, v + 1)]
+                src = when[("F", j, v)] if v == last else when[("B", j, v + 1)]
                 out["cotangents"].append(Interval(s, src, t, j, c))
+            if kind == "W":
+                out["wstash"].append(Interval(s, when[("B", j, v)], t, j, c))
         return {k: tuple(sorted(v)) for k, v in out.items()}
 
     def _per_stage_peak(self, buffer: str) -> tuple[int, ...]:
@@ -151,29 +233,41 @@ class Schedule:
 
     @property
     def peak_stash(self) -> tuple[int, ...]:
-        """Per stage, the most microbatches (times chunks) whose backward state is held at once.
+        """Per stage, the most (microbatch, chunk) pairs whose backward state is held at once (from ``F`` to
+        the ``B``, or to the ``W`` when the table has ``W``\\ s), in units of one chunk and one microbatch.
 
         GPipe: ``m`` on every stage. 1F1B: ``p - s`` on stage ``s`` (independent of ``m``).
         """
         return self._per_stage_peak("stash")
 
     @property
+    def peak_wstash(self) -> tuple[int, ...]:
+        """Per stage, the most (microbatch, chunk) pairs held between their ``B`` and ``W`` (0 without ``W``)."""
+        return self._per_stage_peak("wstash")
+
+    @property
     def recv_slots(self) -> tuple[tuple[int, int], ...]:
         """Per stage, ``(activation slots, cotangent slots)``: the receive buffers the runtime allocates.
 
-        The last stage's cotangent slots hold the loss cotangents its ``F``s compute until its ``B``s.
+        The last virtual stage's cotangent slots hold the loss cotangents its ``F``\\ s compute until its ``B``\\ s.
         """
         return tuple(zip(self._per_stage_peak("activations"), self._per_stage_peak("cotangents")))
 
     def forward_only(self) -> Schedule:
-        """The forward-only table of the same ``(p, m)`` (for inference): ``F(j)`` on stage ``s`` at tick ``j+s``."""
-        return _forward_table(self.num_stages, self.num_microbatches, f"{self.name}/forward")
+        """The forward-only table of the same stages, chunks and placement (for inference): each stage runs
+        its ``F``\\ s in this table's order, each at the earliest tick its input allows (GPipe and 1F1B:
+        ``F(j)`` on stage ``s`` at tick ``j + s``)."""
+        orders = [[a for row in self.table if (a := row[s]) is not None and a.kind == "F"]
+                  for s in range(self.num_stages)]
+        return place_in_order(f"{self.name}/forward", self.num_microbatches, orders, self.num_chunks,
+                              self.placement)
 
     def __str__(self) -> str:
-        """A text Gantt chart, one line per stage, e.g. ``s0 | F0 F1 .  B0 ...``."""
+        """A text Gantt chart, one line per stage, e.g. ``s0 | F0 F1 .  B0 ...`` (``F3.1``: chunk 1)."""
         width = max([len(str(a)) for row in self.table for a in row if a is not None] + [1])
         lines = [(f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches, "
-                  f"{self.num_ticks} ticks, bubble {self.bubble_fraction:.3f}")]
+                  + (f"{self.num_chunks} chunks, " if self.num_chunks > 1 else "")
+                  + f"{self.num_ticks} ticks, bubble {self.bubble_fraction:.3f}")]
         for s in range(self.num_stages):
             cells = [(str(row[s]) if row[s] is not None else ".").ljust(width) for row in self.table]
             lines.append(f"s{s} | " + " ".join(cells))
@@ -182,18 +276,33 @@ class Schedule:
 
 # ------------------------------------------------------------------------------------------- validation
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _tick_index(schedule: Schedule) -> dict[tuple[str, int, int], int]:
     """``(kind, microbatch, virtual stage) -> tick``, assuming a valid table."""
-    p = schedule.num_stages
-    return {(a.kind, a.microbatch, a.chunk * p + s): t
+    return {(a.kind, a.microbatch, schedule.placement[s][a.chunk]): t
             for t, row in enumerate(schedule.table) for s, a in enumerate(row) if a is not None}
+
+
+def _check_placement(schedule: Schedule) -> None:
+    p, v, pl = schedule.num_stages, schedule.num_chunks, schedule.placement
+    fix = "give num_stages rows of num_chunks virtual-stage indices, together holding 0..p*v-1 once each"
+    if len(pl) != p or any(len(row) != v for row in pl):
+        raise ValueError(f"schedule {schedule.name!r}: placement {pl} is not {p} rows of {v} entries; {fix}")
+    flat = [x for row in pl for x in row]
+    if any(not isinstance(x, int) or isinstance(x, bool) for x in flat) or sorted(flat) != list(range(p * v)):
+        raise ValueError(f"schedule {schedule.name!r}: placement {pl} does not hold each virtual stage 0..{p * v - 1} "
+                         f"exactly once; {fix}")
 
 
 def _check_shape(schedule: Schedule) -> None:
     for name in ("num_stages", "num_microbatches", "num_chunks"):
         value = getattr(schedule, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _positive_int(value):
             raise ValueError(f"Schedule.{name}={value!r} must be a positive int")
+    _check_placement(schedule)
     if not schedule.table:
         raise ValueError(f"schedule {schedule.name!r} has an empty table")
     for t, row in enumerate(schedule.table):
@@ -211,158 +320,113 @@ def _check_shape(schedule: Schedule) -> None:
                                  f"0..{schedule.num_microbatches - 1}, chunks 0..{schedule.num_chunks - 1})")
 
 
+def _where(schedule: Schedule, vstage: int) -> str:
+    """``'stage s'``, with the chunk and virtual stage when the table has several chunks."""
+    s, c = schedule.location(vstage)
+    return f"stage {s}" + (f" (chunk {c}, virtual stage {vstage})" if schedule.num_chunks > 1 else "")
+
+
 def _check_once(schedule: Schedule) -> dict[tuple[str, int, int], int]:
     """Every action exactly once; returns the tick index."""
-    p, seen = schedule.num_stages, {}
+    seen: dict[tuple[str, int, int], int] = {}
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
             if a is None:
                 continue
-            key = (a.kind, a.microbatch, a.chunk * p + s)
+            key = (a.kind, a.microbatch, schedule.placement[s][a.chunk])
             if key in seen:
-                raise ValueError(f"schedule {schedule.name!r}: {a} on stage {s} appears twice (ticks {seen[key]} "
-                                 f"and {t}); each action must run exactly once")
+                raise ValueError(f"schedule {schedule.name!r}: {a} on {_where(schedule, key[2])} appears twice (ticks "
+                                 f"{seen[key]} and {t}); each action must run exactly once")
             seen[key] = t
     kinds = {"F", "B", "W"} & {k[0] for k in seen}
     if "W" in kinds and "B" not in kinds:
         raise ValueError(f"schedule {schedule.name!r} has W actions but no B actions")
     for kind in sorted(kinds | {"F"}):
         for j in range(schedule.num_microbatches):
-            for v in range(p * schedule.num_chunks):
+            for v in range(schedule.num_virtual_stages):
                 if (kind, j, v) not in seen:
-                    raise ValueError(f"schedule {schedule.name!r}: {Action(kind, j, v // p)} never runs on stage "
-                                     f"{v % p}; every microbatch needs one {kind} per stage and chunk")
+                    s, c = schedule.location(v)
+                    raise ValueError(f"schedule {schedule.name!r}: {Action(kind, j, c)} never runs on "
+                                     f"{_where(schedule, v)}; every microbatch needs one {kind} per stage and chunk")
     return seen
 
 
 def _check_order(schedule: Schedule, when: dict[tuple[str, int, int], int]) -> None:
-    p, v_last = schedule.num_stages, schedule.num_stages * schedule.num_chunks - 1
     for (kind, j, v), t in when.items():
-        if kind == "F":
-            needs = [("F", j, v - 1)] if v > 0 else []
-        elif kind == "B":
-            needs = [("F", j, v)] + ([("B", j, v + 1)] if v < v_last else [])
-        else:
-            needs = [("B", j, v)]
-        for dep in needs:
+        for dep in dependencies(kind, j, v, schedule.num_virtual_stages):
             if when[dep] >= t:
-                a, d = Action(kind, j, v // p), Action(dep[0], j, dep[2] // p)
+                a, d = Action(kind, j, schedule.location(v)[1]), Action(dep[0], j, schedule.location(dep[2])[1])
                 raise ValueError(
-                    f"schedule {schedule.name!r}: {a} on stage {v % p} at tick {t} needs {d} of stage "
-                    f"{dep[2] % p} at an earlier tick, but that runs at tick {when[dep]}")
+                    f"schedule {schedule.name!r}: {a} on {_where(schedule, v)} at tick {t} needs {d} of "
+                    f"{_where(schedule, dep[2])} at an earlier tick, but that runs at tick {when[dep]}")
 
 
 def validate(schedule: Schedule) -> None:
-    """Checks a table: shape, ranges, every action exactly once, every dependency at an earlier tick.
+    """Checks a table: shape, ranges, placement, every action exactly once, every dependency at an earlier tick.
 
-    Dependencies: ``F(j)`` of virtual stage ``v`` after ``F(j)`` of ``v-1``; ``B(j)`` of ``v`` after ``F(j)``
-    of ``v`` and after ``B(j)`` of ``v+1``; ``W(j)`` after ``B(j)`` of the same ``v``. A table without ``B``s is
-    a forward-only (inference) table.
+    Dependencies (:func:`dependencies`), over virtual stages ``v`` (placed by ``schedule.placement``): ``F(j)``
+    of ``v`` after ``F(j)`` of ``v-1``; ``B(j)`` of ``v`` after ``F(j)`` of ``v`` and after ``B(j)`` of ``v+1``;
+    ``W(j)`` after ``B(j)`` of the same ``v``. A table without ``B``\\ s is a forward-only (inference) table.
 
     Raises:
-      ValueError: naming the first offending tick, stage and action.
+      ValueError: naming the first offending tick, stage (chunk and virtual stage) and action.
     """
     _check_shape(schedule)
     _check_order(schedule, _check_once(schedule))
 
 
-# ---------------------------------------------------------------------------------------------- builders
+# ------------------------------------------------------------------------------------ greedy placement
 
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+def place_in_order(name: str, num_microbatches: int, orders: Sequence[Sequence[Action]], num_chunks: int = 1,
+                   placement: Placement | None = None) -> Schedule:
+    """A table from each stage's ordered actions: each at the earliest tick its dependencies allow.
 
-
-def _forward_table(p: int, m: int, name: str) -> Schedule:
-    table = [[None] * p for _ in range(m + p - 1)]
-    for s in range(p):
-        for j in range(m):
-            table[j + s][s] = F(j)
-    return Schedule(name, p, m, table)
-
-
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """GPipe (Huang et al. 2019, sec. 2.2): all forwards, then all backwards.
-
-    ``F(j)`` runs on stage ``s`` at tick ``j + s``; ``B(j)`` at tick ``(m + p - 1) + j + (p - 1 - s)``. Every
-    stage stashes all ``m`` microbatches; ``2 (m + p - 1)`` ticks; bubble ``(p - 1) / (m + p - 1)``.
-
-    Args:
-      num_stages: ``p >= 1``.
-      num_microbatches: ``m >= 1``.
+    ``orders[s]`` is stage ``s``'s actions in the order it runs them; at every tick each stage runs its next
+    action if every dependency ran at an earlier tick (else it idles). This is how the 1F1B and interleaved
+    builders time their action orders, and how a user's per-stage action lists become a table
+    (:func:`jaxpar.pipeline.builders.from_actions`).
 
     Raises:
-      ValueError: a size that is not a positive int.
+      ValueError: the orders deadlock (a stage's next action waits for one that never comes before it),
+        naming each stuck stage's next action and what it waits for; or the table built is invalid.
     """
-    _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
-    fwd = m + p - 1
-    table = [[None] * p for _ in range(2 * fwd)]
-    for s in range(p):
-        for j in range(m):
-            table[j + s][s] = F(j)
-            table[fwd + j + (p - 1 - s)][s] = B(j)
-    return Schedule("gpipe", p, m, table)
-
-
-def _one_f_one_b_order(p: int, m: int, s: int) -> list[Action]:
-    """Stage ``s``'s action order: ``p-1-s`` warm-up forwards, then F/B pairs, then the remaining backwards."""
-    warmup = min(p - 1 - s, m)
-    order = [F(j) for j in range(warmup)]
-    for j in range(m - warmup):
-        order += [F(warmup + j), B(j)]
-    return order + [B(j) for j in range(m - warmup, m)]
-
-
-def _greedy_ticks(name: str, p: int, m: int, orders: list[list[Action]]) -> Schedule:
-    """Places each stage's ordered actions at the earliest tick their dependencies allow."""
+    p = len(orders)
+    placement = round_robin(p, num_chunks) if placement is None else placement
+    num_v = p * num_chunks
     done: dict[tuple[str, int, int], int] = {}
     pos, table = [0] * p, []
     while any(pos[s] < len(orders[s]) for s in range(p)):
         row: list[Action | None] = [None] * p
         for s in range(p):
-            if pos[s] == len(orders[s]):
-                continue
-            a = orders[s][pos[s]]
-            deps = [("F", a.microbatch, s - 1)] if a.kind == "F" and s > 0 else []
-            if a.kind == "B":
-                deps = [("F", a.microbatch, s)] + ([("B", a.microbatch, s + 1)] if s < p - 1 else [])
-            if all(d in done for d in deps):
-                row[s] = a
+            if pos[s] < len(orders[s]):
+                a = orders[s][pos[s]]
+                if all(d in done for d in dependencies(a.kind, a.microbatch, placement[s][a.chunk], num_v)):
+                    row[s] = a
+        if not any(row):
+            raise ValueError(_deadlock(name, len(table), orders, pos, placement, done))
         for s, a in enumerate(row):
             if a is not None:
-                done[(a.kind, a.microbatch, s)] = len(table)
+                done[(a.kind, a.microbatch, placement[s][a.chunk])] = len(table)
                 pos[s] += 1
-        if not any(row):
-            raise AssertionError(f"{name}: deadlock in the action orders {orders}")  # a builder bug
         table.append(tuple(row))
-    return Schedule(name, p, m, table)
+    return Schedule(name, p, num_microbatches, table, num_chunks, placement)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """1F1B, PipeDream-Flush (Narayanan et al. 2021, sec. 2.2, fig. 4 top; Fan et al. 2021, DAPPLE).
-
-    Stage ``s`` runs ``p - 1 - s`` warm-up forwards, then alternates one forward and one backward (the
-    steady state), then drains the remaining backwards (cool-down); each action is placed at the earliest
-    tick its dependencies allow. Same ``2 (m + p - 1)`` ticks and bubble ``(p - 1) / (m + p - 1)`` as GPipe,
-    but stage ``s`` stashes at most ``p - s`` microbatches instead of ``m``.
-
-    Args:
-      num_stages: ``p >= 1``.
-      num_microbatches: ``m >= p``.
-
-    Raises:
-      ValueError: a size that is not a positive int; ``num_microbatches < num_stages`` (the warm-up alone
-        needs ``p - 1`` microbatches in flight, so the steady state never forms: use :func:`gpipe`).
-    """
-    _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
-    if m < p:
-        raise ValueError(f"1F1B needs num_microbatches >= num_stages, got {m} microbatches for {p} stages: the "
-                         f"warm-up alone keeps {p - 1} in flight. Use num_microbatches >= {p} (more is better: "
-                         f"bubble (p-1)/(m+p-1)), or jp.pipeline.gpipe")
-    return _greedy_ticks("1f1b", p, m, [_one_f_one_b_order(p, m, s) for s in range(p)])
+def _deadlock(name, tick, orders, pos, placement, done) -> str:
+    """The message for orders that deadlock: each stuck stage's next action and what it waits for."""
+    num_v = len(placement) * len(placement[0])
+    listed = {(a.kind, a.microbatch, placement[s][a.chunk]) for s, order in enumerate(orders) for a in order}
+    stuck = []
+    for s, order in enumerate(orders):
+        if pos[s] < len(order):
+            a = order[pos[s]]
+            waits = [f"{k}{j} of virtual stage {v}" + ("" if (k, j, v) in listed else " (in no stage's list)")
+                     for k, j, v in dependencies(a.kind, a.microbatch, placement[s][a.chunk], num_v)
+                     if (k, j, v) not in done]
+            stuck.append(f"stage {s}: {a} waits for " + ", ".join(waits))
+    return (f"schedule {name!r}: the action orders deadlock at tick {tick} (" + "; ".join(stuck)
+            + "); reorder them so that every dependency can run first, and list every action once")
 
 
-__all__ = ["Action", "B", "F", "Interval", "Schedule", "W", "gpipe", "one_f_one_b", "validate"]
+__all__ = ["Action", "B", "F", "Interval", "Placement", "Schedule", "W", "dependencies", "place_in_order",
+           "round_robin", "v_shape", "validate"]

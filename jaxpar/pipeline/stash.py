@@ -9,7 +9,10 @@ Two modes (``stash=`` of ``jp.pipeline.value_and_grad``):
   checkpointing of the whole stage: less memory, one more forward per microbatch).
 
 The interpreter keeps one buffer per stashed leaf, ``[stash slots, ...]``, written by F and read by B in the
-slot the control table names (:mod:`jaxpar.pipeline.table`).
+slot the control table names (:mod:`jaxpar.pipeline.table`). In a table with split backwards the stashed
+leaves fall in two groups (:func:`held_to_weight`): those W reads stay in the stash until the W, those only B
+reads go to a second one (``bstash``) freed at the B; and the values a split B hands to its W
+(:mod:`jaxpar.pipeline.split`) go to a third (``wstash``), from the B to the W.
 """
 
 from __future__ import annotations
@@ -64,19 +67,39 @@ def forward_and_stash(stage_fn: Callable, mode: str, params: Any, x: jax.Array, 
     return y, tuple(r for r, keep in zip(leaves, plan[0]) if keep)
 
 
-def pullback_from_stash(stage_fn: Callable, mode: str, params: Any, x: jax.Array, res: tuple,
-                        plan: Plan | None) -> Callable:
-    """The pullback of ``stage_fn`` at the stashed microbatch: ``g -> (d params, d x)``.
+def backward_leaves(stage_fn: Callable, mode: str, params: Any, x: jax.Array, res: tuple,
+                    plan: Plan | None) -> tuple[Any, list]:
+    """The pullback's residual leaves at the stashed microbatch, and its tree: ``(treedef, leaves)``.
 
-    ``'residuals'``: rebuilt from the stash (``res``) and a forward at ``x`` whose input-dependent part is
-    dead code (the compiler removes it), so only the parameter-only residuals are recomputed.
-    ``'inputs'``: the vjp of a fresh forward at the stashed input.
+    ``'residuals'``: the stashed leaves (``res``) and, for the others, a forward at ``x`` whose input-dependent
+    part is dead code (the compiler removes it), so only the parameter-only residuals are recomputed.
+    ``'inputs'``: the leaves of a fresh vjp at the stashed input (the forward recomputed).
     """
     if mode == "inputs":
-        return jax.vjp(stage_fn, params, res[0])[1]
+        leaves, treedef = jax.tree.flatten(jax.vjp(stage_fn, params, res[0])[1])
+        return treedef, leaves
     leaves, treedef = jax.tree.flatten(jax.vjp(stage_fn, params, x)[1])
     stashed = iter(res)
-    return jax.tree.unflatten(treedef, [next(stashed) if keep else r for r, keep in zip(leaves, plan[0])])
+    return treedef, [next(stashed) if keep else r for r, keep in zip(leaves, plan[0])]
+
+
+def pullback_from_stash(stage_fn: Callable, mode: str, params: Any, x: jax.Array, res: tuple,
+                        plan: Plan | None) -> Callable:
+    """The pullback of ``stage_fn`` at the stashed microbatch: ``g -> (d params, d x)`` (see
+    :func:`backward_leaves` for how it is rebuilt)."""
+    treedef, leaves = backward_leaves(stage_fn, mode, params, x, res, plan)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def held_to_weight(mode: str, plan: Plan | None, split: Any | None) -> tuple[bool, ...]:
+    """Per stashed leaf, whether it is held until the ``W`` (the leaves ``W`` reads) rather than freed at the
+    ``B`` (the leaves only ``B`` reads). Without a split (``split is None``) every leaf is freed at the ``B``
+    (reported as ``True``: they all live in the one stash); with ``stash='inputs'`` the stage input is held to
+    ``W`` (which recomputes the forward from it)."""
+    if mode == "inputs" or split is None:
+        return (True,) * (1 if mode == "inputs" else sum(plan[0]))
+    leaf_index = [i for i, keep in enumerate(plan[0]) if keep]
+    return tuple(i in split.w_leaves for i in leaf_index)
 
 
 def write_stash(stash: tuple, res: tuple, slot: jax.Array, on: jax.Array) -> tuple:

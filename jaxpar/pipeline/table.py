@@ -1,11 +1,20 @@
 """The control-table compiler: a :class:`~jaxpar.pipeline.schedules.Schedule` turned into the interpreter's program.
 
 The interpreter (:mod:`jaxpar.pipeline.interpreter`) scans over ticks; at tick ``t`` stage ``s`` reads entry
-``[t, s]`` of every array of the :class:`Actions` below: its action kind, the microbatch, and the buffer
-slots it reads and writes. The slots come from the schedule's buffer lifetimes
+``[t, s]`` of every array of the :class:`Actions` below: its action kind, the microbatch and chunk, and the
+buffer slots it reads and writes. The slots come from the schedule's buffer lifetimes
 (:meth:`Schedule.lifetimes`), coloured per stage so that the number of slots is each buffer's peak overlap
-(:meth:`Schedule.peak_stash`, :meth:`Schedule.recv_slots`). Every stage allocates the largest stage's
-count, as SPMD runs one program on all stages.
+(:meth:`Schedule.peak_stash`, :meth:`Schedule.peak_wstash`, :meth:`Schedule.recv_slots`). Every stage
+allocates the largest stage's count, as SPMD runs one program on all stages.
+
+**Routing.** Every action produces at most one array of the activation's shape, its *message*: an ``F`` its
+output activation (on the last virtual stage: the loss cotangent), a ``B`` its input cotangent. At every
+tick each stage hands its message to both neighbours (two ``ppermute``\\ s, ``s -> s + 1`` and
+``s -> s - 1`` modulo ``p``, over the pairs the table uses; one when ``p = 2``) and keeps it itself; the
+``arrive_*`` fields then say, per source (:data:`SOURCES`: the previous stage, the next stage, this stage),
+which receive buffer the message goes to, if any, and in which slot. So sends run in both directions in
+one tick, and a virtual stage handing off to another on the same stage (the V placement's turn on the last
+stage, or the loss cotangent) is a local write.
 
 Schedule validation (dependencies, every action once) is :mod:`jaxpar.pipeline.schedules`' job; this
 module assumes a valid table.
@@ -20,37 +29,50 @@ import numpy as np
 from jaxpar.pipeline.schedules import Interval, Schedule
 
 # Action kinds: the branch indices of the interpreter's ``lax.switch``.
-IDLE, FWD, FWD_LAST, BWD = range(4)   # idle; F; F on the last stage (also the loss); B
+IDLE, FWD, FWD_LAST, BWD, BWD_INPUT, BWD_WEIGHT = range(6)   # B: fused; BWD_INPUT/BWD_WEIGHT: a split B and W
+# Message sources (the last axis of the ``arrive_*`` fields) and receive buffers (their values).
+PREV, NEXT, SELF = range(3)
+SOURCES = ("prev", "next", "self")
+NO_BUFFER, ACTIVATIONS, COTANGENTS = range(3)
 
 
 class Actions(NamedTuple):
-    """What each (tick, stage) does: every field is int32 ``[num_ticks, num_stages]``.
+    """What each (tick, stage) does: int32 ``[num_ticks, num_stages]`` fields, the ``arrive_*`` fields
+    ``[num_ticks, num_stages, 3]`` (one entry per source in :data:`SOURCES`).
 
-    ``*_write`` slots receive what arrives at that tick (when the matching ``*_on`` flag is 1); a slot read
-    at tick ``t`` may be written again at tick ``t`` (the interpreter reads before it writes).
+    Arrivals at tick ``t`` are written after the action of tick ``t`` read its slots, so a slot read at tick
+    ``t`` may be written again at tick ``t``.
     """
-    kind: np.ndarray         # IDLE, FWD, FWD_LAST or BWD
-    microbatch: np.ndarray   # the microbatch the action works on (0 when idle)
-    stash_slot: np.ndarray   # F writes its residuals to this stash slot; B reads its residuals from it
-    act_read: np.ndarray     # activation slot F reads its input from (stages > 0)
-    act_write: np.ndarray    # activation slot the activation arriving at this tick is written to
-    act_on: np.ndarray       # 1 where an activation arrives at this tick
-    cot_read: np.ndarray     # cotangent slot B reads its output cotangent from
-    cot_write: np.ndarray    # cotangent slot the cotangent arriving (last stage: computed) at this tick goes to
-    cot_on: np.ndarray       # 1 where a cotangent arrives at this tick
+    kind: np.ndarray          # IDLE, FWD, FWD_LAST, BWD, BWD_INPUT or BWD_WEIGHT
+    microbatch: np.ndarray    # the microbatch the action works on (0 when idle)
+    chunk: np.ndarray         # the chunk (index into the stage's stacked chunk parameters; 0 when idle)
+    first: np.ndarray         # 1 where the action's virtual stage is 0: F reads the input, B writes d input
+    stash_slot: np.ndarray    # F writes its stash to this slot; B (and W) read it
+    bstash_slot: np.ndarray   # split backwards: F writes what only B reads to this slot; B reads it
+    wstash_slot: np.ndarray   # split B writes what W needs to this slot; W reads it
+    act_read: np.ndarray      # activation slot F reads its input from (virtual stages > 0)
+    cot_read: np.ndarray      # cotangent slot B reads its output cotangent from
+    arrive_buffer: np.ndarray  # per source: NO_BUFFER, ACTIVATIONS or COTANGENTS
+    arrive_slot: np.ndarray    # per source: the slot of that buffer the message is written to
 
 
 class BufferSizes(NamedTuple):
     """Slots of each buffer every stage allocates: the maximum over stages of the table's counts, at least 1."""
     stash: int
+    bstash: int
+    wstash: int
     activations: int
     cotangents: int
 
 
 class ControlTable(NamedTuple):
-    """The interpreter's program: ``actions`` (named int32 ``[num_ticks, num_stages]`` arrays) and ``sizes``."""
+    """The interpreter's program: ``actions`` (:class:`Actions`), ``sizes`` (:class:`BufferSizes`), and the
+    ``ppermute`` pairs of the two sends: ``to_next`` (``s -> s + 1 mod p``) and ``to_prev`` (``s -> s - 1``),
+    only those the table uses (``to_prev`` is empty when ``p = 2``: the one send reaches both neighbours)."""
     actions: Actions
     sizes: BufferSizes
+    to_next: tuple[tuple[int, int], ...]
+    to_prev: tuple[tuple[int, int], ...]
 
 
 def _colour(intervals: list[Interval]) -> dict[Interval, int]:
@@ -65,34 +87,77 @@ def _colour(intervals: list[Interval]) -> dict[Interval, int]:
     return slot_of
 
 
-# buffer -> (the Actions field its reader reads, the field its writer writes, the on-flag field or None)
-_BUFFER_FIELDS = {"stash": ("stash_slot", "stash_slot", None), "activations": ("act_read", "act_write", "act_on"),
-                  "cotangents": ("cot_read", "cot_write", "cot_on")}
+def _source(p: int, sender: int, receiver: int) -> int:
+    if sender == receiver:
+        return SELF
+    if (sender + 1) % p == receiver:
+        return PREV
+    if (sender - 1) % p == receiver:
+        return NEXT
+    raise AssertionError(f"virtual stages on stages {sender} and {receiver} are not neighbours")  # a placement bug
+
+
+def _kinds(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
+    last, split = schedule.num_virtual_stages - 1, schedule.split_backward
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            v = schedule.virtual_stage(s, a.chunk)
+            arrays["kind"][t, s] = {"F": FWD_LAST if v == last else FWD, "W": BWD_WEIGHT,
+                                    "B": BWD_INPUT if split else BWD}[a.kind]
+            arrays["microbatch"][t, s], arrays["chunk"][t, s], arrays["first"][t, s] = a.microbatch, a.chunk, v == 0
+
+
+def _sender(schedule: Schedule, buffer: str, iv: Interval) -> int:
+    """The stage whose message fills a receive interval: virtual stage ``v - 1`` (activations) or ``v + 1``
+    (cotangents; the last virtual stage's own loss cotangent)."""
+    v = schedule.virtual_stage(iv.stage, iv.chunk)
+    if buffer == "activations":
+        return schedule.location(v - 1)[0]
+    return iv.stage if v == schedule.num_virtual_stages - 1 else schedule.location(v + 1)[0]
 
 
 def control_table(schedule: Schedule) -> ControlTable:
-    """Compiles a valid F/B ``schedule`` (one chunk per stage) into the interpreter's :class:`ControlTable`.
+    """Compiles a valid ``schedule`` (any chunks, placement, fused or split backwards) into a :class:`ControlTable`.
 
     Returns:
-      ``ControlTable(actions, sizes)``: ``actions`` int32 ``[schedule.num_ticks, schedule.num_stages]`` per
-      field (see :class:`Actions`); ``sizes`` the slots of the stash, activation and cotangent buffers.
+      ``ControlTable(actions, sizes, to_next, to_prev)``; see :class:`Actions` for the fields.
     """
-    p = schedule.num_stages
-    arrays = {name: np.zeros((schedule.num_ticks, p), np.int32) for name in Actions._fields}
-    for t, row in enumerate(schedule.table):
-        for s, a in enumerate(row):
-            if a is not None:
-                arrays["kind"][t, s] = BWD if a.kind == "B" else (FWD_LAST if s == p - 1 else FWD)
-                arrays["microbatch"][t, s] = a.microbatch
-    sizes = {}
-    for name, intervals in schedule.lifetimes().items():
-        read, write, on = _BUFFER_FIELDS[name]
-        used = 0
+    p, T = schedule.num_stages, schedule.num_ticks
+    arrays = {name: np.zeros((T, p, 3) if name.startswith("arrive") else (T, p), np.int32)
+              for name in Actions._fields}
+    _kinds(schedule, arrays)
+    lifetimes, sizes, used = schedule.lifetimes(), {}, set()
+    for name in ("stash", "bstash", "wstash"):
+        field, count = f"{name}_slot", 0
         for s in range(p):
-            for iv, k in _colour([iv for iv in intervals if iv.stage == s]).items():
-                arrays[write][iv.start, s], arrays[read][iv.stop, s] = k, k
-                if on is not None:
-                    arrays[on][iv.start, s] = 1
-                used = max(used, k + 1)
-        sizes[name] = max(used, 1)
-    return ControlTable(Actions(**arrays), BufferSizes(**sizes))
+            for iv, k in _colour([iv for iv in lifetimes[name] if iv.stage == s]).items():
+                arrays[field][iv.start, s] = arrays[field][iv.stop, s] = k
+                count = max(count, k + 1)
+        sizes[name] = max(count, 1)
+    for name, buffer, read in (("activations", ACTIVATIONS, "act_read"), ("cotangents", COTANGENTS, "cot_read")):
+        count = 0
+        for s in range(p):
+            for iv, k in _colour([iv for iv in lifetimes[name] if iv.stage == s]).items():
+                src = _source(p, _sender(schedule, name, iv), s)
+                arrays["arrive_buffer"][iv.start, s, src], arrays["arrive_slot"][iv.start, s, src] = buffer, k
+                arrays[read][iv.stop, s] = k
+                used.add((src, s))
+                count = max(count, k + 1)
+        sizes[name] = max(count, 1)
+    _stash_at_backward(schedule, arrays)
+    to_next = tuple(((s - 1) % p, s) for s in range(p) if (PREV, s) in used)
+    to_prev = tuple(((s + 1) % p, s) for s in range(p) if (NEXT, s) in used)
+    return ControlTable(Actions(**arrays), BufferSizes(**sizes), to_next, to_prev)
+
+
+def _stash_at_backward(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
+    """With split backwards the stash interval runs from ``F`` to ``W``: its ``B`` reads the same slot."""
+    if not schedule.split_backward:
+        return
+    when = schedule.ticks()
+    for (kind, j, v), t in when.items():
+        if kind == "B":
+            s, _ = schedule.location(v)
+            arrays["stash_slot"][t, s] = arrays["stash_slot"][when[("F", j, v)], s]

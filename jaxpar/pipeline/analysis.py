@@ -1,0 +1,97 @@
+"""Comparing schedules on the same work: per-action costs, bubble fractions, peak stash.
+
+A table's own timing counts every action as one tick. To compare a table whose ``B`` computes input and
+weight gradients together with one that splits them into ``B`` and ``W``, the actions get costs
+(:func:`default_costs`: ``F = 1``, ``B = 1`` and ``W = 1`` with split backwards, ``B = 2`` where ``B``
+includes ``W``) and the table is re-timed (:func:`timing`): each stage runs its actions in the table's
+order, each as soon as the stage is free and every dependency has finished.
+
+**Bubble fraction** (the definition used throughout): ``1 - work / (p * makespan)``, the idle share of the
+``p`` stages' time from the first action's start to the last action's end, where ``work`` is the sum of the
+costs of all actions. With unit costs it is :attr:`Schedule.bubble_fraction` of a table whose actions sit at
+their earliest ticks.
+
+The interpreter runs in lockstep (one ``lax.scan`` step per tick, every stage in step), so on hardware a tick
+lasts as long as its slowest action; the cost-weighted timing is the schedule's own shape, not the
+interpreter's step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from jaxpar.pipeline.schedules import Schedule, dependencies
+
+
+def default_costs(schedule: Schedule) -> dict[str, float]:
+    """``{'F': 1, 'B': 1, 'W': 1}`` for a table with split backwards, else ``{'F': 1, 'B': 2, 'W': 1}``."""
+    return {"F": 1.0, "B": 1.0 if schedule.split_backward else 2.0, "W": 1.0}
+
+
+class Timing(NamedTuple):
+    """A table re-timed with per-action costs (:func:`timing`); times in cost units."""
+    makespan: float                           # the last action's end (the first starts at 0)
+    work: float                               # the sum of all actions' costs
+    bubble: float                             # 1 - work / (num_stages * makespan)
+    start: dict[tuple[str, int, int], float]  # (kind, microbatch, virtual stage) -> start time
+
+
+def timing(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timing:
+    """Re-times ``schedule`` with per-action ``costs`` (default :func:`default_costs`), keeping each stage's order.
+
+    An action starts when its stage has finished its previous action and every dependency (the module
+    docstring of :mod:`jaxpar.pipeline.schedules`) has finished.
+
+    Raises:
+      ValueError: ``costs`` missing a kind the table uses, or a cost that is not positive.
+    """
+    costs = dict(default_costs(schedule) if costs is None else costs)
+    used = {a.kind for row in schedule.table for a in row if a is not None}
+    for kind in sorted(used):
+        if not isinstance(costs.get(kind), (int, float)) or costs[kind] <= 0:
+            raise ValueError(f"costs={costs}: the table runs {kind} actions; give {kind!r} a positive cost")
+    free, end, start = [0.0] * schedule.num_stages, {}, {}
+    num_v = schedule.num_virtual_stages
+    for row in schedule.table:                        # tick order is a topological order of a valid table
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            key = (a.kind, a.microbatch, schedule.virtual_stage(s, a.chunk))
+            t0 = max([free[s]] + [end[d] for d in dependencies(*key, num_v)])
+            start[key], end[key] = t0, t0 + costs[a.kind]
+            free[s] = end[key]
+    makespan = max(end.values())
+    work = sum(costs[k] for k, _, _ in end)
+    return Timing(makespan, work, 1.0 - work / (schedule.num_stages * makespan), start)
+
+
+def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = None) -> list[dict]:
+    """One row per schedule: its table's size, cost-weighted time and bubble, and its peak stash.
+
+    Args:
+      schedules: :class:`Schedule`\\ s (any builders', or :func:`jaxpar.pipeline.custom.from_actions`').
+      costs: per-action costs for every schedule; default :func:`default_costs` of each (``B = 2`` where it
+        includes ``W``, so fused and split tables compare on the same work).
+
+    Returns:
+      A list of dicts with keys ``name``, ``stages``, ``microbatches``, ``chunks``; ``ticks`` (the table's
+      unit-tick length); ``time`` and ``bubble`` (:func:`timing`; the bubble fraction is ``1 - work / (p *
+      makespan)``); ``peak_stash`` (per stage, the most (microbatch, chunk) pairs held from ``F`` to ``B``,
+      or to ``W``); ``peak_stash_layers`` (the same in microbatches of ``1 / p`` of the model's layers, i.e.
+      ``peak_stash / chunks``: 1F1B's ``p - s``; comparable across chunk counts); ``peak_wstash`` (per stage,
+      the pairs held from ``B`` to ``W``).
+    """
+    rows = []
+    for s in schedules:
+        if not isinstance(s, Schedule):
+            raise TypeError(f"compare takes jp.pipeline.Schedule objects, got {type(s).__name__}")
+        t = timing(s, costs)
+        rows.append({"name": s.name, "stages": s.num_stages, "microbatches": s.num_microbatches,
+                     "chunks": s.num_chunks, "ticks": s.num_ticks, "time": t.makespan, "bubble": t.bubble,
+                     "peak_stash": s.peak_stash, "peak_stash_layers": tuple(x / s.num_chunks for x in s.peak_stash),
+                     "peak_wstash": s.peak_wstash})
+    return rows
+
+
+__all__ = ["Timing", "compare", "default_costs", "timing"]

@@ -1,0 +1,229 @@
+"""Schedule builders: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V, each a plain-Python table.
+
+Every builder returns a :class:`~jaxpar.pipeline.schedules.Schedule` (validated on construction) that the one
+interpreter runs. Costs in the docstrings count unit-cost ticks (every ``F``, ``B`` and ``W`` one tick, a
+dependency at a strictly earlier tick): the table's own timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxpar.pipeline.schedules import (Action, B, F, Placement, Schedule, W, dependencies, place_in_order,
+                                       round_robin, v_shape)
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019, sec. 2.2): all forwards, then all backwards.
+
+    ``F(j)`` runs on stage ``s`` at tick ``j + s``; ``B(j)`` at tick ``(m + p - 1) + j + (p - 1 - s)``. Every
+    stage stashes all ``m`` microbatches; ``2 (m + p - 1)`` ticks; bubble ``(p - 1) / (m + p - 1)``.
+
+    Args:
+      num_stages: ``p >= 1``.
+      num_microbatches: ``m >= 1``.
+
+    Raises:
+      ValueError: a size that is not a positive int.
+    """
+    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
+    p, m = num_stages, num_microbatches
+    fwd = m + p - 1
+    table = [[None] * p for _ in range(2 * fwd)]
+    for s in range(p):
+        for j in range(m):
+            table[j + s][s] = F(j)
+            table[fwd + j + (p - 1 - s)][s] = B(j)
+    return Schedule("gpipe", p, m, table)
+
+
+def _one_f_one_b_order(p: int, m: int, s: int) -> list[Action]:
+    """Stage ``s``'s action order: ``p-1-s`` warm-up forwards, then F/B pairs, then the remaining backwards."""
+    warmup = min(p - 1 - s, m)
+    order = [F(j) for j in range(warmup)]
+    for j in range(m - warmup):
+        order += [F(warmup + j), B(j)]
+    return order + [B(j) for j in range(m - warmup, m)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B, PipeDream-Flush (Narayanan et al. 2021, sec. 2.2, fig. 4 top; Fan et al. 2021, DAPPLE).
+
+    Stage ``s`` runs ``p - 1 - s`` warm-up forwards, then alternates one forward and one backward (the
+    steady state), then drains the remaining backwards (cool-down); each action is placed at the earliest
+    tick its dependencies allow. Same ``2 (m + p - 1)`` ticks and bubble ``(p - 1) / (m + p - 1)`` as GPipe,
+    but stage ``s`` stashes at most ``p - s`` microbatches instead of ``m``.
+
+    Args:
+      num_stages: ``p >= 1``.
+      num_microbatches: ``m >= p``.
+
+    Raises:
+      ValueError: a size that is not a positive int; ``num_microbatches < num_stages`` (the warm-up alone
+        needs ``p - 1`` microbatches in flight, so the steady state never forms: use :func:`gpipe`).
+    """
+    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
+    p, m = num_stages, num_microbatches
+    if m < p:
+        raise ValueError(f"1F1B needs num_microbatches >= num_stages, got {m} microbatches for {p} stages: the "
+                         f"warm-up alone keeps {p - 1} in flight. Use num_microbatches >= {p} (more is better: "
+                         f"bubble (p-1)/(m+p-1)), or jp.pipeline.gpipe")
+    return place_in_order("1f1b", m, [_one_f_one_b_order(p, m, s) for s in range(p)])
+
+
+def _interleaved_order(p: int, m: int, v: int, s: int) -> list[Action]:
+    """Megatron's per-device order (Narayanan et al. 2021, sec. 2.2.2): microbatches in rounds of ``p``; the
+    ``k``-th forward is microbatch ``(k // (p v)) p + k % p`` of chunk ``(k // p) % v``, backwards the same with
+    the chunks reversed; ``2 (p - 1 - s) + (v - 1) p`` warm-up forwards, then F/B pairs, then the backwards."""
+    total = m * v
+    mb = lambda k: (k // (p * v)) * p + k % p
+    fwd = [F(mb(k), (k // p) % v) for k in range(total)]
+    bwd = [B(mb(k), v - 1 - (k // p) % v) for k in range(total)]
+    warmup = min(2 * (p - 1 - s) + (v - 1) * p, total)
+    order = fwd[:warmup]
+    for k in range(total - warmup):
+        order += [fwd[warmup + k], bwd[k]]
+    return order + bwd[total - warmup:]
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2): ``num_chunks`` virtual stages per device.
+
+    The model's ``p v`` virtual stages are placed round-robin (device ``s`` holds ``s, s + p, s + 2p, ...``:
+    with ``L`` layers, chunk ``c`` of device ``s`` is layers ``(c p + s) L/(p v)`` to ``(c p + s + 1) L/(p v) - 1``);
+    every device follows Megatron's order (:func:`_interleaved_order`), each action at the earliest tick its
+    dependencies allow. With unit-cost ticks: ``2 (v m + p - 1)`` ticks, bubble ``(p - 1) / (v m + p - 1)``
+    (``v`` times smaller than 1F1B's), at a peak stash of ``2 (p - 1 - s) + (v - 1) p + 1`` chunk-microbatches
+    on device ``s`` (more than 1F1B's ``p - s`` microbatches of ``v`` chunks on the last devices, less on the
+    first). ``num_chunks=1`` is 1F1B.
+
+    Args:
+      num_stages: ``p >= 1``.
+      num_microbatches: ``m``, a multiple of ``p`` (Megatron's requirement: microbatches go in rounds of ``p``).
+      num_chunks: ``v >= 1``.
+
+    Raises:
+      ValueError: a size that is not a positive int, or ``m`` not a multiple of ``p``.
+    """
+    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of num_stages (Megatron's "
+                         f"schedule runs microbatches in rounds of p), got {m} microbatches for {p} stages; use "
+                         f"num_microbatches = {p * max(1, round(m / p))}")
+    if v == 1:
+        return place_in_order("interleaved_1f1b", m, [_one_f_one_b_order(p, m, s) for s in range(p)])
+    orders = [_interleaved_order(p, m, v, s) for s in range(p)]
+    return place_in_order("interleaved_1f1b", m, orders, v, round_robin(p, v))
+
+
+# --------------------------------------------------------------------------------------- zero bubble
+
+def _list_schedule(name: str, p: int, m: int, placement: Placement, cap: list[int],
+                   priority: Callable[[Action, int], tuple]) -> Schedule:
+    """Greedy list scheduling with split backwards: at every tick each stage runs its best ready action.
+
+    Ready: every dependency ran at an earlier tick, and the action's microbatch is the next one of its kind on
+    its chunk (microbatches keep their order). An ``F`` is ready only while fewer than ``cap[s]``
+    (microbatch, chunk) pairs are in flight on stage ``s`` (``F`` run, ``W`` not yet): the stash bound. Among
+    ready actions the smallest ``priority(action, vstage)`` runs.
+    """
+    v_count = len(placement[0])
+    num_v = p * v_count
+    done: dict[tuple[str, int, int], int] = {}
+    nxt = [{(k, c): 0 for k in "FBW" for c in range(v_count)} for _ in range(p)]
+    in_flight, table = [0] * p, []
+    while len(done) < 3 * m * num_v:
+        row: list[Action | None] = [None] * p
+        for s in range(p):
+            ready = []
+            for (k, c), j in nxt[s].items():
+                vs = placement[s][c]
+                if j < m and all(d in done for d in dependencies(k, j, vs, num_v)) and (
+                        k != "F" or in_flight[s] < cap[s]):
+                    ready.append((priority(Action(k, j, c), vs), Action(k, j, c)))
+            row[s] = min(ready)[1] if ready else None
+        if not any(row):
+            raise AssertionError(f"{name}: the list scheduler is stuck at tick {len(table)}")  # a builder bug
+        for s, a in enumerate(row):
+            if a is not None:
+                done[(a.kind, a.microbatch, placement[s][a.chunk])] = len(table)
+                nxt[s][(a.kind, a.chunk)] += 1
+                in_flight[s] += {"F": 1, "B": 0, "W": -1}[a.kind]
+        table.append(tuple(row))
+    return Schedule(name, p, m, table, v_count, placement)
+
+
+def _zb_h1_order(p: int, m: int, s: int) -> list[Action]:
+    """Stage ``s``'s ZB-H1 order: 1F1B's ``p - s`` forwards, then per microbatch ``j``: ``B(j)``, the ``W`` of
+    microbatch ``j - s`` (stage ``s`` defers its ``W``\\ s by ``s``), the next ``F``; then the deferred ``W``\\ s."""
+    warm = min(p - s, m)
+    order = [F(j) for j in range(warm)]
+    for j in range(m):
+        order += [B(j)] + ([W(j - s)] if j >= s else []) + ([F(warm + j)] if warm + j < m else [])
+    return order + [W(j) for j in range(max(m - s, 0), m)]
+
+
+def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 3.1): the backward split into ``B``
+    (input gradient) and ``W`` (weight gradient), the ``W``\\ s filling the bubbles, at 1F1B's peak memory.
+
+    Stage ``s`` runs 1F1B's order of ``F``\\ s and ``B``\\ s with each ``W`` right after a ``B``, deferred by
+    ``s`` microbatches (:func:`_zb_h1_order`), each action at the earliest tick its dependencies allow: the
+    later stages keep the ``B`` chain running and do their ``W``\\ s at the end. Every stage then holds at most
+    ``p`` microbatches from ``F`` to ``W`` (1F1B's peak, on its first stage). With ``F = B = W =`` one tick:
+    ``3 m + p - 1`` ticks, bubble ``(p - 1) / (3 m + p - 1)``, against 1F1B's ``(p - 1) / (m + p - 1)`` when its
+    ``B`` (input and weight gradients) costs 2 (the paper's ``(p-1)(T_F + T_B - T_W)`` against
+    ``(p-1)(T_F + T_B + T_W)``).
+
+    Args:
+      num_stages: ``p >= 1``.
+      num_microbatches: ``m >= p``.
+
+    Raises:
+      ValueError: a size that is not a positive int, or ``m < p``.
+    """
+    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
+    p, m = num_stages, num_microbatches
+    if m < p:
+        raise ValueError(f"zero_bubble needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; use "
+                         f"num_microbatches >= {p}")
+    return place_in_order("zb-h1", m, [_zb_h1_order(p, m, s) for s in range(p)])
+
+
+def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", sec. 3; torch's
+    ``ScheduleZBVZeroBubble``): two chunks per device in the V placement (:func:`~jaxpar.pipeline.schedules.v_shape`:
+    device ``s`` holds virtual stages ``s`` and ``2p - 1 - s``; the loss is on device 0), split backwards.
+
+    Built by greedy list scheduling (:func:`_list_schedule`): at every tick a device runs a ready ``B`` first,
+    else an ``F`` while fewer than ``2p`` chunk-microbatches are in flight on it (``F`` run, ``W`` not yet: 1F1B's
+    peak stash, ``p`` microbatches of both chunks), else a pending ``W``; among those, the lowest microbatch,
+    then the later virtual stage. With ``F = B = W =`` one tick and ``p <= 4`` this takes ``6 m + p - 1`` ticks
+    (bubble ``(p - 1) / (6 m + p - 1)``, torch's at ``p = 4, m = 8``); up to ``p = 8`` (checked to ``m = 24``) at
+    most 4 ticks more. Peak stash ``2p`` chunk-microbatches on every device.
+
+    Args:
+      num_stages: ``p >= 1``.
+      num_microbatches: ``m >= p``.
+
+    Raises:
+      ValueError: a size that is not a positive int, or ``m < p``.
+    """
+    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
+    p, m = num_stages, num_microbatches
+    if m < p:
+        raise ValueError(f"zero_bubble_v needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; "
+                         f"use num_microbatches >= {p}")
+    rank = {"B": 0, "F": 1, "W": 2}
+    return _list_schedule("zb-v", p, m, v_shape(p), [2 * p] * p,
+                          lambda a, vs: (rank[a.kind], a.microbatch, -vs))
+
+
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble", "zero_bubble_v"]

@@ -1,0 +1,208 @@
+"""A stage's backward split in two: ``B`` (the input gradient) and ``W`` (the weight gradient), for zero-bubble tables.
+
+Qi et al. 2024 ("Zero Bubble Pipeline Parallelism", sec. 2) split each backward into ``B``, the cotangent of
+the stage input (on the critical path: the previous stage waits for it), and ``W``, the parameter gradient
+(off it: it can run later, in a bubble). The split must be real: ``W`` must not recompute the input-gradient
+chain. XLA does not remove it from a pullback that computes both, so the split is made on the pullback's
+program itself:
+
+1. trace ``jax.vjp(stage_fn)``'s pullback as a function of its residuals and the output cotangent ``g`` into
+   a jaxpr (nested ``jit`` and ``checkpoint`` calls inlined, so that a layer's ``dx`` and ``dW`` parts
+   separate);
+2. ``B`` is the backward slice of ``dx``: the equations ``dx`` depends on, nothing else;
+3. ``W`` is the backward slice of the parameter gradients, less the equations ``B`` already ran. Values of
+   ``B``'s that ``W`` reads and that depend on ``g`` (the cotangents inside the stage, and ``g`` itself) are
+   handed from ``B`` to ``W`` (the *carry*, stashed between them); values that do not depend on ``g`` (functions
+   of the parameters and residuals only, e.g. a transposed weight) are recomputed by ``W`` rather than
+   stashed.
+
+So ``FLOPs(B) + FLOPs(W)`` is the fused backward's plus those small recomputations, and ``W`` alone is the
+weight-gradient matmuls (about half of a matmul layer's backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")      # params["jaxpr"]: a ClosedJaxpr (or Jaxpr)
+_REMATS = ("checkpoint", "remat2", "remat")                # params["jaxpr"]: a Jaxpr
+
+Atom = Any   # an int key into the evaluation environment, or a jax Literal
+
+
+class _Op(NamedTuple):
+    eqn: Any                  # the JaxprEqn whose primitive and params are bound
+    ins: tuple[Atom, ...]
+    outs: tuple[int, ...]
+
+
+class SplitPlan(NamedTuple):
+    """The two halves of a pullback (:func:`split_plan`)."""
+    inputs: tuple[int, ...]           # keys of the flat inputs: params leaves, x, residual leaves, g
+    consts: tuple[tuple[int, Any], ...]
+    b_ops: tuple[_Op, ...]            # B: the equations d x depends on
+    w_ops: tuple[_Op, ...]            # W: the rest of what d params depends on
+    dx: Atom
+    dparams: tuple[Atom, ...]
+    carry: tuple[int, ...]            # keys B hands to W
+    carry_structs: tuple[jax.ShapeDtypeStruct, ...]
+    dparams_structs: tuple[jax.ShapeDtypeStruct, ...]
+    dparams_tree: Any
+    g: int                            # the key of the output cotangent
+    w_leaves: tuple[int, ...]         # indices of the residual leaves W reads (the others only B reads)
+
+
+class _Flat:
+    """A jaxpr flattened into :class:`_Op`\\ s over int keys, nested calls inlined."""
+
+    def __init__(self):
+        self.ops: list[_Op] = []
+        self.avals: dict[int, Any] = {}
+        self.consts: dict[int, Any] = {}
+
+    def key(self, aval) -> int:
+        k = len(self.avals)
+        self.avals[k] = aval
+        return k
+
+    def add(self, jaxpr, ins: list[Atom], consts=()) -> list[Atom]:
+        env: dict[Any, Atom] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = self.key(v.aval)
+            self.consts[env[v]] = c
+        env.update(zip(jaxpr.invars, ins))
+        read = lambda a: a if isinstance(a, jcore.Literal) else env[a]
+        for eqn in jaxpr.eqns:
+            args, name = [read(a) for a in eqn.invars], eqn.primitive.name
+            inner = eqn.params.get("jaxpr")
+            if name in _CALLS and inner is not None:
+                closed = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, ())
+                outs = self.add(closed.jaxpr, args, closed.consts)
+            elif name in _REMATS and isinstance(inner, jcore.Jaxpr) and not inner.constvars:
+                outs = self.add(inner, args)
+            else:
+                outs = [self.key(v.aval) for v in eqn.outvars]
+                self.ops.append(_Op(eqn, tuple(args), tuple(outs)))
+            env.update(zip(eqn.outvars, outs))
+        return [read(a) for a in jaxpr.outvars]
+
+
+def _producers(ops: list[_Op]) -> dict[int, int]:
+    return {k: i for i, op in enumerate(ops) for k in op.outs}
+
+
+def _slice(ops: list[_Op], roots: list[Atom]) -> set[int]:
+    """Indices of the ops the ``roots`` depend on."""
+    producer, live = _producers(ops), set()
+    todo = [r for r in roots if isinstance(r, int)]
+    while todo:
+        k = todo.pop()
+        if k in producer and producer[k] not in live:
+            live.add(producer[k])
+            todo.extend(a for a in ops[producer[k]].ins if isinstance(a, int))
+    return live
+
+
+def _weight_slice(ops: list[_Op], roots: list[Atom], carried) -> tuple[set[int], set[int]]:
+    """``(ops W runs, keys B hands over)``: the slice of ``roots``, cut at the keys ``carried(k)`` says B
+    computed on ``g`` (W reads those from B) and walking on through everything else (W recomputes it)."""
+    producer, live, carry = _producers(ops), set(), set()
+    todo = [r for r in roots if isinstance(r, int)]
+    while todo:
+        k = todo.pop()
+        if carried(k):
+            carry.add(k)
+        elif k in producer and producer[k] not in live:
+            live.add(producer[k])
+            todo.extend(a for a in ops[producer[k]].ins if isinstance(a, int))
+    return live, carry
+
+
+def _depends_on(ops: list[_Op], key: int) -> set[int]:
+    dep = {key}
+    for op in ops:
+        if any(isinstance(a, int) and a in dep for a in op.ins):
+            dep.update(op.outs)
+    return dep
+
+
+def split_plan(stage_fn: Callable, params: Any, x: Any) -> SplitPlan:
+    """Splits the pullback of ``stage_fn`` at ``(params, x)`` into B and W.
+
+    ``params`` and ``x`` are tracers (inside ``shard_map`` their varying axes carry into the plan), or arrays
+    or ``ShapeDtypeStruct``\\ s outside any trace.
+
+    Returns:
+      a :class:`SplitPlan` for :func:`backward_input` and :func:`backward_weight`.
+    """
+    leaves_of = lambda p, x: jax.tree.leaves(jax.vjp(stage_fn, p, x)[1])
+    if all(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((params, x))):
+        leaves = leaves_of(params, x)   # traced (inside shard_map: their varying axes carry into the plan); dead code
+    else:
+        leaves = jax.eval_shape(leaves_of, params, x)
+
+    def pullback(params, x, leaves, g):
+        _, treedef = jax.tree.flatten(jax.vjp(stage_fn, params, x)[1])
+        return jax.tree.unflatten(treedef, leaves)(g)
+
+    closed, out_shape = jax.make_jaxpr(pullback, return_shape=True)(params, x, leaves, x)
+    flat = _Flat()
+    inputs = [flat.key(v.aval) for v in closed.jaxpr.invars]
+    outs = flat.add(closed.jaxpr, inputs, closed.consts)
+    ops, dx, dparams, g = flat.ops, outs[-1], tuple(outs[:-1]), inputs[-1]
+    b_live = _slice(ops, [dx])
+    b_keys, on_g = {k for i in b_live for k in ops[i].outs}, _depends_on(ops, g)
+    w_live, carry = _weight_slice(ops, list(dparams), lambda k: k == g or (k in b_keys and k in on_g))
+    carry = tuple(sorted(carry))
+    struct = lambda aval: jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    dparams_shape, _ = out_shape
+    first_leaf = len(jax.tree.leaves(params)) + 1
+    w_reads = {a for i in w_live for a in ops[i].ins if isinstance(a, int)} | {a for a in dparams if isinstance(a, int)}
+    w_leaves = tuple(i for i, k in enumerate(inputs[first_leaf:-1]) if k in w_reads)
+    return SplitPlan(tuple(inputs), tuple(flat.consts.items()), tuple(ops[i] for i in sorted(b_live)),
+                     tuple(ops[i] for i in sorted(w_live)), dx, dparams, carry,
+                     tuple(struct(flat.avals[k]) for k in carry), tuple(jax.tree.leaves(dparams_shape)),
+                     jax.tree.structure(dparams_shape), g, w_leaves)
+
+
+def _run(ops: tuple[_Op, ...], env: dict[int, Any]) -> None:
+    read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
+    for op in ops:
+        params = op.eqn.primitive.get_bind_params(op.eqn.params)
+        if isinstance(params, tuple):                                  # older jax: (subfuns, params)
+            subfuns, params = params
+            args = [*subfuns, *map(read, op.ins)]
+        else:
+            args = list(map(read, op.ins))
+        with op.eqn.ctx.manager:
+            out = op.eqn.primitive.bind(*args, **params)
+        env.update(zip(op.outs, out if op.eqn.primitive.multiple_results else [out]))
+
+
+def _env(plan: SplitPlan, flat_inputs: list[Any], skip: int | None = None) -> dict[int, Any]:
+    env = dict(plan.consts)
+    env.update((k, v) for k, v in zip(plan.inputs, flat_inputs) if k != skip)
+    return env
+
+
+def backward_input(plan: SplitPlan, params: Any, x: Any, leaves: list, g: Any) -> tuple[Any, tuple]:
+    """``B``: ``(d x, carry)`` from the pullback's residual ``leaves`` and the output cotangent ``g``."""
+    env = _env(plan, [*jax.tree.leaves(params), x, *leaves, g])
+    _run(plan.b_ops, env)
+    read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
+    return read(plan.dx), tuple(env[k] for k in plan.carry)
+
+
+def backward_weight(plan: SplitPlan, params: Any, x: Any, leaves: list, carry: tuple) -> Any:
+    """``W``: the parameter gradient (``params``' structure) from the residual ``leaves`` and ``B``'s carry."""
+    env = _env(plan, [*jax.tree.leaves(params), x, *leaves, None], skip=plan.g)
+    env.update(zip(plan.carry, carry))
+    _run(plan.w_ops, env)
+    read = lambda a: jnp.asarray(a.val) if isinstance(a, jcore.Literal) else env[a]
+    grads = [jnp.broadcast_to(read(a), s.shape).astype(s.dtype) for a, s in zip(plan.dparams, plan.dparams_structs)]
+    return jax.tree.unflatten(plan.dparams_tree, grads)
