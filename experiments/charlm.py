@@ -16,6 +16,12 @@ Pipeline parallelism (data=2 x pipe=2 x tensor=2; 2 layers per stage, 1F1B over 
 
     python experiments/charlm.py --pipe 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
 
+Structured pruning (whole MLP neurons and attention heads, Zhu & Gupta's ramp over the middle half of the run),
+compacted at the end into a smaller dense GPT whose speed-up and validation loss are printed and written to
+``<out-dir>/compaction.json``::
+
+    python experiments/charlm.py --prune-structure both --sparsity 0.5 --out-dir runs/structured
+
 Expected (2-core CPU, defaults): about 8 minutes, final validation loss about 1.3 nats/character on
 CPython's ``pydoc_data.topics`` text; writes metrics.jsonl, TensorBoard events, loss.png and config.json to
 ``--out-dir`` (with checkpoints/) and prints a generated sample.
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
+import time
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -138,6 +146,8 @@ def main(cfg: Config) -> float | None:
                    "command again to resume")
         return None
     report(cfg, model, corpus, mesh, result.state, val, writer.active)
+    if cfg.pruning.structured:
+        compaction_report(cfg, model, corpus, mesh, tx, result.state, writer.active)
     return val
 
 
@@ -184,6 +194,59 @@ def report(cfg: Config, model, corpus, mesh, state, val: float, active: bool) ->
         print("\n--- sample ---\n" + prompt + corpus.decode(sample) + "\n--------------")
         print(f"final validation loss: {val:.4f} nats/character after {cfg.steps} steps "
               f"({cfg.steps * cfg.batch_size * cfg.seq_len:,} training characters); outputs in {out}/")
+
+
+def step_times(runs: dict, batch, rounds: int) -> dict:
+    """Median ms of a train and an eval step per run, interleaved over ``rounds`` rounds (after a warm-up call),
+    so that background load affects the runs alike. ``runs[name]`` holds ``state``, ``train`` and ``eval``."""
+    def ms(fn):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        return 1e3 * (time.perf_counter() - start)
+
+    calls = {name: {"train_ms": lambda r=r: r["train"](r["state"], batch)[1],
+                    "eval_ms": lambda r=r: r["eval"](r["state"], batch)} for name, r in runs.items()}
+    for fns in calls.values():
+        for fn in fns.values():
+            ms(fn)   # compile
+    times = {name: {k: [] for k in fns} for name, fns in calls.items()}
+    for _ in range(rounds):
+        for name, fns in calls.items():
+            for k, fn in fns.items():
+                times[name][k].append(ms(fn))
+    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+
+
+def compaction_report(cfg: Config, model, corpus, mesh, tx, state, active: bool, rounds: int = 5) -> dict:
+    """With --prune-structure: compacts the pruned model (``jp.pruning.compact_state``), evaluates it on the
+    final validation batches, and times a train and an eval step of the masked model (the dense shapes) and of
+    the compacted one side by side (:func:`step_times`). Writes ``<out-dir>/compaction.json`` and prints one
+    line; returns the figures."""
+    small_state, small_cfg = jp.pruning.compact_state(state, model.cfg, tx, mesh=mesh)
+    small = GPT(small_cfg)
+    rows = jp.data.process_slice(cfg.batch_size, mesh)
+    val_batches = [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows) for i in range(cfg.eval_batches * 4)]
+    runs = {}
+    for name, (m, s) in {"masked": (model, state), "compacted": (small, small_state)}.items():
+        train_step = jp.train.make_train_step(cfg.grad_fn(m), tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps,
+                                              donate=False)
+        eval_step = jp.train.make_eval_step(m.loss, mesh=mesh)
+        runs[name] = dict(state=s, train=train_step, eval=eval_step, cfg=m.cfg,
+                          val=jp.loop.mean_metrics(eval_step, s, val_batches)["loss"])
+    timed = step_times(runs, corpus.batch(cfg.seed, cfg.steps, cfg.batch_size, cfg.seq_len, rows=rows), rounds)
+    out = {name: {"val_loss": r["val"], "params": r["cfg"].num_params(), "num_heads": r["cfg"].num_heads,
+                  "d_mlp": r["cfg"].mlp_dim, "param_bytes": sum(x.nbytes for x in jax.tree.leaves(r["state"].params)),
+                  **timed[name]} for name, r in runs.items()}
+    out["speedup"] = {k: out["masked"][k] / out["compacted"][k] for k in ("train_ms", "eval_ms")}
+    if active:
+        (Path(cfg.out_dir) / "compaction.json").write_text(json.dumps(out, indent=2))
+        m, c = out["masked"], out["compacted"]
+        print(f"compacted ({cfg.pruning.prune_structure}): heads {m['num_heads']} -> {c['num_heads']}, d_mlp "
+              f"{m['d_mlp']} -> {c['d_mlp']}, {m['params']:,} -> {c['params']:,} params; validation loss "
+              f"{c['val_loss']:.4f} (masked {m['val_loss']:.4f}); train step {m['train_ms']:.0f} -> "
+              f"{c['train_ms']:.0f} ms ({out['speedup']['train_ms']:.2f}x), eval step {m['eval_ms']:.0f} -> "
+              f"{c['eval_ms']:.0f} ms ({out['speedup']['eval_ms']:.2f}x)", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class Config:
         """AdamW (warm-up + cosine, no clipping), then pruning. ValueError on bad flags."""
         tx = jp.optim.adamw(self.learning_rate, total_steps=self.steps, warmup_steps=self.steps // 20,
                             weight_decay=self.weight_decay, b2=0.999, clip_norm=None, axis_names=axis_names)
-        return self.pruning.apply(tx, self.steps, axis_names)
+        return self.pruning.apply(tx, self.steps, axis_names, groups=MLP(hidden=self.hidden).prune_groups())
 
 
 def main(cfg: Config) -> float:

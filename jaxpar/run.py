@@ -132,19 +132,37 @@ class PrecisionConfig:
         return loss_scaling(tx, DynamicLossScale()) if self.precision == "fp16" else tx
 
 
+PRUNE_STRUCTURES = {"none": (), "neurons": ("mlp",), "heads": ("heads",), "both": ("mlp", "heads")}
+
+
 @dataclasses.dataclass(frozen=True)
 class PruningConfig:
-    """Gradual magnitude pruning (Zhu & Gupta 2017) after the optimizer; dense when sparsity is 0."""
-    sparsity: float = 0.0          # final fraction of pruned kernel weights (0: dense; with n_m: 1 - N/M)
-    distribution: Literal["uniform", "global", "erk"] = "uniform"  # how sparsity is spread over kernels
+    """Gradual magnitude pruning (Zhu & Gupta 2017) after the optimizer; dense when sparsity is 0.
+
+    Unstructured (single weights, or N:M) by default; with ``prune_structure`` whole MLP neurons and/or attention
+    heads (``jp.pruning.structured_pruning``), which ``jp.pruning.compact`` then removes.
+    """
+    sparsity: float = 0.0          # final fraction of pruned kernel weights, or of neurons/heads (0: dense)
+    distribution: Literal["uniform", "global", "erk"] = "uniform"  # how sparsity is spread (structured: no erk)
     n_m: tuple[int, int] | None = None  # N:M structured sparsity along each kernel's input axis, e.g. 2 4
     prune_begin: int = -1          # first pruning step (Zhu & Gupta cubic ramp); -1: steps // 4
     prune_end: int = -1            # step at which the final sparsity is reached; -1: 3 * steps // 4
     prune_frequency: int = 20      # steps between mask refreshes
+    prune_structure: Literal["none", "neurons", "heads", "both"] = "none"  # prune whole MLP neurons/heads; compact
+
+    def __post_init__(self):
+        if self.prune_structure not in PRUNE_STRUCTURES:
+            raise ValueError(f"pruning flags: --prune-structure {self.prune_structure!r}; use one of "
+                             f"{', '.join(PRUNE_STRUCTURES)}")
 
     @property
     def enabled(self) -> bool:
         return self.sparsity != 0 or self.n_m is not None
+
+    @property
+    def structured(self) -> bool:
+        """Whether whole neurons / heads are pruned (``--prune-structure`` other than none)."""
+        return self.prune_structure != "none"
 
     @property
     def target(self) -> float:
@@ -158,26 +176,39 @@ class PruningConfig:
         return (self.prune_begin if self.prune_begin != -1 else steps // 4,
                 self.prune_end if self.prune_end != -1 else 3 * steps // 4)
 
-    def apply(self, tx: optax.GradientTransformation, steps: int, axis_names: Any = None):
-        """``optax.chain(tx, magnitude_pruning(...))`` for a run of ``steps`` steps (``tx`` itself when dense).
+    def apply(self, tx: optax.GradientTransformation, steps: int, axis_names: Any = None, groups: Any = None):
+        """``optax.chain(tx, pruning)`` for a run of ``steps`` steps (``tx`` itself when dense).
 
-        ``jp.pruning`` checks the values; this method adds the defaults relative to the run's length (-1)
-        and that the pruning window lies inside the run.
+        The pruning is ``jp.pruning.magnitude_pruning(...)``, or with ``prune_structure``
+        ``jp.pruning.structured_pruning(..., axes=..., groups=groups)`` (its groups are read from ``axis_names``,
+        needed by then at ``init``; ``groups``: chains across modules, e.g. an MLP's). ``jp.pruning`` checks the
+        values; this method adds the defaults relative to the run's length (-1) and that the pruning window lies
+        inside the run.
 
         Raises:
-          ValueError: a setting ``jp.pruning`` rejects, or a window ending after ``steps``; the message
-            names the flags.
+          ValueError: a setting ``jp.pruning`` rejects, a window ending after ``steps``, structured pruning
+            with ``n_m`` or without a sparsity; the message names the flags.
         """
         if not self.enabled:
+            if self.structured:
+                raise ValueError(f"pruning flags --prune-structure {self.prune_structure}: give the fraction of "
+                                 "neurons / heads to remove with --sparsity (e.g. 0.5)")
             return tx
         begin, end = self.window(steps)
         flags = (f"--sparsity {self.sparsity} --distribution {self.distribution} --n-m {self.n_m} "
-                 f"--prune-begin {begin} --prune-end {end} --prune-frequency {self.prune_frequency}")
+                 f"--prune-begin {begin} --prune-end {end} --prune-frequency {self.prune_frequency}"
+                 + (f" --prune-structure {self.prune_structure}" if self.structured else ""))
         try:
             if end > steps:
                 raise ValueError(f"the pruning window ends after the run's {steps} steps; pick steps inside the run")
             schedule = pruning.polynomial_sparsity(self.target, begin, end, frequency=self.prune_frequency)
-            transform = pruning.magnitude_pruning(schedule, self.distribution, self.n_m, axis_names=axis_names)
+            if self.structured:
+                if self.n_m is not None:
+                    raise ValueError("N:M masks single weights; it does not combine with --prune-structure")
+                transform = pruning.structured_pruning(schedule, self.distribution, axis_names=axis_names,
+                                                       axes=PRUNE_STRUCTURES[self.prune_structure], groups=groups)
+            else:
+                transform = pruning.magnitude_pruning(schedule, self.distribution, self.n_m, axis_names=axis_names)
         except (TypeError, ValueError) as e:
             raise ValueError(f"pruning flags {flags}: {e}") from None
         return optax.chain(tx, transform)

@@ -39,7 +39,7 @@ def trace_of(opt_state):
                 if isinstance(s, optax.TraceState)).trace
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if "gpipe" in c else []) for c in CASES])
 def test_pipelined_step_matches_single_device(case, mesh_factory):
     cfg, schedule, m, accum = CASES[case]
     model, tx = GPT(cfg), optax.sgd(0.1, momentum=0.9)

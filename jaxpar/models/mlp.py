@@ -31,6 +31,14 @@ class MLP(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def prune_groups(self) -> dict[str, list[tuple[str, str]]]:
+        """The chains across layers for ``jp.pruning.structured_pruning(..., groups=...)``: hidden layer ``i``
+        (even ``i``) has its outputs named ``mlp`` and the next layer (``dense_{i+1}`` or ``head``) reads them, so
+        a neuron is a column of ``dense_i`` (with its bias) and a row of the next kernel. Odd layers' outputs are
+        named ``embed`` and are never pruned."""
+        names = [f"dense_{i}" for i in range(len(self.hidden))] + ["head"]
+        return {"mlp": [(names[i], names[i + 1]) for i in range(0, len(self.hidden), 2)]}
+
     @nn.compact
     def __call__(self, x_BF: jax.Array) -> jax.Array:
         x = x_BF.astype(self.dtype)

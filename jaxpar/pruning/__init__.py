@@ -1,4 +1,6 @@
-"""Magnitude pruning as optax transformations on sharded parameters.
+"""Magnitude pruning as optax transformations on sharded parameters, and compaction to a smaller dense model.
+
+Unstructured (masks of single weights):
 
 * Schedules (Zhu & Gupta 2017, eq. 1): :func:`polynomial_sparsity`, :func:`constant_sparsity`,
   :func:`one_shot`; pure functions of the step, so one compiled step serves every step.
@@ -7,17 +9,35 @@
 * :func:`magnitude_pruning`: the optax transformation, chained after the optimizer; :func:`masks` and
   :func:`sparsity_report` for inspection.
 
+Structured (whole MLP neurons and attention heads, which XLA can then drop: a smaller dense model runs faster and
+holds less memory, where unstructured zeros need sparse kernels that XLA lacks):
+
+* :func:`structured_pruning`: the optax transformation, with the same schedules; groups read from the params'
+  logical axis names (``mlp``, ``heads``; never ``embed``), coupled within a module or along explicit
+  ``groups=`` chains; scored by the group's L2 norm; ``uniform`` or ``global`` per group kind;
+  :func:`group_masks` and :func:`param_masks` for inspection.
+* :func:`compact` (``(params, masks_or_state, config) -> (new_params, new_config)``), :func:`compact_opt_state`
+  and :func:`compact_state` (a ``TrainState`` onto a mesh): the pruned groups removed, every stacked layer padded
+  to one count (a multiple of the tensor axis), the optimizer state gathered by the same indices.
+
 Modules: ``schedules`` (sparsity vs step), ``structure`` (which leaves, layer and reduction axes, from logical
-names), ``select`` (exact top-k by bisection on counts, N:M groups, ERK), ``transform`` (the optax
-transformation).
+names), ``select`` (exact top-k by bisection on counts, N:M groups, ERK), ``transform`` (the unstructured
+transformation), ``groups`` (coupled groups from logical names), ``structured`` (the structured transformation),
+``compact`` (compaction).
 """
 
+from jaxpar.pruning.compact import Compaction, compact, compact_opt_state, compact_state
+from jaxpar.pruning.groups import PRUNABLE_AXES, GroupPlan, Member, group_plans
 from jaxpar.pruning.schedules import SparsitySchedule, constant_sparsity, one_shot, polynomial_sparsity
 from jaxpar.pruning.select import erk_densities
 from jaxpar.pruning.structure import BATCH_AXIS_NAMES, LeafPlan, make_plans
+from jaxpar.pruning.structured import (STRUCTURED_DISTRIBUTIONS, StructuredPruningState, group_masks, param_masks,
+                                       structured_pruning)
 from jaxpar.pruning.transform import (DISTRIBUTIONS, MagnitudePruningState, magnitude_pruning, masks,
                                       sparsity_report)
 
-__all__ = ["BATCH_AXIS_NAMES", "DISTRIBUTIONS", "LeafPlan", "MagnitudePruningState", "SparsitySchedule",
-           "constant_sparsity", "erk_densities", "magnitude_pruning", "make_plans", "masks", "one_shot",
-           "polynomial_sparsity", "sparsity_report"]
+__all__ = ["BATCH_AXIS_NAMES", "Compaction", "DISTRIBUTIONS", "GroupPlan", "LeafPlan", "MagnitudePruningState",
+           "Member", "PRUNABLE_AXES", "STRUCTURED_DISTRIBUTIONS", "SparsitySchedule", "StructuredPruningState",
+           "compact", "compact_opt_state", "compact_state", "constant_sparsity", "erk_densities", "group_masks",
+           "group_plans", "magnitude_pruning", "make_plans", "masks", "one_shot", "param_masks",
+           "polynomial_sparsity", "sparsity_report", "structured_pruning"]

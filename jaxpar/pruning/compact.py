@@ -1,0 +1,330 @@
+"""Compaction: a structurally pruned model as a smaller dense model (pruned neurons and heads removed).
+
+:func:`compact` turns params plus group masks (from :func:`jaxpar.pruning.structured_pruning`) into the params of a
+smaller model and the config that runs it; :func:`compact_opt_state` gathers the optimizer state by the same
+indices; :func:`compact_state` does both for a ``jp.train.TrainState`` and places the result on a mesh, so training
+continues through ``jp.train.make_train_step``. Supported models: the GPT (``GPTConfig``) and the MLP (an ``MLP``
+module instance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import sharding as shd
+from jaxpar import train
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models.mlp import MLP
+from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
+from jaxpar.pruning.structure import key_name, path_str
+from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, group_masks
+
+
+# ------------------------------------------------------------------------------------------ model adapters
+
+class _GPTModel:
+    """The GPT: ``blocks`` holds the ``mlp`` and ``heads`` groups, stacked over ``layers``."""
+    groups = None
+
+    def __init__(self, cfg: GPTConfig, params: Any):
+        self.cfg = cfg
+
+    def init_fn(self, cfg: GPTConfig):
+        return GPT(cfg).init
+
+    def replace(self, sizes: dict[tuple, int]) -> GPTConfig:
+        bad = [k for k in sizes if k[:-1] != ("blocks",)]
+        if bad:
+            raise ValueError(f"the GPT's prunable groups are blocks/mlp and blocks/heads; got masks for "
+                             f"{[path_str(k) for k in bad]}")
+        heads, mlp = sizes.get(("blocks", "heads"), self.cfg.num_heads), sizes.get(("blocks", "mlp"), self.cfg.mlp_dim)
+        return dataclasses.replace(self.cfg, num_heads=heads, d_mlp=mlp, head_dim=self.cfg.head_dim)
+
+
+class _MLPModel:
+    """The MLP: hidden layer ``i`` whose kernel outputs ``mlp`` is the chain ``dense_i -> next layer``."""
+
+    def __init__(self, mlp: MLP, params: Any):
+        self.cfg = mlp
+        try:
+            self.features = int(params["dense_0"]["kernel"].shape[0])
+        except (KeyError, TypeError, IndexError):
+            raise ValueError("params are not an MLP's (no dense_0/kernel): pass the params the MLP config "
+                             "built") from None
+        names = jax.eval_shape(self.init_fn(mlp), jax.random.key(0))
+        layers = [f"dense_{i}" for i in range(len(mlp.hidden))] + ["head"]
+        self.hidden_of = {}
+        for i in range(len(mlp.hidden)):
+            if tuple(names[layers[i]]["kernel"].names)[-1] == "mlp":
+                self.hidden_of[(layers[i], "mlp")] = i
+        self.groups = {"mlp": [(k[0], layers[i + 1]) for k, i in self.hidden_of.items()]}
+
+    def init_fn(self, mlp: MLP):
+        features = self.features
+        return lambda rng: mlp.init(rng, jnp.zeros((1, features), jnp.float32))["params"]
+
+    def replace(self, sizes: dict[tuple, int]) -> MLP:
+        hidden = list(self.cfg.hidden)
+        for key, size in sizes.items():   # keys are groups of this MLP (Compaction.build checks)
+            hidden[self.hidden_of[key]] = size
+        return self.cfg.clone(hidden=tuple(hidden))
+
+
+def _adapter(config: Any, params: Any):
+    if isinstance(config, GPTConfig):
+        return _GPTModel(config, params)
+    if isinstance(config, MLP):
+        return _MLPModel(config, params)
+    raise TypeError(f"config={config!r}: compaction knows the GPT (a jp.models.GPTConfig) and the MLP (a "
+                    "jp.models.MLP instance)")
+
+
+# ---------------------------------------------------------------------------------------------- indices
+
+def _as_masks(masks_or_state: Any) -> dict:
+    if _find(masks_or_state):
+        masks_or_state = group_masks(masks_or_state)
+    leaves = jax.tree.leaves(masks_or_state)
+    if not isinstance(masks_or_state, Mapping) or not leaves or any(
+            jnp.result_type(x) != jnp.bool_ for x in leaves):
+        raise TypeError("masks_or_state must be a state holding a structured_pruning state (opt_state or "
+                        "TrainState) or its group masks {module: {axis: bool [*stacked, groups]}} "
+                        "(jp.pruning.group_masks)")
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), masks_or_state)
+
+
+def _multiple(multiple_of: Any, axis: str) -> int:
+    m = multiple_of.get(axis, 1) if isinstance(multiple_of, Mapping) else multiple_of
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+        raise ValueError(f"multiple_of={multiple_of!r} must be an int >= 1 (or a dict axis -> int), e.g. the "
+                         "tensor axis size, so that the kept counts still divide over it")
+    return int(m)
+
+
+def _indices(mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per stacked slice, the sorted indices kept (the kept groups, then the lowest pruned ones as padding up to
+    one count for every slice: the largest kept, rounded up to ``multiple``), and their masks."""
+    size = mask.shape[-1]
+    flat = mask.reshape(-1, size)
+    count = min(size, -(-max(int(flat.sum(-1).max()), 1) // multiple) * multiple)
+    rows = []
+    for row in flat:
+        kept, pruned = np.flatnonzero(row), np.flatnonzero(~row)
+        rows.append(np.sort(np.concatenate([kept, pruned[:count - len(kept)]])))
+    index = np.stack(rows).reshape(*mask.shape[:-1], count).astype(np.int32)
+    return index, np.take_along_axis(mask, index, axis=-1)
+
+
+def _take(x: jax.Array, index: np.ndarray, member: Member) -> jax.Array:
+    """``x`` gathered along ``member.axis`` by the per-slice ``index [*stacked, count]``."""
+    pos = member.positions
+    order = sorted(range(len(pos)), key=lambda k: pos[k])
+    shape = [1] * x.ndim
+    for k in order:
+        shape[pos[k]] = index.shape[k]
+    return jnp.take_along_axis(x, jnp.asarray(np.transpose(index, order).reshape(shape)), axis=member.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compaction:
+    """The indices of one compaction (what :func:`compact` and :func:`compact_opt_state` apply).
+
+    Attributes:
+      plans: the compacted groups (their plans on the original params).
+      index: per plan key, int32 ``[*stacked, count]``: the original group indices kept, ascending.
+      kept: per plan key, bool ``[*stacked, count]``: False for the groups kept only as padding.
+      config: the compacted model's config.
+      param_shapes: the original params' shapes (flattening order).
+    """
+    plans: tuple[GroupPlan, ...]
+    index: dict
+    kept: dict
+    config: Any
+    param_shapes: tuple
+
+    @classmethod
+    def build(cls, params: Any, masks_or_state: Any, config: Any, multiple_of: Any = 1) -> "Compaction":
+        masks = _as_masks(masks_or_state)
+        model = _adapter(config, params)
+        names = jax.eval_shape(model.init_fn(config), jax.random.key(0))
+        _check_shapes(params, names)
+        keys = [tuple(k) for k in _mask_keys(masks)]
+        axes = tuple(dict.fromkeys(k[-1] for k in keys))
+        plans = {p.key: p for p in group_plans(params, names, axes, model.groups)} if axes else {}
+        index, kept = {}, {}
+        for key in keys:
+            if key not in plans:
+                raise ValueError(f"masks hold {path_str(key)}, which is no group of this model "
+                                 f"({sorted(path_str(k) for k in plans)})")
+            mask = lookup(masks, key)
+            if mask.shape != plans[key].mask_shape:
+                raise ValueError(f"mask {path_str(key)} has shape {mask.shape}; this model's groups have "
+                                 f"{plans[key].mask_shape}: pass the masks of these params")
+            index[key], kept[key] = _indices(mask, _multiple(multiple_of, key[-1]))
+        new_config = model.replace({k: v.shape[-1] for k, v in index.items()})
+        shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(params))
+        return cls(tuple(plans[k] for k in keys), index, kept, new_config, shapes)
+
+    def members(self) -> dict[int, tuple[GroupPlan, Member]]:
+        return {m.index: (p, m) for p in self.plans for m in p.members}
+
+    def leaf(self, x: jax.Array, i: int, mask: bool) -> jax.Array:
+        """Leaf ``i`` (or a state leaf shaped like it) gathered along every group axis it holds."""
+        for plan, m in ((p, m) for p in self.plans for m in p.members if m.index == i):
+            x = _take(x, self.index[plan.key], m)
+            if mask:
+                new = dataclasses.replace(m, shape=tuple(x.shape))
+                x = jnp.where(expand(jnp.asarray(self.kept[plan.key]), new), x, jnp.zeros((), x.dtype))
+        return x
+
+    def params(self, params: Any) -> Any:
+        flat, treedef = jax.tree.flatten(params)
+        touched = self.members()
+        return treedef.unflatten([self.leaf(x, i, True) if i in touched else x for i, x in enumerate(flat)])
+
+    def opt_state(self, opt_state: Any, params: Any) -> Any:
+        return _compact_opt_state(self, opt_state, params)
+
+
+def _check_shapes(params: Any, names: Any) -> None:
+    want = jax.tree.map(lambda x: tuple(x.shape), nn.meta.unbox(names))
+    got = jax.tree.map(lambda x: tuple(jnp.shape(x)), params)
+    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+        raise ValueError("params do not match the config: pass the config the params were built with (their "
+                         f"shapes {got} vs the config's {want})")
+
+
+def _compact_opt_state(c: Compaction, opt_state: Any, params: Any) -> Any:
+    paths = {tuple(key_name(k) for k in p): i for i, (p, _) in
+             enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+    touched = c.members()
+    changed = {c.param_shapes[i] for i in touched}
+    is_state = lambda x: isinstance(x, StructuredPruningState)
+
+    def one(path, x):
+        if is_state(x):
+            old = {k: lookup(x.masks, k) for k in _mask_keys(x.masks)}
+            kept = [jnp.asarray(c.kept[k]) if k in c.kept else old[k] for k in old]
+            return StructuredPruningState(x.count, nest(list(old), kept))
+        names = tuple(key_name(k) for k in path)
+        hit = next((paths[names[j:]] for j in range(len(names)) if names[j:] in paths
+                    and c.param_shapes[paths[names[j:]]] == tuple(jnp.shape(x))), None)
+        if hit is not None and hit in touched:
+            return c.leaf(x, hit, False)
+        if hit is None and tuple(jnp.shape(x)) in changed:
+            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} has the shape {jnp.shape(x)} of a "
+                             "compacted param but its path names no param; compaction cannot tell how to cut it: "
+                             "re-initialise the optimizer state with tx.init(new_params)")
+        return x
+    return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=is_state)
+
+
+# ---------------------------------------------------------------------------------------------- public API
+
+def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int | Mapping[str, int] = 1):
+    """The smaller dense model a structured pruning leaves: pruned neurons and heads removed.
+
+    Every stacked layer keeps the same number of groups of a kind (the GPT's layers share one shape): the
+    largest number kept in any layer, rounded up to ``multiple_of`` (e.g. the ``tensor`` axis size, so the
+    new ``num_heads`` and ``d_mlp`` still divide over it; capped at the original count). Layers that kept
+    fewer get their lowest-index pruned groups back as padding, set to zero (the returned params are
+    ``params * mask`` compacted), so the compacted model computes what the masked model computes: its logits
+    equal ``model.apply(params * mask)``'s to float32 rounding. Pruned heads are removed whole: ``head_dim``
+    is kept (``GPTConfig.head_dim``), so ``num_heads * head_dim`` may differ from ``d_model``.
+
+    Args:
+      params: the model's params (unboxed; numpy or jax arrays, sharded or not).
+      masks_or_state: an optimizer state (or ``TrainState``) holding one :func:`structured_pruning` state, or
+        its group masks ``{module: {axis: bool [*stacked, groups]}}`` (:func:`jaxpar.pruning.group_masks`).
+      config: a ``jp.models.GPTConfig`` (groups ``blocks/mlp``, ``blocks/heads``) or a ``jp.models.MLP``
+        instance (group ``dense_i/mlp``: hidden layer ``i`` whose kernel outputs ``mlp``, chained with the next
+        layer, as ``groups={"mlp": [("dense_i", "dense_{i+1}" or "head")]}`` names it for the transform).
+      multiple_of: an int, or ``{axis: int}`` (default 1).
+
+    Returns:
+      ``(new_params, new_config)``: the params (jax arrays; leaves outside pruned groups are returned as given)
+      and ``dataclasses.replace(cfg, num_heads=..., d_mlp=..., head_dim=cfg.head_dim)`` for the GPT, or the
+      MLP with its new ``hidden`` widths.
+
+    Raises:
+      TypeError: an unsupported config; ``masks_or_state`` holding no structured pruning state or masks.
+      ValueError: params not matching the config; a mask of a group the model lacks or of the wrong shape;
+        ``multiple_of`` not a positive int.
+    """
+    c = Compaction.build(params, masks_or_state, config, multiple_of)
+    return c.params(params), c.config
+
+
+def compact_opt_state(opt_state: Any, params: Any, masks_or_state: Any, config: Any, *,
+                      multiple_of: int | Mapping[str, int] = 1) -> Any:
+    """The optimizer state gathered by the indices :func:`compact` uses for the same arguments.
+
+    Every state leaf whose key path ends with a param's path and that has that param's shape (AdamW's ``mu``
+    and ``nu``, momentum, accumulated gradients) is gathered like the param (kept moments move with their
+    weights; padding groups keep theirs, which the masks hold at zero effect); the structured pruning state's
+    masks become the compacted masks (padding groups pruned); counts and scalars are kept. So AdamW continues
+    with its moments, bias correction and schedule position intact (rather than re-initialised, which would
+    restart the bias correction and lose the second-moment estimates).
+
+    Raises:
+      ValueError: as :func:`compact`; a state leaf of a compacted param's shape whose path names no param (it
+        cannot be cut safely: re-initialise the state with ``tx.init(new_params)``).
+    """
+    return Compaction.build(params, masks_or_state, config, multiple_of).opt_state(opt_state, params)
+
+
+def _mesh_multiples(mesh, rules) -> dict[str, int]:
+    """Per prunable axis, the product of the mesh axes the rules shard it over."""
+    out = {}
+    for axis in ("mlp", "heads"):
+        target = nn.logical_to_mesh_axes((axis,), shd.effective_rules(rules, mesh))[0]
+        names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        out[axis] = math.prod(mesh.shape[a] for a in names if a in mesh.shape)
+    return out
+
+
+def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
+                  multiple_of: int | Mapping[str, int] | None = None):
+    """Compacts a ``jp.train.TrainState`` (params and optimizer state) and places it on ``mesh``.
+
+    The state's :func:`structured_pruning` masks give the groups; the result is laid out like
+    ``jp.train.abstract_state(new_init_fn, tx, mesh=mesh, rules=rules, policy=state.policy)``, so
+    ``jp.train.make_train_step(loss_fn, tx, mesh=mesh)`` of the new model continues training it. ``tx`` is the
+    transformation the state was built with: once its sparsity schedule has ended (``polynomial_sparsity`` /
+    ``one_shot`` after ``end_step``) its masks stay fixed, so padding groups stay zero; a schedule that still
+    refreshes would prune the compacted model again at its target.
+
+    Args:
+      state: the ``TrainState``.
+      config: the model's ``GPTConfig`` or ``MLP``.
+      tx: the optax transformation of the state.
+      mesh, rules: where the compacted state goes.
+      multiple_of: as for :func:`compact`; default: per axis, the product of the mesh axes the rules shard it
+        over (``tensor`` for ``mlp`` and ``heads`` under the default rules).
+
+    Returns:
+      ``(new_state, new_config)``.
+
+    Raises:
+      ValueError: as :func:`compact_opt_state`; a state whose optimizer state does not have ``tx``'s structure.
+    """
+    multiple_of = _mesh_multiples(mesh, rules) if multiple_of is None else multiple_of
+    c = Compaction.build(state.params, state.opt_state, config, multiple_of)
+    params, opt_state = c.params(state.params), c.opt_state(state.opt_state, state.params)
+    target = train.abstract_state(_adapter(config, state.params).init_fn(c.config), tx, mesh=mesh, rules=rules,
+                                  policy=state.policy)
+    new = state.replace(params=params, opt_state=opt_state)
+    shapes = lambda t: jax.tree.map(lambda x: (tuple(x.shape), x.dtype), t)
+    if shapes(new) != shapes(target) or jax.tree.structure(new) != jax.tree.structure(target):
+        raise ValueError("the compacted state does not match tx.init of the compacted model: pass the tx the state "
+                         "was built with")
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), new, target), c.config

@@ -1,0 +1,233 @@
+"""The ``structured_pruning`` optax transformation: magnitude pruning of whole MLP neurons and attention heads."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.pruning import select
+from jaxpar.pruning.groups import (PRUNABLE_AXES, Chains, GroupPlan, check_axes, expand, group_plans,
+                                   group_sumsq, lookup, nest)
+from jaxpar.pruning.schedules import SparsitySchedule, as_schedule
+
+STRUCTURED_DISTRIBUTIONS = ("uniform", "global")
+
+
+class StructuredPruningState(NamedTuple):
+    """State of :func:`structured_pruning` (arrays only: it jits, shards and checkpoints).
+
+    Attributes:
+      count: int32 scalar, the number of updates seen: the step the sparsity schedules are evaluated at.
+      masks: ``{module...: {axis: bool [*stacked, groups]}}`` (True = kept), one array per group kind and module,
+        e.g. ``{"blocks": {"mlp": bool [layers, d_mlp], "heads": bool [layers, num_heads]}}`` for the GPT.
+        ``jp.train.init_state`` shards each along the param axes it runs along (``heads``/``mlp`` over tensor).
+    """
+    count: jax.Array
+    masks: Any
+
+
+def _schedules(sparsity, axes) -> dict[str, SparsitySchedule]:
+    if isinstance(sparsity, Mapping):
+        if not sparsity:
+            raise ValueError("sparsity={} names no axis; give e.g. {'mlp': 0.5, 'heads': 0.5}")
+        return {a: as_schedule(s) for a, s in sparsity.items()}
+    return {a: as_schedule(sparsity) for a in check_axes(PRUNABLE_AXES if axes is None else axes)}
+
+
+def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float | SparsitySchedule],
+                       distribution: str = "uniform", *, axis_names: Any = None, axes: Sequence[str] | None = None,
+                       groups: Chains | None = None) -> optax.GradientTransformation:
+    """Structured magnitude pruning (whole MLP neurons, attention heads) as an optax transformation.
+
+    Chained **after** the optimizer, as :func:`jaxpar.pruning.magnitude_pruning`:
+    ``optax.chain(optax.adamw(lr), structured_pruning(polynomial_sparsity(0.5, 0, 1000, frequency=100),
+    axis_names=jax.eval_shape(init_fn, rng)))``. Its unit is a **group**: one entry of a logical axis in every
+    leaf coupled through it. For the GPT an MLP neuron (``mlp``) is a column of ``up_kernel``, its ``up_bias``
+    entry and a row of ``down_kernel``; an attention head (``heads``) is its slice of ``qkv_kernel`` (q, k and v)
+    and of ``out_kernel``. Groups come from the logical names that also shard the params:
+
+    * only ``mlp`` and ``heads`` entries are removed, never ``embed``;
+    * the leaves of one module (same parent path: the GPT's ``blocks``) holding the axis are coupled, when no
+      other module holds that axis name;
+    * chains across modules are given by ``groups``: the digits MLP's hidden layer 0 is
+      ``groups={"mlp": [("dense_0", "dense_1")]}`` (``dense_0``'s kernel columns and bias, ``dense_1``'s kernel
+      rows). Once ``groups`` names an axis, modules outside its chains stay dense for that axis;
+    * anything else whose coupling is not clear raises (below); nothing is cut on a guess.
+
+    Each stacked ``layers`` slice has its own groups: masks are ``[layers, groups]``.
+
+    **Score**: a group's L2 norm, ``sqrt(sum of squares of all its weights)`` over every coupled leaf (the
+    Frobenius norm of the group; Torch-Pruning's group-level magnitude importance, Fang et al. 2023,
+    "DepGraph", sec. 3.3, aggregates the coupled parameters' norms into one group score the same way; Li et
+    al. 2017, "Pruning Filters for Efficient ConvNets", sec. 3.1, rank a single filter by its L1 norm).
+    The L2 norm is chosen because it adds up across leaves and shards as plain sums of squares (a group's
+    score is one all-reduce of partial sums, whatever the sharding of its leaves), and it is the norm that
+    decoupled weight decay shrinks. As the unstructured transform does, the score is taken on the values the
+    params are about to take (``params + updates``). Scores are reductions over each leaf's non-group axes:
+    no kernel is gathered; the top-k runs on the small ``[layers, groups]`` scores by exact bisection
+    (:mod:`jaxpar.pruning.select`: ties go to the lower index).
+
+    Every update returns ``where(mask, updates, -params)`` per leaf, so a pruned group lands on exactly 0.0 and
+    stays there under momentum, Adam moments and decoupled weight decay; at a refresh
+    (``schedule.refresh(count)``) a pruned group may come back if its would-be norm ranks among the kept.
+
+    Args:
+      sparsity: the fraction of groups removed: a schedule (:func:`polynomial_sparsity`,
+        :func:`constant_sparsity`, :func:`one_shot`), a number (constant from step 0, refresh every 100 steps),
+        or a dict ``{axis: schedule or number}`` (its keys are then the pruned axes), e.g.
+        ``{"mlp": 0.5, "heads": 0.25}``.
+      distribution: per group kind (``mlp`` and ``heads`` are ranked separately: a head and a neuron hold
+        different numbers of weights, so their norms do not compare):
+        ``"uniform"``: every stacked slice (layer) of every group plan removes ``round(sparsity * groups)``,
+        keeping at least one;
+        ``"global"``: one threshold over all layers (and chains) of the kind; the kind's total count is exact,
+        layers may keep different numbers (:func:`jaxpar.pruning.compact` pads them to one count).
+        ERK is refused: it sets per-tensor densities from a layer's fan-in and fan-out, while all groups of
+        a kind in a layer have one shape, so there is nothing for it to weigh.
+      axis_names: the params' logical names, ``jax.eval_shape(init_fn, rng)`` (Flax-boxed) or
+        ``jp.sharding.logical_specs`` of it. Required (the groups are read from them): ``init`` raises without.
+      axes: the pruned axes, a subset of ``("mlp", "heads")`` (default both); ignored with a dict ``sparsity``.
+      groups: explicit chains across modules, ``{axis: [(module, module, ...), ...]}``, modules as key paths
+        ``"dense_0"`` or ``"encoder/dense_0"``.
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`StructuredPruningState`; updates keep their dtype
+      (promoted to the param dtype if wider, so ``params + updates`` is exactly 0.0).
+
+    Raises:
+      ValueError: (here) an unknown distribution or ``"erk"``; a sparsity outside [0, 1); an axis other than
+        ``mlp``/``heads`` (``embed`` included); (at ``init``) no ``axis_names``; an axis name held by several
+        modules without a chain in ``groups``; a chain naming a module that lacks the axis or sits in two
+        chains; coupled leaves whose group sizes or stacked axes differ; a leaf holding the axis twice; no
+        group found; names not matching the params; (at ``update``) ``params`` missing.
+      TypeError: a sparsity that is neither a number nor a schedule; ``groups`` not a dict of chains.
+    """
+    if distribution == "erk":
+        raise ValueError("distribution='erk' has no meaning for structured pruning: ERK weighs tensors by fan-in "
+                         "and fan-out, while every group of a kind in a layer has one shape; use 'uniform' or "
+                         "'global' (per group kind)")
+    if distribution not in STRUCTURED_DISTRIBUTIONS:
+        raise ValueError(f"distribution={distribution!r} is unknown; use one of {STRUCTURED_DISTRIBUTIONS}")
+    schedules = _schedules(sparsity, axes)
+    kinds = check_axes(tuple(schedules))
+
+    def plans_of(params) -> list[GroupPlan]:
+        plans = group_plans(params, axis_names, kinds, groups)
+        if not plans:
+            raise ValueError(f"structured_pruning found no leaf with the logical axes {kinds} in the params; check "
+                             "axis_names (jax.eval_shape(init_fn, rng)) or the axes pruned")
+        return plans
+
+    def init_fn(params):
+        plans = plans_of(params)
+        return StructuredPruningState(jnp.zeros((), jnp.int32), nest([p.key for p in plans],
+                                                                 [jnp.ones(p.mask_shape, bool) for p in plans]))
+
+    def update_fn(updates, state: StructuredPruningState, params=None):
+        if params is None:
+            raise ValueError("structured_pruning needs the params: call tx.update(updates, state, params)")
+        plans = plans_of(params)
+        flat_u, treedef = jax.tree.flatten(updates)
+        flat_p = treedef.flatten_up_to(params)
+        masks = {p.key: lookup(state.masks, p.key) for p in plans}
+        for kind in kinds:
+            of_kind = [p for p in plans if p.axis_name == kind]
+            if of_kind:   # a kind the model lacks (the MLP has no heads) has nothing to refresh
+                masks.update(_refresh_kind(schedules[kind], distribution, state.count, of_kind, flat_p, flat_u,
+                                           masks))
+        out = list(flat_u)
+        for plan in plans:
+            for m in plan.members:
+                dtype = jnp.promote_types(flat_u[m.index].dtype, flat_p[m.index].dtype)
+                out[m.index] = jnp.where(expand(masks[plan.key], m), out[m.index].astype(dtype),
+                                         -flat_p[m.index].astype(dtype))
+        new_masks = nest([p.key for p in plans], [masks[p.key] for p in plans])
+        return treedef.unflatten(out), StructuredPruningState(optax.safe_increment(state.count), new_masks)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _refresh_kind(schedule, distribution, count, plans, flat_p, flat_u, masks) -> dict:
+    """The masks of one group kind after this step: refreshed where the schedule says so."""
+    old = [masks[p.key] for p in plans]
+    leaves = tuple(sorted({m.index for p in plans for m in p.members}))
+
+    def refresh():
+        candidates = {i: flat_p[i].astype(jnp.float32) + flat_u[i].astype(jnp.float32) for i in leaves}
+        new = _select(candidates, schedule(count), plans=tuple(plans), distribution=distribution)
+        return [select.like(n, o) for n, o in zip(new, old)]
+
+    due = schedule.refresh(count)
+    try:        # outside jit decide in Python: an eager lax.cond would compile both branches every call
+        new = refresh() if bool(due) else old
+    except jax.errors.ConcretizationTypeError:
+        new = jax.lax.cond(due, refresh, lambda: old)
+    return {p.key: m for p, m in zip(plans, new)}
+
+
+def scores(candidates: Mapping[int, jax.Array], plan: GroupPlan) -> jax.Array:
+    """Sum of squares of every group's weights (the squared L2 norm: same ranking), float32 ``[*stacked, groups]``."""
+    return sum(group_sumsq(candidates[m.index], m) for m in plan.members)
+
+
+@functools.partial(jax.jit, static_argnames=("plans", "distribution"))
+def _select(candidates: dict[int, jax.Array], sparsity: jax.Array, *, plans: tuple[GroupPlan, ...],
+            distribution: str) -> list[jax.Array]:
+    """Keep masks ``[*stacked, groups]`` for one kind's plans, from the candidates (params + updates)."""
+    bits = [select.magnitude_bits(scores(candidates, p)) for p in plans]
+    if distribution == "global":
+        total = sum(b.size for b in bits)
+        return select.top_k_pooled(bits, jnp.round((1.0 - sparsity) * total).astype(jnp.int32))
+    keep = [jnp.maximum(1, jnp.round((1.0 - sparsity) * p.size)).astype(jnp.int32) for p in plans]
+    return select.top_k_per_slice(bits, [(b.ndim - 1,) for b in bits], keep)
+
+
+# ------------------------------------------------------------------------------------------- inspection
+
+def _find(tree: Any) -> list[StructuredPruningState]:
+    is_state = lambda x: isinstance(x, StructuredPruningState)
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+def group_masks(opt_state: Any) -> dict:
+    """The group masks held in ``opt_state`` (or a ``TrainState``; anywhere inside chains and wrappers).
+
+    Returns:
+      ``{module...: {axis: bool [*stacked, groups]}}``, True = kept (sharded like the state).
+
+    Raises:
+      ValueError: no :class:`StructuredPruningState` inside, or more than one.
+    """
+    found = _find(opt_state)
+    if len(found) != 1:
+        raise ValueError(f"found {len(found)} structured_pruning states; expected exactly one (chain "
+                         "structured_pruning(...) once after the optimizer)")
+    return found[0].masks
+
+
+def param_masks(params: Any, masks: Any, axis_names: Any, groups: Chains | None = None) -> Any:
+    """Group masks broadcast to the params: a tree with the params' structure, bool arrays where a leaf belongs
+    to a pruned group (True = kept), None elsewhere. ``masks`` is :func:`group_masks`' dict (or a state)."""
+    if _find(masks):
+        masks = group_masks(masks)
+    keys = _mask_keys(masks)
+    plans = [p for p in group_plans(params, axis_names, tuple(dict.fromkeys(k[-1] for k in keys)), groups)
+             if p.key in keys]
+    flat, treedef = jax.tree.flatten(params)
+    out: list[Any] = [None] * len(flat)
+    for plan in plans:
+        for m in plan.members:
+            e = expand(jnp.asarray(lookup(masks, plan.key)), m)
+            out[m.index] = e if out[m.index] is None else out[m.index] & e
+    return treedef.unflatten(out)
+
+
+def _mask_keys(masks: Any, prefix: tuple = ()) -> list[tuple]:
+    if not isinstance(masks, Mapping):
+        return [prefix]
+    return [k for name, sub in masks.items() for k in _mask_keys(sub, (*prefix, str(name)))]

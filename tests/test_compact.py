@@ -1,0 +1,194 @@
+"""Compaction (jp.pruning.compact / compact_opt_state / compact_state): the smaller dense model computes what the
+masked model computes, on one device and on data=2 x fsdp=2 x tensor=2; the optimizer state follows its weights;
+training continues through the normal step.
+
+The masked reference is the original model applied to ``params * mask``, the mask broadcast in the test (numpy,
+axes found from the logical names) from the group masks; the compacted model is applied with its new config.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar as jp
+from jaxpar.models import GPT, MLP
+
+from helpers import MLP_FEATURES, gpt_batch, max_rel_err
+from test_structured_pruning import (MLP_GROUPS, MLP_HIDDEN, TINY, gpt_names, np_groups, np_param_mask,
+                                     pruned_leaves, pruned_run, random_params)
+
+MLP_MODEL = MLP(hidden=MLP_HIDDEN, num_classes=10)
+
+
+def mlp_init(model=MLP_MODEL):
+    return lambda rng: model.init(rng, jnp.zeros((1, MLP_FEATURES), jnp.float32))["params"]
+
+
+@functools.cache
+def mlp_names():
+    return jax.eval_shape(mlp_init(), jax.random.key(0))
+
+
+def masks_for(params, names, sparsity, distribution, **kw):
+    tx = jp.pruning.structured_pruning(jp.pruning.one_shot(sparsity, 0), distribution, axis_names=names, **kw)
+    _, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    return jax.device_get(state.masks)
+
+
+def masked(params, names, masks, chains):
+    """``params * mask`` (numpy); ``chains``: ``{mask module: modules of its chain}``."""
+    out = jax.tree.map(np.array, params)
+    for first, modules in chains.items():
+        for axis, mask in masks[first].items():
+            mask = np.asarray(mask).reshape(-1, np.shape(mask)[-1])
+            for path, g, lay in np_groups(names, modules, axis):
+                leaf = functools.reduce(lambda t, k: t[k], path[:-1], out)
+                leaf[path[-1]] = leaf[path[-1]] * np_param_mask(leaf[path[-1]].shape, g, lay, mask)
+    return out
+
+
+def logits_on(apply, params, x, mesh, names):
+    """``apply(params, x)`` jitted with the params placed by their logical names on ``mesh``."""
+    params = jax.device_put(params, jp.sharding.named_shardings(names, mesh))
+    with jp.sharding.use(mesh):
+        return np.asarray(jax.jit(apply)(params, x))
+
+
+def rounded(n, m):
+    return -(-n // m) * m
+
+
+GPT_CASES = [(0.5, "global", "2x2x2"), (0.75, "uniform", "1dev"),
+             pytest.param(0.25, "global", "1dev", marks=pytest.mark.slow),
+             pytest.param(0.5, "uniform", "1dev", marks=pytest.mark.slow),
+             pytest.param(0.75, "global", "2x2x2", marks=pytest.mark.slow),
+             pytest.param(0.25, "uniform", "2x2x2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("sparsity,distribution,layout", GPT_CASES)
+def test_compacted_gpt_logits_equal_masked_logits(sparsity, distribution, layout, mesh_factory, np_rng):
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2) if layout == "2x2x2" else mesh_factory()
+    params = random_params(gpt_names(), seed=7)
+    masks = masks_for(params, gpt_names(), sparsity, distribution)
+    if layout == "2x2x2":   # compact sharded params
+        params = jax.device_put(params, jp.sharding.named_shardings(gpt_names(), mesh))
+    new_params, cfg = jp.pruning.compact(params, masks, TINY, multiple_of=2)
+    kept = {a: int(masks["blocks"][a].sum(-1).max()) for a in ("mlp", "heads")}
+    assert (cfg.num_heads, cfg.d_mlp, cfg.head_dim) == (rounded(kept["heads"], 2), rounded(kept["mlp"], 2),
+                                                        TINY.head_dim)
+    assert cfg.num_params() == sum(x.size for x in jax.tree.leaves(new_params)) < TINY.num_params()
+    tokens = gpt_batch(np_rng, 4, TINY)["inputs"]
+    ref = np.asarray(GPT(TINY).apply(masked(jax.device_get(params), gpt_names(), masks, {"blocks": {("blocks",)}}),
+                                     tokens))
+    got = logits_on(GPT(cfg).apply, jax.device_get(new_params), tokens, mesh,
+                    jax.eval_shape(GPT(cfg).init, jax.random.key(0)))
+    valid = slice(0, TINY.vocab_size)   # padded vocabulary entries hold a large negative constant
+    assert max_rel_err(got[..., valid], ref[..., valid]) <= 1e-5
+    assert np.max(np.abs(ref[..., valid])) > 1.0
+
+
+MLP_CASES = [(0.3, "uniform", "1dev"), (0.6, "global", "2x2x2"),
+             pytest.param(0.6, "uniform", "1dev", marks=pytest.mark.slow),
+             pytest.param(0.85, "global", "1dev", marks=pytest.mark.slow),
+             pytest.param(0.3, "global", "2x2x2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("sparsity,distribution,layout", MLP_CASES)
+def test_compacted_mlp_logits_equal_masked_logits(sparsity, distribution, layout, mesh_factory, np_rng):
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2) if layout == "2x2x2" else mesh_factory()
+    params = random_params(mlp_names(), seed=8)
+    masks = masks_for(params, mlp_names(), sparsity, distribution, groups=MLP_GROUPS)
+    new_params, model = jp.pruning.compact(params, masks, MLP_MODEL, multiple_of=2)
+    # A layer global pruning emptied (its groups hold fewer weights) keeps one padding neuron, rounded up to 2.
+    assert model.hidden == (rounded(max(1, int(masks["dense_0"]["mlp"].sum())), 2), MLP_HIDDEN[1],
+                            rounded(max(1, int(masks["dense_2"]["mlp"].sum())), 2))
+    x = np_rng.normal(size=(8, MLP_FEATURES)).astype(np.float32)
+    chains = {"dense_0": {("dense_0",), ("dense_1",)}, "dense_2": {("dense_2",), ("head",)}}
+    ref = np.asarray(MLP_MODEL.apply({"params": masked(params, mlp_names(), masks, chains)}, x))
+    got = logits_on(lambda p, x: model.apply({"params": p}, x), jax.device_get(new_params), x, mesh,
+                    jax.eval_shape(mlp_init(model), jax.random.key(0)))
+    assert max_rel_err(got, ref) <= 1e-5
+
+
+# ----------------------------------------------------------------------- optimizer state, training on
+
+def kept_groups(x, g, lay, mask):
+    """The slices of ``x`` along group axis ``g`` where ``mask [layers, groups]`` is True, per layer."""
+    x = np.moveaxis(np.asarray(x), (lay, g), (0, 1))
+    return [x[l][np.asarray(mask)[l]] for l in range(x.shape[0])]
+
+
+def test_compact_state_keeps_adamw_moments_and_training_continues():
+    """Prune (global, one-shot at step 2), train 3 steps, compact onto the same 2x2x2 mesh; AdamW's mu and nu
+    of every kept group move with it; 3 more steps of the compacted model give the losses the masked model
+    gives, and padding groups stay exactly zero."""
+    run = pruned_run()
+    mesh, tx, step, state, batches = run["mesh"], run["tx"], run["step"], run["state"], run["batches"]
+    new, cfg = jp.pruning.compact_state(state, TINY, tx, mesh=mesh)
+    assert cfg.num_heads % 2 == 0 and cfg.d_mlp % 2 == 0 and cfg.num_heads < TINY.num_heads
+    old_masks = jax.device_get(jp.pruning.group_masks(state.opt_state))
+    new_masks = jax.device_get(jp.pruning.group_masks(new.opt_state))
+    old_adam, new_adam = jax.device_get(state.opt_state[0][0]), jax.device_get(new.opt_state[0][0])
+    new_names = jax.eval_shape(GPT(cfg).init, jax.random.key(0))
+    for axis in ("mlp", "heads"):
+        assert np.array_equal(new_masks["blocks"][axis].sum(-1), old_masks["blocks"][axis].sum(-1))
+        for (path, g, lay), (_, g2, lay2) in zip(np_groups(gpt_names(), {("blocks",)}, axis),
+                                                 np_groups(new_names, {("blocks",)}, axis)):
+            for moment in ("mu", "nu"):
+                old = kept_groups(getattr(old_adam, moment)["blocks"][path[-1]], g, lay, old_masks["blocks"][axis])
+                got = kept_groups(getattr(new_adam, moment)["blocks"][path[-1]], g2, lay2, new_masks["blocks"][axis])
+                assert all(np.array_equal(a, b) for a, b in zip(got, old)), (moment, path)
+    assert new.params["blocks"]["up_kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    step2 = jp.train.make_train_step(GPT(cfg).loss, tx, mesh=mesh, donate=False)
+    for t in range(3, 6):
+        state, ref = step(state, batches[t])
+        new, got = step2(new, batches[t])
+        assert max_rel_err(got["loss"], ref["loss"]) <= 1e-5, t
+    params = jax.device_get(new.params)
+    for path, off in pruned_leaves(params, new_masks, new_names).items():
+        assert np.all(functools.reduce(lambda d, k: d[k], path, params)[off] == 0.0), path
+
+
+def test_compact_opt_state_of_a_plain_adam_state():
+    params = random_params(mlp_names(), seed=9)
+    masks = masks_for(params, mlp_names(), 0.5, "uniform", groups=MLP_GROUPS)
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+    state = jax.tree.map(lambda x: x + 1.0 if x.ndim else x, state)   # moments that differ per weight:
+    state = (state[0]._replace(mu=jax.tree.map(lambda p: p * 3.0, params)),) + tuple(state[1:])
+    new = jp.pruning.compact_opt_state(state, params, masks, MLP_MODEL)
+    new_params, _ = jp.pruning.compact(params, masks, MLP_MODEL)
+    keep = np.flatnonzero(masks["dense_0"]["mlp"])
+    assert np.array_equal(np.asarray(new[0].mu["dense_0"]["kernel"]), 3.0 * params["dense_0"]["kernel"][:, keep])
+    assert np.array_equal(np.asarray(new[0].mu["dense_1"]["kernel"]), 3.0 * params["dense_1"]["kernel"][keep])
+    assert jax.tree.map(jnp.shape, new[0].mu) == jax.tree.map(jnp.shape, new_params)
+    with pytest.raises(ValueError, match="path names no param"):
+        jp.pruning.compact_opt_state({"extra": np.zeros_like(params["dense_0"]["kernel"])}, params, masks, MLP_MODEL)
+
+
+def test_compact_rejects_bad_input():
+    params = random_params(gpt_names(), seed=1)
+    masks = masks_for(params, gpt_names(), 0.5, "uniform")
+    with pytest.raises(TypeError, match="GPTConfig"):
+        jp.pruning.compact(params, masks, {"num_heads": 8})
+    with pytest.raises(TypeError, match="masks_or_state"):
+        jp.pruning.compact(params, {"blocks": {"mlp": np.ones((3, 64), np.float32)}}, TINY)
+    with pytest.raises(ValueError, match="multiple_of"):
+        jp.pruning.compact(params, masks, TINY, multiple_of=0)
+    with pytest.raises(ValueError, match="has shape"):
+        jp.pruning.compact(params, {"blocks": {"mlp": np.ones((3, 32), bool)}}, TINY)
+    with pytest.raises(ValueError, match="cannot be pruned"):
+        jp.pruning.compact(params, {"blocks": {"kv": np.ones((3, 4), bool)}}, TINY)
+    with pytest.raises(ValueError, match="no group of this model"):
+        jp.pruning.compact(params, {"head": {"mlp": np.ones(64, bool)}}, TINY)
+    with pytest.raises(ValueError, match="do not match the config"):
+        jp.pruning.compact(params, masks, TINY.__class__(**{**TINY.__dict__, "d_mlp": 128}))
+    with pytest.raises(ValueError, match="dense_1/mlp, which is no group"):   # dense_1 outputs embed
+        mlp_params = random_params(mlp_names(), seed=2)
+        jp.pruning.compact(mlp_params, {"dense_1": {"mlp": np.ones(128, bool)}}, MLP_MODEL)
