@@ -1,0 +1,194 @@
+"""Executes every notebook in ``notebooks/`` top to bottom in a fresh Jupyter kernel, as the tutorial's test.
+
+For each ``notebooks/*.ipynb`` (found by glob, so a new notebook is picked up and must declare its figures in
+``FIGURES``), before running anything it checks that the committed file has no outputs (every code cell's
+``outputs`` empty and ``execution_count`` null), that its first code cell sets the simulated device count
+before importing JAX, and that no code uses an underscore-prefixed (private) name, so the notebooks exercise
+only jaxpar's public API. Then it executes the notebook with nbclient (the library behind nbmake) in a new
+``python3`` kernel started from this interpreter, with its working directory in ``notebooks/`` and a per-cell
+timeout; a failing cell fails the test with that cell's source and traceback. It asserts the notebook drew at
+least its declared number of figures (``image/png`` outputs) and records its wall-clock runtime
+(``record_property("runtime_s")``, printed; never asserted).
+
+The kernel inherits this process's environment (``XLA_FLAGS`` for 8 CPU devices and ``JAX_PLATFORMS=cpu``, from
+``conftest.py``) and uses the suite's persistent compilation cache (``.jax_cache``), so a rerun compiles less;
+on an empty cache every notebook compiles everything it runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import time
+from pathlib import Path
+
+import jax
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+CELL_TIMEOUT_S = 240      # per cell; each notebook takes well under a minute on the 2-core CPU
+
+# Figures (image/png outputs) each notebook draws at least: one per required picture.
+FIGURES = {
+    "01_quickstart.ipynb": 1,             # the loss curve
+    "02_mesh_and_sharding.ipynb": 5,      # 2 array-sharding pictures, per-device memory, collective counts, bytes
+    "03_pipeline_schedules.ipynb": 7,     # a Gantt chart for each of the 5 schedules, bubble vs m, compiled memory
+    "04_mixed_precision.ipynb": 3,        # fp16 loss scale over steps, loss curves by dtype, saved activation bytes
+    "05_pruning.ipynb": 5,                # schedule, schedule with measured sparsity, per-layer sparsity, 2:4 mask,
+                                          # accuracy vs sparsity
+    "06_charlm_end_to_end.ipynb": 1,      # the loss curve across the checkpoint restore
+}
+DEVICE_FLAG = 'os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")'
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+DOTTED = re.compile(r"\b(?:jp|jaxpar)(?:\.\w+)+")
+
+
+def is_private(name: str) -> bool:
+    """A single-underscore name (``_x``, ``__x``); dunders (``__version__``) and the throwaway ``_`` are not."""
+    return name.startswith("_") and name != "_" and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_names(source: str) -> list[str]:
+    """Every underscore-prefixed identifier a code cell uses: names, attributes, imports (module paths
+    included), definitions, arguments and keywords; plus dotted ``jp._x`` / ``jaxpar.x._y`` paths anywhere in
+    the text (strings included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            found.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.append(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += [part for alias in node.names for part in alias.name.split(".")]
+            found += [alias.asname for alias in node.names if alias.asname]
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found += node.module.split(".")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.append(node.name)
+        elif isinstance(node, ast.arg):
+            found.append(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.append(node.arg)
+    dotted = [path for path in DOTTED.findall(source) if any(is_private(part) for part in path.split("."))]
+    return [n for n in found if is_private(n)] + dotted
+
+
+def code_cells(nb) -> list:
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def check_committed(path: Path, nb) -> None:
+    """The static checks of a notebook as committed (no kernel needed)."""
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    assert not dirty, (f"{path.name}: code cells {dirty} have outputs or an execution count; commit notebooks "
+                       "with outputs stripped (e.g. jupyter nbconvert --clear-output --inplace)")
+    first = code_cells(nb)[0].source
+    assert DEVICE_FLAG in first and first.index(DEVICE_FLAG) < first.index("import jax"), (
+        f"{path.name}: the first code cell must run {DEVICE_FLAG} before importing jax")
+    for i, cell in enumerate(nb.cells):
+        bad = (private_names(cell.source) if cell.cell_type == "code" else
+               [p for p in DOTTED.findall(cell.source) if any(is_private(part) for part in p.split("."))])
+        assert not bad, (f"{path.name}: cell {i} uses underscore-prefixed names {bad}; notebooks use only "
+                         "public names")
+
+
+def kernel_env() -> dict[str, str]:
+    """This process's environment, plus the persistent compilation cache conftest configured (``.jax_cache``),
+    passed as the environment variables JAX reads its options from, so reruns of the notebooks compile less."""
+    env = dict(os.environ)
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def execute(path: Path, nb) -> float:
+    """Runs every cell in a fresh kernel; fails with the failing cell's error. Returns seconds taken."""
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    start = time.perf_counter()
+    with client.setup_kernel(env=kernel_env()):
+        for index, cell in enumerate(nb.cells):
+            try:
+                client.execute_cell(cell, index)
+            except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+                text = ANSI.sub("", str(e))      # the cell's source, then its traceback
+                text = text if len(text) < 9000 else f"{text[:3000]}\n[...]\n{text[-6000:]}"
+                pytest.fail(f"{path.name}: cell {index} failed ({type(e).__name__}):\n{text}", pytrace=False)
+    return time.perf_counter() - start
+
+
+def count_figures(nb) -> int:
+    return sum("image/png" in out.get("data", {}) for c in code_cells(nb) for out in c.outputs)
+
+
+def test_private_names_finds_underscores():
+    source = ("import jaxpar._optional\nfrom jaxpar.train import _as_key as k\nx = jp._compat.y\n_y = 1\n"
+              "def f(_a, b=jp.plot._png): return g(_k=1)\ns = 'jp.plot._write'\nfor _ in range(2): print(jax.__version__)")
+    assert sorted(private_names(source)) == sorted(
+        ["_optional", "_as_key", "_compat", "_y", "_a", "_png", "_k",                  # identifiers
+         "jaxpar._optional", "jp._compat.y", "jp.plot._png", "jp.plot._write"])       # dotted paths, strings too
+    assert private_names("import jaxpar as jp\njp.plot.loss_curve(rows)\nprint(jax.__version__, jp.pipeline.__all__)") == []
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebook_runs(path: Path, record_property):
+    assert path.name in FIGURES, f"{path.name}: declare how many figures it draws in FIGURES"
+    nb = nbformat.read(path, as_version=4)
+    check_committed(path, nb)
+    seconds = execute(path, nb)
+    record_property("runtime_s", round(seconds, 1))
+    print(f"{path.name}: {seconds:.1f} s, {count_figures(nb)} figures")
+    assert count_figures(nb) >= FIGURES[path.name], (
+        f"{path.name} drew {count_figures(nb)} figures (image/png outputs), expected at least {FIGURES[path.name]}")
+
+
+def test_plot_helpers_return_figures_and_write_pngs(tmp_path, mesh_factory):
+    """Every figure the notebooks draw: ``path=None`` returns a Figure, a path gets a PNG; bad input raises."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from matplotlib.figure import Figure
+    import jaxpar as jp
+
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.normal(size=(4, 8)).astype(np.float32),
+                       NamedSharding(mesh_factory(data=2, tensor=2), P("data", "tensor")))
+    kernel = rng.normal(size=(8, 4)).astype(np.float32) * (rng.random((8, 4)) > 0.5)
+    schedules = [jp.pipeline.gpipe(2, m) for m in (2, 4)] + [jp.pipeline.one_f_one_b(2, 4)]
+    sparsity = jp.pruning.polynomial_sparsity(0.8, 2, 8, frequency=2)
+    calls = {
+        "loss_curve": lambda path: jp.plot.loss_curve([{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.0}], path),
+        "curves": lambda path: jp.plot.curves({"a": ([0, 1], [2.0, 1.0])}, path),
+        "grouped_bars": lambda path: jp.plot.grouped_bars({"DP": {"x": 1.0}, "TP": {"x": 0.5, "y": 2.0}}, path),
+        "accuracy_vs_sparsity": lambda path: jp.plot.accuracy_vs_sparsity({"g": [(0.5, 0.9, 0.01)]}, path),
+        "schedule_gantt": lambda path: jp.plot.schedule_gantt(schedules[-1], path),
+        "bubble_vs_microbatches": lambda path: jp.plot.bubble_vs_microbatches(schedules, path),
+        "loss_scale_curve": lambda path: jp.plot.loss_scale_curve([0, 1, 2], [4.0, 8.0, 4.0], [0, 1, 0], path),
+        "sparsity_schedule": lambda path: jp.plot.sparsity_schedule(sparsity, 10, path, measured=[(9, 0.8)]),
+        "layer_sparsity": lambda path: jp.plot.layer_sparsity({"u": jp.pruning.sparsity_report({"w": kernel})}, path),
+        "nm_mask": lambda path: jp.plot.nm_mask(rng.random((8, 8)) > 0.5, (2, 4), path),
+        "array_sharding": lambda path: jp.plot.array_sharding(x, path),
+    }
+    for name, call in calls.items():
+        assert isinstance(call(None), Figure), name
+        written = call(tmp_path / f"{name}.png")
+        assert written == tmp_path / f"{name}.png" and written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    # array_sharding labels each block with the devices holding it (read here from the shards themselves)
+    blocks = {}
+    for shard in x.addressable_shards:
+        blocks.setdefault(tuple((s.start, s.stop) for s in shard.index), set()).add(shard.device.id)
+    expected = sorted("dev " + ",".join(map(str, sorted(ids))) for ids in blocks.values())
+    assert sorted(t.get_text() for t in jp.plot.array_sharding(x).axes[0].texts) == expected
+    bad = [lambda: jp.plot.grouped_bars({}), lambda: jp.plot.nm_mask(np.ones((2, 2, 2), bool), (2, 4)),
+           lambda: jp.plot.array_sharding(np.ones((2, 2))), lambda: jp.plot.loss_scale_curve([0], [1.0, 2.0], [0]),
+           lambda: jp.plot.sparsity_schedule(sparsity, 0), lambda: jp.plot.bubble_vs_microbatches([]),
+           lambda: jp.plot.layer_sparsity({})]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
