@@ -374,16 +374,37 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
     return Step(jitted, _Batches(mesh, rules), grad_fn, check_batch, tx)
 
 
-def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
+def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
                    check_batch: Callable[[Any], None] | None = None) -> Step:
     """Builds ``eval_step(state, batch) -> metrics`` (``loss`` and ``aux`` entries), no update.
 
-    ``loss_fn(params, batch, rng)`` gets ``fold_in(state.rng, state.step)``, params and batch cast by the
-    state's policy. The batch follows :func:`make_train_step`'s conventions and checks (``check_batch``
-    included).
+    Args:
+      loss_fn: a ``loss_fn(params, batch, rng) -> (loss, aux)``, or a ``jp.pipeline.Pipeline`` (any gradient
+        function with an ``eval_loss(params, batch, rng, ctx)`` method): the batch then runs through the
+        pipeline's forward-only table over the mesh's ``pipe`` axis (``Pipeline.eval_loss``), and the
+        pipeline's checks (schedule against the mesh, params and batch shapes) run as in the train step.
+      mesh, rules, check_batch: as for :func:`make_train_step`.
+
+    The loss gets ``fold_in(state.rng, state.step)``, params and batch cast by the state's policy. The batch
+    follows :func:`make_train_step`'s conventions and checks (``check_batch`` included).
+
+    Raises:
+      TypeError (at once): ``loss_fn`` is neither callable nor a gradient function with ``eval_loss``; a bad
+        mesh or rules.
+      ValueError (at once): a Pipeline whose ``num_stages`` is not the mesh's ``pipe`` size. (On the first call
+        with a bad batch, before tracing): as for :func:`make_train_step`.
     """
     _check_common(mesh, rules)
-    if not callable(loss_fn) or isinstance(loss_fn, GradFn):
+    grad_fn = None
+    if isinstance(loss_fn, GradFn):
+        if not callable(getattr(loss_fn, "eval_loss", None)):
+            raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux) or a "
+                            f"jp.pipeline.Pipeline; the gradient function {loss_fn!r} has no eval_loss: pass the "
+                            "loss_fn it was built from")
+        loss_fn.check_mesh(mesh)
+        grad_fn, pipeline = loss_fn, loss_fn
+        loss_fn = lambda params, batch, rng: pipeline.eval_loss(params, batch, rng, gr.Context(mesh, rules))
+    elif not callable(loss_fn):
         raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
 
     def _eval(state: TrainState, batch: Any):
@@ -393,4 +414,4 @@ def make_eval_step(loss_fn: LossFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAUL
         return {"loss": loss.astype(jnp.float32), **aux}
 
     jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh))
-    return Step(jitted, _Batches(mesh, rules), None, check_batch)
+    return Step(jitted, _Batches(mesh, rules), grad_fn, check_batch)

@@ -28,6 +28,11 @@ row ``c`` of the stage's block. What a stage stashes for its backward, and how i
 
 Microbatches are strided, in :mod:`jaxpar.grads`' ``[B/m, m, ...]`` layout: microbatch ``j`` holds global rows
 ``j, j + m, j + 2m, ...``, so each stays spread over the batch mesh axes (as gradient accumulation does).
+
+Randomness (``takes_rng``): the step's key enters the ``shard_map`` replicated (as raw key data); each action
+derives its own keys from it and the table's (microbatch, chunk): ``stage_fn(params, x, keys)`` with
+``keys[l] = fold_in(fold_in(rng, j), vs * R + l)`` (:meth:`_Interpreter._layer_keys`). A microbatch's B and W
+derive the same keys as its F, so what the pullback recomputes (a dropout mask) is what the forward drew.
 """
 
 from __future__ import annotations
@@ -101,6 +106,12 @@ def _route(table: ControlTable, c: Actions, act, cot, messages: tuple) -> tuple:
     return act, cot
 
 
+def _num_rows(chunk_params: Any) -> int:
+    """The leading (layers) size of one chunk's params (0 for scalar leaves: no layer keys)."""
+    leaves = jax.tree.leaves(chunk_params)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].ndim else 0
+
+
 def _part(held: tuple[bool, ...], values: tuple) -> tuple[tuple, tuple]:
     """The stashed values split into (held until W, freed at B)."""
     return (tuple(v for v, h in zip(values, held) if h), tuple(v for v, h in zip(values, held) if not h))
@@ -150,6 +161,7 @@ class _Interpreter:
     schedule: Schedule
     stash: str = "residuals"
     has_aux: bool = False
+    takes_rng: bool = False
 
     @property
     def p(self) -> int:
@@ -169,6 +181,23 @@ class _Interpreter:
 
     def _vary(self, tree: Any) -> Any:
         return _varying(tree) if self.p > 1 else tree
+
+    def _layer_keys(self, rng: jax.Array | None, mb: jax.Array, chunk: jax.Array, layers: int) -> jax.Array | None:
+        """The keys of one action (``None`` without ``takes_rng``): ``[layers]`` typed keys, entry ``l`` being
+        ``fold_in(fold_in(rng, mb), vs * layers + l)`` for the action's virtual stage ``vs`` (model order), that
+        is the global index of the layer (row of the stacked stage params) it runs."""
+        if not self.takes_rng:
+            return None
+        placement = jnp.asarray(self.schedule.placement, jnp.int32)
+        vs = placement[self._stage(), chunk]
+        mb_key = jax.random.fold_in(rng, mb)
+        return jax.vmap(lambda l: jax.random.fold_in(mb_key, l))(vs * layers + jnp.arange(layers))
+
+    def _bind(self, keys: jax.Array | None) -> Callable:
+        """The stage function of one action, ``(params, x) -> y``: ``stage_fn`` with the action's keys."""
+        if keys is None:
+            return self.stage_fn
+        return lambda params, x: self.stage_fn(params, x, keys)
 
     def _psum(self, tree: Any, from_one_stage: bool = False) -> Any:
         """``psum`` over ``pipe``; ``from_one_stage``: of values one stage holds (the others zeros), which is
@@ -196,41 +225,43 @@ class _Interpreter:
         return loss * scale, (loss, aux)
 
     def _branches(self, plan, split, zero: _Out, scale):
-        """The actions, ``(params, head, x, g, tgt, stashes, slots) -> _Out`` (``stashes``, ``slots``:
-        :class:`_Stashes` of buffers and of the slots to read); the stashes are read-only here (B and W read
-        their slots inside their branches, so other ticks never touch them)."""
+        """The actions, ``(params, head, x, g, tgt, stashes, slots, keys) -> _Out`` (``stashes``, ``slots``:
+        :class:`_Stashes` of buffers and of the slots to read; ``keys``: the action's layer keys or None); the
+        stashes are read-only here (B and W read their slots inside their branches, so other ticks never touch
+        them). B and W rebuild a microbatch's pullback with the keys of its F, so a dropout mask is the same."""
         f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
         held = held_to_weight(self.stash, plan, split)
         read = lambda bufs, slot: tuple(b[slot] for b in bufs)
         stashed = lambda st, sl: _merge(held, read(st.stash, sl.stash), read(st.bstash, sl.bstash))
-        leaves = lambda params, x, res: backward_leaves(self.stage_fn, self.stash, params, x, res, plan)[1]
+        leaves = lambda sf, params, x, res: backward_leaves(sf, self.stash, params, x, res, plan)[1]
 
-        def idle(params, head, x, g, tgt, st, sl):
+        def idle(params, head, x, g, tgt, st, sl, keys):
             return zero
 
-        def fwd(params, head, x, g, tgt, st, sl):
-            y, res = forward_and_stash(self.stage_fn, self.stash, params, x, plan)
+        def fwd(params, head, x, g, tgt, st, sl, keys):
+            y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
             return zero._replace(send=y, res=res)
 
-        def fwd_last(params, head, x, g, tgt, st, sl):
-            y, res = forward_and_stash(self.stage_fn, self.stash, params, x, plan)
+        def fwd_last(params, head, x, g, tgt, st, sl, keys):
+            y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
                 head, y, tgt, scale)
             return self._vary(zero._replace(send=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
 
-        def bwd(params, head, x, g, tgt, st, sl):
+        def bwd(params, head, x, g, tgt, st, sl, keys):
             res = stashed(st, sl)
-            dparams, dx = pullback_from_stash(self.stage_fn, self.stash, params, x, res, plan)(g)
+            dparams, dx = pullback_from_stash(self._bind(keys), self.stash, params, x, res, plan)(g)
             return zero._replace(send=dx, dparams=f32(dparams))
 
-        def bwd_input(params, head, x, g, tgt, st, sl):
-            dx, carry = split_lib.backward_input(split, params, x, leaves(params, x, stashed(st, sl)), g)
+        def bwd_input(params, head, x, g, tgt, st, sl, keys):
+            res = leaves(self._bind(keys), params, x, stashed(st, sl))
+            dx, carry = split_lib.backward_input(split, params, x, res, g)
             return self._vary(zero._replace(send=dx, wres=carry))
 
-        def bwd_weight(params, head, x, g, tgt, st, sl):
+        def bwd_weight(params, head, x, g, tgt, st, sl, keys):
             freed = tuple(jnp.zeros(b.shape[1:], b.dtype) for b in st.bstash)   # read by B only: dead code here
-            res = _merge(held, read(st.stash, sl.stash), freed)
-            dparams = split_lib.backward_weight(split, params, x, leaves(params, x, res), read(st.wstash, sl.wstash))
+            res = leaves(self._bind(keys), params, x, _merge(held, read(st.stash, sl.stash), freed))
+            dparams = split_lib.backward_weight(split, params, x, res, read(st.wstash, sl.wstash))
             return self._vary(zero._replace(dparams=f32(dparams)))
         return [idle, fwd, fwd_last, bwd] + ([bwd_input, bwd_weight] if split is not None else [])
 
@@ -255,15 +286,18 @@ class _Interpreter:
                        loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
         return self._vary(carry), self._vary(zero)
 
-    def value_and_grad(self, stage_params, head, x_micro, t_micro, scale):
+    def value_and_grad(self, stage_params, head, x_micro, t_micro, scale, rng=None):
         """Inside shard_map: this stage's ``[num_chunks, ...]`` params, replicated head, ``[B/m, m, ...]``
-        inputs/targets, and the loss scale (gradients are of ``scale * loss``; the loss is returned unscaled)."""
+        inputs/targets, the loss scale (gradients are of ``scale * loss``; the loss is returned unscaled) and,
+        with ``takes_rng``, the step's key (:meth:`_layer_keys`)."""
         table = control_table(self.schedule)
         stage = self._stage()
         head, x_micro, t_micro, scale = self._vary((head, x_micro, t_micro, scale))
         one = _chunk(stage_params, 0, 1)
-        plan = residual_plan(self.stage_fn, one, x_micro[:, 0]) if self.stash == "residuals" else None
-        split = split_lib.split_plan(self.stage_fn, one, x_micro[:, 0]) if self.schedule.split_backward else None
+        layers = _num_rows(one)
+        sf0 = self._bind(self._layer_keys(rng, 0, 0, layers))   # the plans read shapes only: any action's keys
+        plan = residual_plan(sf0, one, x_micro[:, 0]) if self.stash == "residuals" else None
+        split = split_lib.split_plan(sf0, one, x_micro[:, 0]) if self.schedule.split_backward else None
         carry, zero = self._init(stage_params, head, x_micro, t_micro, table.sizes, plan, split)
         branches = self._branches(plan, split, zero, scale)
         held = held_to_weight(self.stash, plan, split)
@@ -275,7 +309,8 @@ class _Interpreter:
             x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), carry.act[c.act_read])
             tgt = jax.tree.map(lambda t: microbatch(t, mb), t_micro)
             st, sl = carry.stashes, _Stashes(c.stash_slot, c.bstash_slot, c.wstash_slot)
-            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl)
+            keys = self._layer_keys(rng, mb, c.chunk, layers)
+            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys)
             act, cot = _route(table, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
             kept, freed = _part(held, out.res)
@@ -297,23 +332,25 @@ class _Interpreter:
         return self._psum(carry.loss), (g_stage, g_head, g_x), self._psum(carry.aux, from_one_stage=True)
 
     # --- forward only ---------------------------------------------------------------------------------
-    def apply(self, stage_params, x_micro):
-        """Inside shard_map: runs the schedule's F actions; returns the last virtual stage's outputs
-        ``[B/m, m, ...]``."""
+    def apply(self, stage_params, x_micro, rng=None):
+        """Inside shard_map: runs the schedule's F actions (with ``takes_rng``, each with the keys of
+        :meth:`_layer_keys`, as in training); returns the last virtual stage's outputs ``[B/m, m, ...]``."""
         table = control_table(self.schedule)
         stage = self._stage()
         x_micro = self._vary(x_micro)
         x0 = x_micro[:, 0]
         zero = self._vary(jnp.zeros_like(x0))
-        run = lambda params, x: self.stage_fn(params, x)
-        branches = [lambda params, x: zero, run, run]
+        layers = _num_rows(_chunk(stage_params, 0, 1))
+        run = lambda params, x, keys: self._bind(keys)(params, x)
+        branches = [lambda params, x, keys: zero, run, run]
 
         def tick(carry, row: Actions):
             act, ys = carry
             c = jax.tree.map(lambda a: a[stage], row)
             kind, mb = c.kind, c.microbatch
             x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), act[c.act_read])
-            y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in)
+            keys = self._layer_keys(rng, mb, c.chunk, layers)
+            y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in, keys)
             act, _ = _route(table, c, act, None, self._send(table, y))
             return (act, _put(ys, y, mb, kind == FWD_LAST, 1)), None
 
@@ -333,35 +370,61 @@ def _over_pipe(body: Callable, schedule: Schedule, mesh: Mesh, in_specs: tuple, 
                          check_vma=True)
 
 
+def _key_data(rng: jax.Array | None, takes_rng: bool) -> tuple[jax.Array | None, Callable]:
+    """``(raw key data, unwrap)``: a typed key crosses ``shard_map`` as its ``uint32`` data (``None`` without
+    ``takes_rng``)."""
+    if not takes_rng:
+        return None, lambda data: None
+    if rng is None:
+        raise ValueError("the stage function takes an rng (stage_takes_rng=True) but no key was given")
+    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+    impl = jax.random.key_impl(rng)
+    return jax.random.key_data(rng), lambda data: jax.random.wrap_key_data(data, impl=impl)
+
+
 def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, mesh: Mesh,
-                        batch_axes: tuple[str, ...], stash: str = "residuals", has_aux: bool = False) -> Callable:
+                        batch_axes: tuple[str, ...], stash: str = "residuals", has_aux: bool = False,
+                        takes_rng: bool = False) -> Callable:
     """The traceable (unvalidated, unjitted) body of :func:`jaxpar.pipeline.value_and_grad`.
 
-    Returns ``f(stage_params, head_params, x, targets, scale=None) -> ((loss, (g_stage, g_head, g_x)), aux)``,
-    where ``aux`` holds ``loss_fn``'s aux per microbatch (leading axis ``m``; ``{}`` without aux) and the
-    gradients are of ``scale * loss`` (a float32 loss scale; the loss itself is unscaled). For use inside
-    another jitted function (the train step), under ``jax.set_mesh(mesh)``.
+    Returns ``f(stage_params, head_params, x, targets, scale=None, rng=None) -> ((loss, (g_stage, g_head, g_x)),
+    aux)``, where ``aux`` holds ``loss_fn``'s aux per microbatch (leading axis ``m``; ``{}`` without aux) and the
+    gradients are of ``scale * loss`` (a float32 loss scale; the loss itself is unscaled). With ``takes_rng``
+    the stage function is ``stage_fn(params, x_mb, keys)``: the F of microbatch ``j`` on virtual stage ``vs``
+    (and its B and W) gets ``keys[l] = fold_in(fold_in(rng, j), vs * R + l)``, ``R`` the rows of one virtual
+    stage's params (its layers): one key per global layer. For use inside another jitted function (the train
+    step), under ``jax.set_mesh(mesh)``.
     """
-    interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux)
-    body = _over_pipe(interp.value_and_grad, schedule, mesh, in_specs=(P(AXIS), P(), P(), P(), P()),
-                      out_specs=(P(), (P(AXIS), P(), P()), P()))
+    interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux, takes_rng)
 
-    def run(stage_params, head_params, x, targets, scale=None):
+    def inner(stage_params, head_params, x_micro, t_micro, scale, data, unwrap):
+        return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
+
+    def run(stage_params, head_params, x, targets, scale=None, rng=None):
         m = schedule.num_microbatches
         x_micro = split_microbatches(x, m, batch_axes)
         t_micro = jax.tree.map(lambda t: split_microbatches(t, m, batch_axes), targets)
         scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-        loss, (g_stage, g_head, gx_micro), aux = body(stage_params, head_params, x_micro, t_micro, scale)
+        data, unwrap = _key_data(rng, takes_rng)
+        body = _over_pipe(lambda *a: inner(*a, unwrap), schedule, mesh, in_specs=(P(AXIS), P(), P(), P(), P(), P()),
+                          out_specs=(P(), (P(AXIS), P(), P()), P()))
+        loss, (g_stage, g_head, gx_micro), aux = body(stage_params, head_params, x_micro, t_micro, scale, data)
         return (loss, (g_stage, g_head, merge_microbatches(gx_micro, batch_axes))), aux
     return run
 
 
-def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...]) -> Callable:
-    """The traceable body of :func:`jaxpar.pipeline.apply`: ``f(stage_params, x) -> y``."""
-    interp = _Interpreter(stage_fn, None, schedule.forward_only() if schedule.has_backward else schedule)
-    body = _over_pipe(interp.apply, schedule, mesh, in_specs=(P(AXIS), P()), out_specs=P())
+def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...],
+               takes_rng: bool = False) -> Callable:
+    """The traceable body of :func:`jaxpar.pipeline.apply`: ``f(stage_params, x, rng=None) -> y`` (with
+    ``takes_rng``, the stage function gets the keys :func:`value_and_grad_core` gives the same F)."""
+    interp = _Interpreter(stage_fn, None, schedule.forward_only() if schedule.has_backward else schedule,
+                          takes_rng=takes_rng)
 
-    def run(stage_params, x):
+    def run(stage_params, x, rng=None):
         x_micro = split_microbatches(x, schedule.num_microbatches, batch_axes)
-        return merge_microbatches(body(stage_params, x_micro), batch_axes)
+        data, unwrap = _key_data(rng, takes_rng)
+        body = _over_pipe(lambda s, xm, d: interp.apply(s, xm, unwrap(d)), schedule, mesh,
+                          in_specs=(P(AXIS), P(), P()), out_specs=P())
+        return merge_microbatches(body(stage_params, x_micro, data), batch_axes)
     return run

@@ -17,6 +17,10 @@
 3. the embedding's gradient comes from ``g_x`` through ``jax.vjp(embed_fn)``; it is added to the head's
    gradient of the same tree, so tied weights (the GPT's embedding used as the unembedding) get the sum of
    both uses.
+
+``jp.train.make_eval_step(Pipeline(...), mesh=mesh)`` evaluates through the schedule's forward-only table
+(:meth:`Pipeline.eval_loss`). With ``stage_takes_rng=True`` the stage function gets per-layer keys folded from
+the step's key (see the class docstring, "Keys").
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import grads as gr
 from jaxpar import sharding as shd
 from jaxpar.pipeline.checks import check_mesh_and_schedule, check_stage_fn, struct
-from jaxpar.pipeline.interpreter import AXIS, value_and_grad_core
+from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
 from jaxpar.pipeline.layout import from_stage_layout, to_stage_layout
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
@@ -71,7 +75,9 @@ class Pipeline(gr.GradFn):
       embed_fn: ``embed_fn(params, inputs) -> x``, ``x`` of shape ``[B, ...]`` (e.g. ``x_BLD``). ``params``
         is the model's params tree without ``stage_key``.
       stage_fn: ``stage_fn(stage_params, x_mb) -> y_mb`` over one virtual stage's ``[layers / (num_stages *
-        num_chunks), ...]`` slice of the stacked params; keeps ``x_mb``'s shape and dtype.
+        num_chunks), ...]`` slice of the stacked params; keeps ``x_mb``'s shape and dtype. With
+        ``stage_takes_rng=True``: ``stage_fn(stage_params, x_mb, keys) -> y_mb``, ``keys`` a typed key array
+        ``[layers / (num_stages * num_chunks)]``, one per layer of the slice (e.g. for dropout; see "Keys").
       head_loss_fn: ``head_loss_fn(params, y_mb, targets_mb) -> (loss, aux)``, like every loss: a float
         scalar mean over the microbatch and a dict of scalars or None (``aux["weight"]`` is summed, other
         entries are weight-averaged). ``params`` as for ``embed_fn``. Runs on the last stage.
@@ -82,10 +88,23 @@ class Pipeline(gr.GradFn):
       stash: ``'residuals'`` or ``'inputs'`` (see :func:`jaxpar.pipeline.value_and_grad`).
       params_layout: ``'model'`` (``params[stage_key]`` in model order; the step converts) or ``'stage'``
         (already in the schedule's stage layout, :meth:`to_stage_layout`). The same for one chunk per stage.
+      stage_takes_rng: whether ``stage_fn`` takes the layer keys (default False: ``stage_fn(params, x_mb)`` and
+        the step's ``rng`` is not used).
 
-    The loss is the mean of the microbatch losses (microbatches have equal size); the step's ``rng`` is not
-    used (no dropout inside pipelined stages). The GPT's parts: ``Pipeline(model.embed, model.stage,
-    model.head_loss, schedule)``.
+    The loss is the mean of the microbatch losses (microbatches have equal size). The GPT's parts:
+    ``Pipeline(model.embed, model.stage, model.head_loss, schedule)``.
+
+    Keys (``stage_takes_rng=True``). With the step's key ``rng`` (``fold_in(state.rng, step)``, and under
+    ``grad_accum_steps`` the accumulation batch's ``fold_in`` of it), microbatch ``j`` (rows ``j, j+m, ...``)
+    has the key ``k_j = fold_in(rng, j)``, which is what ``jp.grads.accumulate`` gives its microbatch ``j``
+    (``make_train_step(loss_fn, tx, grad_accum_steps=m)`` on the same rows), and layer ``l`` (row ``l`` of
+    ``params[stage_key]`` in model order, whatever the schedule, stage layout or ``pipe`` size) runs on it with
+    ``fold_in(k_j, l)``: the virtual stage ``vs`` running layers ``vs*R .. vs*R + R - 1`` (``R = layers /
+    (num_stages * num_chunks)``) gets ``keys = [fold_in(k_j, vs*R + r) for r in range(R)]``. So the pipelined
+    step equals the accumulating step of the sequential ``loss_fn(params, batch, key)`` that runs
+    ``stage_fn(params[stage_key], x, [fold_in(key, l) for l in range(layers)])`` on the whole stack. A
+    microbatch's B and W rebuild its pullback with the keys of its F (same masks); the eval step
+    (:meth:`eval_loss`) uses the same keys.
     """
     embed_fn: Callable
     stage_fn: Callable
@@ -96,6 +115,7 @@ class Pipeline(gr.GradFn):
     targets_key: str = "targets"
     stash: str = "residuals"
     params_layout: str = "model"
+    stage_takes_rng: bool = False
     uses_pipe = True
 
     def __post_init__(self):
@@ -112,6 +132,9 @@ class Pipeline(gr.GradFn):
         if self.params_layout not in ("model", "stage"):
             raise ValueError(f"Pipeline.params_layout={self.params_layout!r}; use 'model' (params in model order) or "
                              "'stage' (params already through Pipeline.to_stage_layout)")
+        if not isinstance(self.stage_takes_rng, bool):
+            raise TypeError(f"Pipeline.stage_takes_rng={self.stage_takes_rng!r} must be a bool: True when stage_fn is "
+                            "stage_fn(params, x_mb, keys)")
 
     def to_stage_layout(self, params: Any) -> Any:
         """``params`` with ``params[stage_key]`` put in the schedule's stage layout (for ``params_layout='stage'``;
@@ -167,9 +190,16 @@ class Pipeline(gr.GradFn):
         mb = lambda a: struct(a, (np.shape(a)[0] // m, *np.shape(a)[1:]))
         with shd.use(ctx.mesh, ctx.rules):
             x = jax.eval_shape(self.embed_fn, structs(rest), batch[self.inputs_key])
-            y = check_stage_fn(self.stage_fn, staged, x, m)
+            y = check_stage_fn(self._checked_stage_fn(staged), staged, x, m)
             jax.eval_shape(_checked_head_loss(self.head_loss_fn), structs(rest), y,
                            jax.tree.map(mb, batch[self.targets_key]))
+
+    def _checked_stage_fn(self, staged: Any) -> Callable:
+        """``stage_fn`` as ``(params, x) -> y`` for the shape checks (with abstract layer keys if it takes them)."""
+        if not self.stage_takes_rng:
+            return self.stage_fn
+        rows = np.shape(jax.tree.leaves(staged)[0])[1]
+        return lambda params, x: self.stage_fn(params, x, jax.random.split(jax.random.key(0), rows))
 
     # ------------------------------------------------------------------------------------------ compute
     def __call__(self, params: Any, batch: Any, rng: jax.Array, scale: jax.Array,
@@ -179,16 +209,12 @@ class Pipeline(gr.GradFn):
         ``grads`` has ``params``' structure and dtypes and is the gradient of ``scale * loss`` (``scale``: the
         float32 loss scale; ``loss`` is unscaled); ``aux`` holds scalars (``weight`` summed).
         """
-        del rng
-        compute_params = params if ctx.policy is None else ctx.policy.cast_to_compute(params)
-        stages, rest = _split_params(compute_params, self.stage_key)
-        if self.params_layout == "model":
-            stages = to_stage_layout(stages, self.schedule)
-        staged = jax.tree.map(lambda a: _to_stages(a, self.schedule.num_virtual_stages), stages)
+        staged, rest = self._staged(params, ctx)
         x, embed_vjp = jax.vjp(lambda r: self.embed_fn(r, batch[self.inputs_key]), rest)
         core = value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
-                                           ctx.mesh, ctx.batch_axes, self.stash, True)
-        (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale)
+                                   ctx.mesh, ctx.batch_axes, self.stash, True, self.stage_takes_rng)
+        (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale,
+                                                    rng if self.stage_takes_rng else None)
         (g_embed,) = embed_vjp(g_x)
         g_rest = jax.tree.map(jnp.add, g_embed, g_head)       # tied weights: both uses add up
         g_stages = jax.tree.map(_from_stages, g_staged)
@@ -197,3 +223,36 @@ class Pipeline(gr.GradFn):
         grads = {k: g_stages if k == self.stage_key else g_rest[k] for k in params}
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return loss, gr.reduce_aux(aux), grads
+
+    def _staged(self, params: Any, ctx: gr.Context) -> tuple[Any, Any]:
+        """``(stage params as [V, layers / V, ...] in stage layout, the other params)``, cast by the policy."""
+        compute_params = params if ctx.policy is None else ctx.policy.cast_to_compute(params)
+        stages, rest = _split_params(compute_params, self.stage_key)
+        if self.params_layout == "model":
+            stages = to_stage_layout(stages, self.schedule)
+        return jax.tree.map(lambda a: _to_stages(a, self.schedule.num_virtual_stages), stages), rest
+
+    def eval_loss(self, params: Any, batch: Any, rng: jax.Array, ctx: gr.Context) -> tuple[jax.Array, dict]:
+        """``(loss, aux)`` of a batch through the pipeline's forward-only table (``jp.train.make_eval_step``).
+
+        Traced inside the step under ``ctx.mesh``: ``embed_fn``, then the schedule's forward-only table
+        (:meth:`Schedule.forward_only`, the interpreter of :func:`jaxpar.pipeline.apply`; with
+        ``stage_takes_rng`` the keys of the train step, see "Keys"), then ``head_loss_fn`` on each of the ``m``
+        microbatches (``lax.map``: one microbatch's logits at a time). The loss is the mean of the microbatch
+        losses and ``aux`` is reduced as in training (``weight`` summed, the rest weight-averaged), so the
+        eval loss equals the train step's loss at the same params. ``params`` in ``params_layout``.
+        """
+        staged, rest = self._staged(params, ctx)
+        x = self.embed_fn(rest, batch[self.inputs_key])
+        core = apply_core(self.stage_fn, self.schedule, ctx.mesh, ctx.batch_axes, self.stage_takes_rng)
+        y = core(staged, x, rng if self.stage_takes_rng else None)
+        m, axes = self.schedule.num_microbatches, ctx.batch_axes
+        y_micro = gr.split_microbatches(y, m, axes)
+        t_micro = jax.tree.map(lambda t: gr.split_microbatches(t, m, axes), batch[self.targets_key])
+        head = _checked_head_loss(self.head_loss_fn)
+
+        def one(j):
+            loss, aux = head(rest, gr.microbatch(y_micro, j), jax.tree.map(lambda t: gr.microbatch(t, j), t_micro))
+            return loss.astype(jnp.float32), aux
+        loss_m, aux_m = jax.lax.map(one, jnp.arange(m))
+        return loss_m.mean(), gr.reduce_aux(aux_m)
