@@ -51,7 +51,9 @@ class Config:
     """Main job configuration. Mesh axes multiply to the device count (one may be -1 to fill)."""
     mesh: Annotated[jp.run.MeshConfig, Flat] = jp.run.MeshConfig()
     pipe: int = 1                  # pipeline stages (layers split over them); > 1 trains through jp.pipeline
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # pipeline schedule (pipe > 1)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv"] = "1f1b"  # pipeline schedule (pipe > 1): GPipe,
+                                   # 1F1B, interleaved 1F1B (--chunks per device), ZB-H1, ZB-V (2 chunks per device)
+    chunks: int = 2                # virtual stages per device of --schedule interleaved
     microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
     num_layers: int = 4            # transformer blocks
     num_heads: int = 4             # attention heads (divisible by tensor)
@@ -86,8 +88,12 @@ class Config:
         if self.pipe >= 1 and self.num_layers % self.pipe:
             raise ValueError(f"--num-layers {self.num_layers} is not divisible by --pipe {self.pipe}: each stage "
                              "runs num_layers / pipe layers")
-        if self.pipe > 1 and self.schedule == "1f1b" and self.microbatches < self.pipe:
-            raise ValueError(f"--schedule 1f1b needs --microbatches >= --pipe ({self.pipe}), got {self.microbatches}")
+        if self.pipe > 1:
+            schedule = self.pipeline_schedule()   # the builder checks --microbatches against --pipe / --chunks
+            stages = self.pipe * schedule.num_chunks
+            if self.num_layers % stages:
+                raise ValueError(f"--num-layers {self.num_layers} is not divisible by the {stages} virtual stages of "
+                                 f"--schedule {self.schedule} (--pipe {self.pipe} x {schedule.num_chunks} chunks)")
         self.optimizer()  # the library checks the optimizer, pruning and precision flags now, before any work
 
     def optimizer(self, axis_names=None) -> optax.GradientTransformation:
@@ -101,13 +107,19 @@ class Config:
         """What the step differentiates: the GPT's loss, or with --pipe > 1 its parts as a pipeline."""
         if self.pipe == 1:
             return model.loss
-        schedule = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}[self.schedule]
-        return jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule(self.pipe, self.microbatches))
+        return jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, self.pipeline_schedule())
+
+    def pipeline_schedule(self) -> jp.pipeline.Schedule:
+        """The --schedule table for --pipe stages and --microbatches (ValueError on sizes it cannot run)."""
+        p, m = self.pipe, self.microbatches
+        return {"gpipe": lambda: jp.pipeline.gpipe(p, m), "1f1b": lambda: jp.pipeline.one_f_one_b(p, m),
+                "interleaved": lambda: jp.pipeline.interleaved_1f1b(p, m, self.chunks),
+                "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m)}[self.schedule]()
 
 
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and
 # what is logged. Anything else (model, optimizer, data, seed, precision, pruning) needs a new --out-dir.
-RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "schedule", "microbatches", "simulate_devices",
+RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "schedule", "chunks", "microbatches", "simulate_devices",
                                "steps", "eval_interval", "eval_batches", "sample_chars", "out_dir", "resume",
                                "checkpoint_interval"})
 
@@ -157,7 +169,8 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
     rows = jp.data.process_slice(cfg.batch_size, mesh)  # this process's rows of every global batch
     train_step = jp.train.make_train_step(cfg.grad_fn(model), tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps,
                                           check_batch=model.check_batch)
-    eval_step = jp.train.make_eval_step(model.loss, mesh=mesh, check_batch=model.check_batch)
+    # with --pipe > 1 the eval runs through the pipeline too (its forward-only table)
+    eval_step = jp.train.make_eval_step(cfg.grad_fn(model), mesh=mesh, check_batch=model.check_batch)
     val_batches = lambda s: [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows)
                              for i in range(cfg.eval_batches * (4 if s == cfg.steps else 1))]
     vals = {}
@@ -191,6 +204,8 @@ def report(cfg: Config, model, corpus, mesh, state, val: float, active: bool) ->
         out = Path(cfg.out_dir)
         jp.plot.loss_curve(jp.metrics.read_jsonl(out / "metrics.jsonl"), out / "loss.png",
                            title=f"char-GPT on {jp.describe(mesh)}")
+        if cfg.pipe > 1:   # the schedule this run trained with, beside its metrics
+            jp.plot.schedule_gantt(cfg.pipeline_schedule(), out / "schedule.png")
         print("\n--- sample ---\n" + prompt + corpus.decode(sample) + "\n--------------")
         print(f"final validation loss: {val:.4f} nats/character after {cfg.steps} steps "
               f"({cfg.steps * cfg.batch_size * cfg.seq_len:,} training characters); outputs in {out}/")
