@@ -71,13 +71,13 @@ def measure(schedule: str, stages: int, microbatches: int, stash: str = "residua
             "stash_slots": max(sched.peak_stash), "microbatch_activation_bytes": act}
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", type=int, default=4)
-    ap.add_argument("--growth-stages", type=int, nargs="+", default=[2, 4], help="1F1B rows at m=8 over p")
+    ap.add_argument("--growth-stages", type=int, nargs="*", default=[2, 4], help="1F1B rows at m=8 over p")
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--stash", nargs="+", default=["residuals", "inputs"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = [measure(s, args.stages, m, stash) for stash in args.stash for s in SCHEDULES for m in args.microbatches]
     ratio = {}
     for stash in args.stash:
@@ -85,8 +85,10 @@ def main():
             by = {r["schedule"]: r["activation_bytes"] for r in rows if r["stash"] == stash and r["microbatches"] == m}
             ratio[f"{stash}/m={m}"] = round(by["1f1b"] / by["gpipe"], 3)
     growth = [measure("1f1b", p, 8) for p in args.growth_stages]
-    print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows,
-                      "activation_ratio_1f1b_over_gpipe": ratio, "1f1b_over_stages": growth}, indent=1))
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows,
+           "activation_ratio_1f1b_over_gpipe": ratio, "1f1b_over_stages": growth}
+    print(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
-"""Metric loggers (JSONL, TensorBoard) and throughput / MFU accounting. Only process 0 writes."""
+"""Metric loggers (JSONL, TensorBoard) and throughput / MFU accounting. Only process 0 writes.
+
+MFU: ``mfu(tokens_per_s, flops_per_token, peak_flops(device))``; ``peak_flops`` is a GPU's datasheet dense
+bf16 figure (H100, H200, A100) or, on a CPU, a measured large matmul.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar._optional import require
 
@@ -79,12 +86,89 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# Dense (no structured sparsity) bfloat16 tensor-core peak, FLOP/s per GPU, from NVIDIA's datasheets: A100
+# (SXM and PCIe, 312 TFLOPS; "NVIDIA A100 Tensor Core GPU" datasheet), H100 SXM (989 TFLOPS), H100 PCIe (756),
+# H100 NVL (835), H200 SXM (989), H200 NVL (835) ("NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor Core
+# GPU" datasheets; they print twice these figures "with sparsity"). Matched in order against ``device_kind``.
+GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIE", 756e12), ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def datasheet_peak_flops(device_kind: str) -> float | None:
+    """The table's dense bf16 peak (FLOP/s) for a GPU ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``), or None."""
+    kind = device_kind.upper()
+    for name, flops in GPU_PEAK_BF16_FLOPS:
+        if name in kind:
+            return flops
+    return None
+
+
+def measure_matmul_flops(n: int = 2048, dtype: Any = jnp.float32, repeats: int = 5,
+                         device: jax.Device | None = None) -> float:
+    """Achieved FLOP/s of an ``[n, n] @ [n, n]`` matmul on ``device`` (default: the first device): ``2 n^3``
+    FLOPs over the fastest of ``repeats`` timed runs (after one compile-and-warm-up run). On a CPU this stands
+    for the peak: XLA:CPU's matmuls are its fastest kernels, and no datasheet figure applies to a shared host.
+
+    Raises:
+      ValueError: ``n`` or ``repeats`` below 1.
+    """
+    if not (isinstance(n, int) and n >= 1 and isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"need int n >= 1 and repeats >= 1, got {n=}, {repeats=}")
+    device = device or jax.devices()[0]
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), dtype), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak(platform: str, kind: str) -> float:
+    device = next(d for d in jax.devices() if d.platform == platform and d.device_kind == kind)
+    return measure_matmul_flops(device=device)
+
+
+def peak_flops(device: jax.Device | None = None, measure: bool = True) -> float | None:
+    """Peak FLOP/s of one device, for MFU: a GPU's datasheet dense bf16 figure (:data:`GPU_PEAK_BF16_FLOPS`);
+    otherwise (CPU, or a GPU not in the table) a measured float32 2048^3 matmul (:func:`measure_matmul_flops`,
+    measured once per device kind and cached), or None when ``measure`` is False.
+    """
+    device = device or jax.devices()[0]
+    if device.platform == "gpu" or device.platform == "cuda":
+        table = datasheet_peak_flops(device.device_kind)
+        if table is not None:
+            return table
+    return _measured_peak(device.platform, device.device_kind) if measure else None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float, num_devices: int = 1) -> float:
+    """Model FLOPs utilisation (Chowdhery et al. 2022, app. B): ``tokens_per_s * flops_per_token`` over
+    ``num_devices * peak_flops_per_device`` (a fraction, 0.5 = 50%). ``flops_per_token`` counts the model's
+    training FLOPs (e.g. ``GPTConfig.flops_per_token(seq_len)``), not recomputation.
+
+    Raises:
+      ValueError: a non-positive peak or device count, or negative throughput / FLOPs.
+    """
+    if not peak_flops_per_device or peak_flops_per_device <= 0 or num_devices < 1:
+        raise ValueError(f"need peak_flops_per_device > 0 and num_devices >= 1, got {peak_flops_per_device}, "
+                         f"{num_devices}")
+    if tokens_per_s < 0 or flops_per_token < 0:
+        raise ValueError(f"need tokens_per_s >= 0 and flops_per_token >= 0, got {tokens_per_s}, {flops_per_token}")
+    return tokens_per_s * flops_per_token / (num_devices * peak_flops_per_device)
+
+
 class Throughput:
     """Tokens per second and MFU over a sliding window of completed steps.
 
     MFU (Chowdhery et al. 2022, app. B) = achieved model FLOP/s / peak FLOP/s of all devices, with model
     FLOPs per token from the caller (e.g. ``GPTConfig.flops_per_token``). ``peak_flops_per_device`` is in
-    FLOP/s; when it is None (e.g. on CPU, where no peak is known) MFU is not reported.
+    FLOP/s (e.g. :func:`peak_flops`); when it is None MFU is not reported.
     """
 
     def __init__(self, tokens_per_step: int, flops_per_token: float = 0.0,
@@ -102,5 +186,5 @@ class Throughput:
         dt = (self._times[-1] - self._times[0]) / (len(self._times) - 1)
         out = {"tokens_per_s": self.tokens_per_step / dt}
         if self.peak and self.flops_per_token:
-            out["mfu"] = out["tokens_per_s"] * self.flops_per_token / self.peak
+            out["mfu"] = mfu(out["tokens_per_s"], self.flops_per_token, self.peak)
         return out

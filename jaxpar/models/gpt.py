@@ -10,8 +10,16 @@ run the layer stack as stages:
 * ``stage(blocks, x_BLD) -> x_BLD`` over any slice of the stacked ``[layers, ...]`` block params
 * ``head_loss(params, x_BLD, targets_BL) -> (loss, aux)``
 
-Blocks are pre-norm (LayerNorm, Ba et al. 2016) with causal multi-head attention through
-``jax.nn.dot_product_attention`` and a GELU MLP; positions are learned or rotary (Su et al. 2021).
+Blocks are pre-norm (LayerNorm, Ba et al. 2016) with causal multi-head attention and a GELU MLP; positions
+are learned or rotary (Su et al. 2021). Attention (``GPTConfig.attention``) is :func:`causal_attention` by
+default (einsums and a float32 softmax in query blocks that skip the fully masked key blocks), or
+``jax.nn.dot_product_attention`` with ``implementation="xla"`` or ``"cudnn"`` (flash attention on GPUs).
+
+Speed notes (measured, ``benchmarks/README.md``): LayerNorm and GELU are rematerialised (``jax.checkpoint``):
+the backward pass saves their inputs only and recomputes them inside its own fused loops, which costs less
+than writing and reading their float32 intermediates, and keeps bf16 residuals small. The block-skipping
+attention does ``(n + 1) / (2 n)`` of the attention work and avoids the ``[B, H, L, L]`` mask select of the
+XLA path. Matmul operands stay 2-D (``[B * L, D]``), which XLA:CPU's backward handles much better than 3-D.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from jaxpar.sharding import constrain, has_explicit_axes
 
 _REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+ATTENTION = ("blocked", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +55,10 @@ class GPTConfig:
     tie_embeddings: bool = True    # logits = x @ embedding.T when True, else a separate head kernel
     scan_layers: bool = False      # lax.scan over layers (fast compile at depth) or unrolled (fast on CPU)
     remat: str = "none"            # activation checkpointing per block: "none", "full" or "dots"
+    attention: str = "blocked"     # "blocked": causal_attention below (any backend; skips the masked blocks);
+                                   # "xla" or "cudnn": jax.nn.dot_product_attention(implementation=...)
+                                   # ("cudnn": cuDNN flash attention, GPU only, float16/bfloat16 compute)
+    attention_blocks: int = 2      # query blocks of "blocked" attention: the work is (n + 1) / (2 n) of full
     dtype: Any = None              # compute dtype; None: the dtype of the params given (the step casts them
                                    # to the state's policy's compute dtype), passed to every layer explicitly
     param_dtype: Any = None        # dtype params are created in; None: float32 (init_state casts to the policy's)
@@ -55,7 +68,8 @@ class GPTConfig:
     rope_base: float = 10000.0     # rotary base frequency
 
     def __post_init__(self):
-        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple"):
+        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple",
+                     "attention_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int")
@@ -83,6 +97,8 @@ class GPTConfig:
             raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
         if self.remat not in _REMAT:
             raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
         if not isinstance(self.d_mlp, int) or isinstance(self.d_mlp, bool) or self.d_mlp < 0:
             raise ValueError(f"GPTConfig.d_mlp={self.d_mlp!r} must be an int >= 0 (0 means 4 * d_model)")
 
@@ -134,6 +150,17 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return y.astype(x.dtype)
 
 
+@jax.checkpoint
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (Hendrycks & Gimpel 2016, sec. 2), ``jax.nn.gelu(approximate=True)``.
+
+    Rematerialised like :func:`layer_norm`: the backward pass saves only the input and recomputes ``tanh``
+    inside its own fused loop, so the forward pass is one elementwise pass instead of two (``tanh``, then the
+    product), and no ``[tokens, mlp]`` tanh buffer is kept for the backward pass.
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
 def rope(x_BLHK: jax.Array, base: float) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles."""
     L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
@@ -143,6 +170,49 @@ def rope(x_BLHK: jax.Array, base: float) -> jax.Array:
     sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
+
+
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
+
+    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
+    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
+    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
+    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
+    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
+    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
+    and heads) on any backend.
+    """
+    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
+    n = max(1, min(num_blocks, L))
+    bounds = [round(i * L / n) for i in range(n + 1)]
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
+                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
+        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
+    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
+
+
+def attention(cfg: GPTConfig, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array) -> jax.Array:
+    """Causal attention by ``cfg.attention``; float16 is taken in float32 (see ``Block``)."""
+    dtype = q_BLHK.dtype
+    platform = jax.devices()[0].platform
+    if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
+        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
+                         f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
+                         "(jp.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
+    if dtype == jnp.float16 and cfg.attention != "cudnn":
+        # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
+        # take attention in float32.
+        q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
+    if cfg.attention == "blocked":
+        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks)
+    else:
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True, implementation=cfg.attention)
+    return a_BLHK.astype(dtype)
 
 
 class Embed(nn.Module):
@@ -204,16 +274,11 @@ class Block(nn.Module):
         q_BLHK, k_BLHK, v_BLHK = (constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
         if c.positions == "rotary":
             q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
-        if jnp.dtype(dtype) == jnp.float16:
-            # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
-            # take attention in float32.
-            q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True).astype(dtype)
-        a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
+        a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK), "batch", "seq", "heads", "kv")
         o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = layer_norm(x_BLD, self.ln2_scale, self.ln2_bias).reshape(B * L, D)
-        u_TF = constrain(jax.nn.gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), "batch", "mlp")
+        u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), "batch", "mlp")
         m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 

@@ -1,0 +1,184 @@
+"""One GPU: jaxpar's GPT train step against the same GPT in PyTorch, in bf16, at ~125M, ~350M and ~1.3B parameters.
+
+    python benchmarks/gpu.py                 # on a machine with one NVIDIA GPU (about 5-8 minutes)
+    python benchmarks/gpu.py --tiny          # CPU smoke test of the whole path at a tiny size (seconds)
+
+Needs only jax, flax, optax, numpy and torch. Models (GPT-2/GPT-3 shapes, learned positions, tied embeddings,
+vocabulary 50257 padded to 50304, sequence 1024): ``125M`` 12 layers x d=768 (12 heads), ``350M`` 24 x 1024
+(16), ``1.3B`` 24 x 2048 (16); batch ``--batch`` sequences (default 16, 8, 8), synthetic uniform tokens.
+
+* jaxpar: ``jp.train.make_train_step`` on a one-device mesh, ``Policy "mixed_bf16"`` (float32 params and
+  AdamW state, bfloat16 compute), ``attention="cudnn"`` (cuDNN flash attention through
+  ``jax.nn.dot_product_attention``; ``"blocked"`` off GPU), ``scan_layers=True`` (compile time);
+* PyTorch: ``benchmarks/torch_gpt.py``'s module (``scaled_dot_product_attention``, causal) under
+  ``torch.autocast(bfloat16)``, ``torch.compile``d, ``torch.optim.AdamW(fused=True)`` on CUDA, the same
+  clipping and schedule.
+
+Both are timed in the same process, in interleaved rounds of ``--steps`` steps after warm-up; JAX does not
+preallocate GPU memory here (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) so both fit. Per size the JSON gives
+tokens/s (median over rounds, with min-max), MFU (``GPTConfig.flops_per_token`` x tokens/s over
+``jp.metrics.peak_flops``: the datasheet dense bf16 figure on H100/H200/A100), and peak memory: PyTorch's
+``torch.cuda.max_memory_allocated`` (reset per size), jaxpar's compiled ``memory_analysis`` (arguments +
+temporaries) and the device's ``peak_bytes_in_use`` (for the whole process so far). ``--budget-s`` skips the
+sizes left once the run has taken that long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxpar as jp  # noqa: E402
+import torch_gpt  # noqa: E402
+from jaxpar.models import GPT, GPTConfig  # noqa: E402
+
+SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 8), "1.3B": (24, 2048, 16, 8)}  # layers, d, heads, batch
+TINY = {"tiny": (2, 64, 2, 4)}
+TOTAL_STEPS, WARMUP = 1000, 10
+
+
+def config(size: str, tiny: bool, on_gpu: bool) -> tuple[GPTConfig, int]:
+    layers, d, heads, batch = (TINY if tiny else SIZES)[size]
+    cfg = GPTConfig(vocab_size=103 if tiny else 50257, num_layers=layers, d_model=d, num_heads=heads,
+                    max_seq_len=32 if tiny else 1024, attention="cudnn" if on_gpu else "blocked", scan_layers=True)
+    return cfg, batch
+
+
+def batches(cfg: GPTConfig, batch: int, n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    shape = (batch, cfg.max_seq_len)
+    return [{k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
+            for _ in range(n)]
+
+
+class JaxRun:
+    def __init__(self, cfg: GPTConfig, data: list[dict]):
+        model = GPT(cfg)
+        mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
+        names = jax.eval_shape(model.init, jax.random.key(0))
+        tx = jp.optim.adamw(3e-4, total_steps=TOTAL_STEPS, warmup_steps=WARMUP, axis_names=names)
+        policy = jp.precision.Policy.from_string("mixed_bf16")
+        self.state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy)
+        self.step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
+        self.data = [jp.train.shard_batch(b, mesh) for b in data]
+        m = self.step.lower(self.state, self.data[0]).compile().memory_analysis()
+        self.compiled_bytes = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
+        self.num_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+
+    def run(self, n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            self.state, metrics = self.step(self.state, self.data[i % len(self.data)])
+        loss = float(metrics["loss"])
+        self.last_loss = loss
+        return time.perf_counter() - start
+
+
+class TorchRun:
+    def __init__(self, cfg: GPTConfig, data: list[dict], device: str, compile_: bool):
+        torch = self.torch = torch_gpt.torch_module()
+        self.device = device
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.model = torch_gpt.build(cfg, device)
+        fused = {"fused": True} if device == "cuda" else {}
+        self.opt, self.sched = torch_gpt.make_optimizer(self.model, 3e-4, TOTAL_STEPS, WARMUP, **fused)
+        self.fwd = torch.compile(self.model) if compile_ else self.model
+        self.data = [{k: torch.from_numpy(v.astype(np.int64)).to(device) for k, v in b.items()} for b in data]
+        self.num_params = torch_gpt.num_params(self.model)
+
+    def run(self, n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            b = self.data[i % len(self.data)]
+            loss = torch_gpt.train_step(self.fwd, self.opt, self.sched, b["inputs"], b["targets"],
+                                        autocast=(self.device, self.torch.bfloat16))
+        self.last_loss = float(loss.detach())
+        return time.perf_counter() - start
+
+    def peak_bytes(self) -> int | None:
+        return int(self.torch.cuda.max_memory_allocated()) if self.device == "cuda" else None
+
+
+def measure(size: str, args, on_gpu: bool, peak: float) -> dict:
+    cfg, batch = config(size, args.tiny, on_gpu)
+    batch = args.batch or batch
+    data = batches(cfg, batch, 4)
+    runs = {"jaxpar": JaxRun(cfg, data),
+            "torch": TorchRun(cfg, data, "cuda" if on_gpu else "cpu", not args.no_compile)}
+    for r in runs.values():
+        r.run(args.warmup)
+    times = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for k, r in runs.items():
+            times[k].append(r.run(args.steps) / args.steps)
+    tokens = batch * cfg.max_seq_len
+    flops = cfg.flops_per_token(cfg.max_seq_len)
+    out = {"params": {k: int(r.num_params) for k, r in runs.items()}, "batch": batch, "seq": cfg.max_seq_len,
+           "flops_per_token": flops}
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        out[k] = {"ms_per_step": round(1e3 * med, 2), "tokens_per_s": round(tokens / med),
+                  "tokens_per_s_min_max": [round(tokens / max(ts)), round(tokens / min(ts))],
+                  "mfu": round(jp.metrics.mfu(tokens / med, flops, peak), 4), "last_loss": round(runs[k].last_loss, 4)}
+    out["jaxpar"]["compiled_bytes"] = runs["jaxpar"].compiled_bytes
+    stats = jax.devices()[0].memory_stats() or {}
+    out["jaxpar"]["process_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    out["torch"]["max_memory_allocated"] = runs["torch"].peak_bytes()
+    out["jaxpar_over_torch_tokens_per_s"] = round(statistics.median(
+        [b / a for a, b in zip(times["jaxpar"], times["torch"])]), 3)
+    del runs
+    gc.collect()
+    return out
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of the whole path")
+    ap.add_argument("--sizes", nargs="+", default=None, help=f"a subset of {list(SIZES)}")
+    ap.add_argument("--batch", type=int, default=0, help="sequences per step (0: the size's default)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip the sizes left after this many seconds")
+    ap.add_argument("--no-compile", action="store_true", help="PyTorch eager instead of torch.compile")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.tiny:
+        args.steps, args.rounds, args.warmup = min(args.steps, 2), min(args.rounds, 2), 1
+    torch = torch_gpt.torch_module()
+    on_gpu = not args.tiny and jax.devices()[0].platform == "gpu" and torch.cuda.is_available()
+    if not args.tiny and not on_gpu:
+        raise SystemExit("benchmarks/gpu.py needs a GPU visible to both jax and torch (or --tiny for a CPU smoke test)")
+    device = jax.devices()[0]
+    # --tiny: a small matmul stands in for the CPU peak (the smoke test checks the path, not the figure)
+    peak = jp.metrics.measure_matmul_flops(n=256, repeats=2) if args.tiny else jp.metrics.peak_flops(device)
+    start = time.perf_counter()
+    out = {"device": device.device_kind, "jax": jax.__version__, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "peak_flops_per_device": peak, "results": {}, "skipped": []}
+    for size in (list(TINY) if args.tiny else args.sizes or list(SIZES)):
+        if time.perf_counter() - start > args.budget_s:
+            out["skipped"].append(size)
+            continue
+        out["results"][size] = measure(size, args, on_gpu, peak)
+    out["wall_s"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

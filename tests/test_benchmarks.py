@@ -1,0 +1,129 @@
+"""Tiny-size smoke tests of every script in ``benchmarks/``: each runs end to end through its ``main(argv)``.
+
+No timing is asserted (the machines are shared and noisy); what is asserted is what the scripts claim beside
+their timings: the PyTorch GPT has jaxpar's parameter count and, from the same weights and batches, the same
+losses step by step (an independent implementation of the model and of AdamW with clipping and the schedule);
+the hand-written jit step computes jaxpar's outputs with the same FLOPs and collectives; the memory rows hold
+compiled figures beside the analytic estimate. The heavier ones (the GPU script's tiny run, the model-module
+comparison, the pipeline memory rows) are marked slow. ``torch.compile`` is left out (``--no-compile``): compiling
+with inductor takes longer on a 2-core CPU than all these tests together; it is the same module, compiled.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+TINY_GPT = ["--layers", "1", "--d-model", "32", "--heads", "2"]
+
+
+def test_vs_pytorch_same_model_same_losses():
+    pytest.importorskip("torch")
+    import vs_pytorch
+    out = vs_pytorch.main(["--rounds", "1", "--steps-per-round", "1", "--check-steps", "3", "--warmup-steps", "0",
+                           "--batch", "4", "--seq", "16", "--no-compile", *TINY_GPT])
+    counts = out["param_counts"]
+    assert counts["jaxpar"] == counts["torch_eager"] > 0
+    jl, tl = (np.asarray(out["results"][k]["first_losses"]) for k in ("jaxpar", "torch_eager"))
+    assert jl.shape == (3,) and jl[0] != jl[2]                # the updates change the loss
+    np.testing.assert_allclose(jl, tl, rtol=2e-5)            # rounded to 5 decimals in the JSON
+    assert out["tokens_per_s_ratios"]["jaxpar_over_torch_eager"]["median"] > 0
+
+
+def test_overhead_same_outputs_flops_and_collectives():
+    import overhead
+    out = overhead.main(["--pairs", "2", "--steps", "1", "--layouts", "2x2x2", "--batch", "8", "--seq", "16",
+                         *TINY_GPT])
+    row = out["layouts"]["2x2x2"]
+    diffs = row["same_outputs_max_rel_diff"]
+    assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5
+    assert diffs["params"] <= 1e-5 and diffs["opt_state"] <= 1e-4
+    assert row["collectives"]["equal"] and sum(row["collectives"]["jaxpar"].values()) > 0
+    assert row["cost"]["ratio"]["flops"] == pytest.approx(1.0, rel=0.01)
+    assert row["time"]["ratio_median"] > 0
+
+
+def _memory_rows(layouts, precisions):
+    import memory
+    out = memory.main(["--layouts", *layouts, "--precisions", *precisions, "--batch", "8", "--seq", "16",
+                       "--layers", "2", "--d-model", "32", "--heads", "2", "--microbatches", "2"])
+    rows = {(r["layout"], r["precision"]): r for r in out["rows"]}
+    for r in rows.values():
+        assert r["measured_bytes"] > 0 and r["analytic_bytes"] > 0
+        assert 0.2 < r["ratio"] < 5, r                       # the estimate is of the right size
+    return rows
+
+
+def test_memory_rows_compare_compiled_and_analytic():
+    rows = _memory_rows(["FSDP"], ["f32", "bf16"])
+    assert set(rows) == {("FSDP", "f32"), ("FSDP", "bf16")}
+    for r in rows.values():
+        assert r["measured_bytes"] > 0 and r["analytic_bytes"] > 0
+        assert 0.2 < r["ratio"] < 5, r                       # the estimate is of the right size
+    # bf16 keeps float32 params and moments and adds a bf16 copy: the analytic state part grows by P / 2
+    assert rows[("FSDP", "bf16")]["analytic_parts"]["compute_params"] * 2 == pytest.approx(
+        rows[("FSDP", "f32")]["analytic_parts"]["params"], rel=1e-6)
+    assert rows[("FSDP", "bf16")]["measured_bytes"] < rows[("FSDP", "f32")]["measured_bytes"] * 1.25
+
+
+@pytest.mark.slow
+def test_memory_pipeline_rows():
+    rows = _memory_rows(["one_f_one_b", "gpipe"], ["f32"])
+    assert rows[("pipe one_f_one_b", "f32")]["peak_stash"] <= rows[("pipe gpipe", "f32")]["peak_stash"]
+
+
+@pytest.mark.slow
+def test_gpu_script_tiny_on_cpu():
+    pytest.importorskip("torch")
+    import gpu
+    out = gpu.main(["--tiny", "--no-compile"])
+    res = out["results"]["tiny"]
+    assert res["params"]["jaxpar"] == res["params"]["torch"]
+    for k in ("jaxpar", "torch"):
+        assert res[k]["tokens_per_s"] > 0 and 0 < res[k]["mfu"] and np.isfinite(res[k]["last_loss"])
+
+
+@pytest.mark.slow
+def test_train_step_script_compares_a_model_module():
+    import train_step
+    gpt_file = pathlib.Path(__file__).resolve().parents[1] / "jaxpar" / "models" / "gpt.py"
+    out = train_step.main(["--steps", "1", "--batch", "8", "--seq", "16", "--configs", "1 device",
+                           "--compare-module", str(gpt_file), "--layers", "1", "--d-model", "32"])
+    assert set(out["results"]) == {"1 device", "before: 1 device"}
+    assert out["after_over_before_ms_per_step"]["1 device"] > 0
+
+
+def test_pipeline_memory_script():
+    import pipeline_memory
+    out = pipeline_memory.main(["--stages", "2", "--growth-stages", "--microbatches", "4",
+                                "--stash", "residuals"])
+    by = {(r["schedule"], r["microbatches"]): r for r in out["rows"]}
+    assert by[("1f1b", 4)]["stash_slots"] < by[("gpipe", 4)]["stash_slots"]
+    assert all(r["temp_bytes"] > 0 for r in out["rows"])
+
+
+def test_mfu_and_peak_flops():
+    import jaxpar as jp
+    m = jp.metrics
+    assert m.datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert m.datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert m.datasheet_peak_flops("NVIDIA H200") == 989e12
+    assert m.datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert m.datasheet_peak_flops("cpu") is None
+    # 12,000 tokens/s of a 5.64 MFLOP/token model on 2 devices of 100 GFLOP/s: 67.68e9 / 200e9
+    assert m.mfu(12_000, 5.64e6, 100e9, num_devices=2) == pytest.approx(0.3384)
+    with pytest.raises(ValueError, match="peak_flops_per_device > 0"):
+        m.mfu(1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="n >= 1"):
+        m.measure_matmul_flops(n=0)
+    assert m.measure_matmul_flops(n=64, repeats=1) > 0
+    assert m.peak_flops(measure=False) is None          # a CPU: no datasheet figure, nothing measured
+    speed = m.Throughput(tokens_per_step=100, flops_per_token=10.0, peak_flops_per_device=1e3)
+    speed.tick()
+    out = speed.tick()
+    assert out["mfu"] == pytest.approx(out["tokens_per_s"] * 10.0 / (1e3 * 8))   # 8 simulated devices
