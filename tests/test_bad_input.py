@@ -239,6 +239,7 @@ def test_float_token_ids_are_a_clear_error(mesh):
 
 # --------------------------------------------------------------------------------- Explicit-axis meshes
 
+@pytest.mark.slow  # heavier compile (30 s under load); .ci/run runs it
 def test_init_state_on_an_all_explicit_mesh(devices):
     """init_state works under Explicit axes: params placed by the rules, values equal to a plain init."""
     from jax.sharding import AxisType, PartitionSpec as P

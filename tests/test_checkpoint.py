@@ -145,7 +145,8 @@ def test_round_trip_keeps_types_and_bits(saved):
     assert ckpt2.all_steps() == [4, 5]
 
 
-@pytest.mark.parametrize("layout", [dict(data=8), dict(fsdp=4), dict()], ids=["data8", "fsdp4", "single"])
+@pytest.mark.parametrize("layout", [pytest.param(dict(data=8), marks=pytest.mark.slow), dict(fsdp=4),
+                                    pytest.param(dict(), marks=pytest.mark.slow)], ids=["data8", "fsdp4", "single"])
 def test_reshard_on_restore(saved, layout):
     n = int(np.prod(list(layout.values()))) if layout else 1
     mesh = jp.make_mesh(**{"data": 1, **layout}, devices=jax.devices()[:n])

@@ -186,7 +186,12 @@ def _run(name, mesh, steps):
     return initial, state
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+# Stepping parity of the plain chains (clip + AdamW, loss scaling around AdamW) runs in the slow set: the same
+# transforms step in tests/test_parity.py and tests/test_precision_step.py; their placement is checked fast above.
+SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_STEPS else []) for n in OPTIMIZERS])
 def test_step_matches_single_device(mesh_factory, name):
     steps = 4 if name == "multisteps_adam" else 1
     initial, ref = _run(name, mesh_factory(), steps)

@@ -179,6 +179,7 @@ def test_grad_accumulation_matches_one_big_step(mesh_factory):
     print("\n[accum] " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
 
 
+@pytest.mark.slow  # the fast set keeps test_grad_accumulation_matches_one_big_step; .ci/run runs it
 def test_grad_accumulation_weights_microbatches(mesh_factory):
     """With a masked-token loss whose token count differs between microbatches, accumulation weights each
     microbatch by its ``aux["weight"]`` and gives the whole-batch token mean, not the mean of the means."""

@@ -196,6 +196,7 @@ def _benchmark():
     return module
 
 
+@pytest.mark.slow  # four compiles; benchmarks/pipeline_memory.py and memory.py report the same figures; .ci/run runs it
 def test_memory_1f1b_stash_grows_with_stages_not_microbatches(devices):
     """Compiled temp memory at p=4 for m = 8, 16, 32 (microbatch size fixed), less the g_x accumulator.
 
