@@ -3,4 +3,6 @@
 # notebooks, which tests/test_notebooks.py executes). Extra arguments go to pytest, e.g.  bash scripts/test.sh -k parity
 # Tests marked slow are skipped unless asked for:  bash scripts/test.sh -m slow  (.ci/run runs both).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
-exec .venv/bin/python -m pytest tests -q --durations=10 -m "not slow" "$@"
+# Two worker processes (pytest-xdist, one test file per worker at a time so module fixtures are built once): the
+# 2-core machine is otherwise only ~65% busy, as compiles are single-threaded. JAXPAR_TEST_WORKERS=0 runs in-process.
+exec .venv/bin/python -m pytest tests -q --durations=10 -m "not slow" -n "${JAXPAR_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -35,6 +35,7 @@ def test_vs_pytorch_same_model_same_losses():
     assert out["tokens_per_s_ratios"]["jaxpar_over_torch_eager"]["median"] > 0
 
 
+@pytest.mark.slow  # fast-set time; .ci/run runs it
 def test_overhead_same_outputs_flops_and_collectives():
     import overhead
     out = overhead.main(["--pairs", "2", "--steps", "1", "--layouts", "2x2x2", "--batch", "8", "--seq", "16",
@@ -59,6 +60,7 @@ def _memory_rows(layouts, precisions):
     return rows
 
 
+@pytest.mark.slow  # fast-set time; .ci/run runs it
 def test_memory_rows_compare_compiled_and_analytic():
     rows = _memory_rows(["FSDP"], ["f32", "bf16"])
     assert set(rows) == {("FSDP", "f32"), ("FSDP", "bf16")}

@@ -186,9 +186,8 @@ def _run(name, mesh, steps):
     return initial, state
 
 
-# Stepping parity of the plain chains (clip + AdamW, loss scaling around AdamW) runs in the slow set: the same
-# transforms step in tests/test_parity.py and tests/test_precision_step.py; their placement is checked fast above.
-SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw")
+# Stepping parity of these runs in the slow set (fast-set time); their state placement is checked fast above.
+SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw", "lion", "adafactor")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_STEPS else []) for n in OPTIMIZERS])

@@ -217,6 +217,7 @@ def pruned_step(model, mesh, grad_fn, state, batch):
     return jax.device_get((new_state.params, jp.pruning.masks(new_state.opt_state)))
 
 
+@pytest.mark.slow  # fast-set time; .ci/run runs it
 def test_magnitude_pruning_of_pipelined_gpt_keeps_the_top_half_per_layer(gpt_pipe2):
     """sgd chained with magnitude_pruning(0.5) on the GPT, one step with pipe=2 (1F1B, the stacked kernels and
     their masks split over pipe): each layer's kernel keeps exactly its largest half of |params - 0.1 * grads|

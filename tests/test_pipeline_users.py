@@ -73,6 +73,7 @@ def one_step_parity(model, mesh, pipeline, batch, tx=None, what=""):
 
 # ---------------------------------------------------------------------------------------- (a) and (c)
 
+@pytest.mark.slow  # fast-set time; .ci/run runs it
 def test_pipe2_fsdp2_tensor2_one_step_matches_single_device(mesh_factory):
     """(a) pipe=2 x fsdp=2 x tensor=2, 1F1B over 4 microbatches, one layer per stage."""
     model = gpt(2)
@@ -81,7 +82,8 @@ def test_pipe2_fsdp2_tensor2_one_step_matches_single_device(mesh_factory):
     one_step_parity(model, mesh, pipeline_of(model, jp.pipeline.one_f_one_b(2, 4)), batch, what="p2f2t2 1f1b")
 
 
-@pytest.mark.parametrize("num_layers,scan", [(4, False), pytest.param(6, True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("num_layers,scan", [pytest.param(4, False, marks=pytest.mark.slow),
+                                             pytest.param(6, True, marks=pytest.mark.slow)],
                          ids=["4-layers-unrolled", "6-layers-scan"])
 def test_several_layers_per_stage_match_single_device(num_layers, scan, mesh_factory):
     """(c) 2 (or 3) layers per stage on pipe=2: a wrong layer-to-stage split (interleaved, reversed, a stage

@@ -170,6 +170,7 @@ def test_bf16_saves_residual_memory():
     assert bf16_bytes <= 0.65 * f32_bytes
 
 
+@pytest.mark.slow  # fast-set time; .ci/run runs it
 def test_fp16_step_runs_on_cpu_with_dynamic_scaling(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     policy = Policy.from_string("mixed_fp16")

@@ -161,7 +161,8 @@ def test_fsdp_splits_params_and_optimizer_state(compiled, devices):
     assert got_args <= rep_args / 8 * 1.05, (got_args, rep_args / 8)
 
 
-@pytest.mark.parametrize("sizes", [pytest.param(dict(data=8), marks=pytest.mark.slow), dict(data=1, fsdp=8),
+@pytest.mark.parametrize("sizes", [pytest.param(dict(data=8), marks=pytest.mark.slow),
+                                   pytest.param(dict(data=1, fsdp=8), marks=pytest.mark.slow),
                                    pytest.param(dict(data=1, tensor=8), marks=pytest.mark.slow),
                                    dict(data=2, fsdp=2, tensor=2)],  # data8 and tensor8: slow set
                          ids=lambda s: "_".join(f"{k}{v}" for k, v in s.items()))
