@@ -89,7 +89,11 @@ class Config:
             raise ValueError(f"--num-layers {self.num_layers} is not divisible by --pipe {self.pipe}: each stage "
                              "runs num_layers / pipe layers")
         if self.pipe > 1:
-            schedule = self.pipeline_schedule()   # the builder checks --microbatches against --pipe / --chunks
+            try:   # the builder checks --microbatches against --pipe / --chunks
+                schedule = self.pipeline_schedule()
+            except ValueError as e:
+                raise ValueError(f"--schedule {self.schedule} with --pipe {self.pipe} --microbatches {self.microbatches}"
+                                 f"{f' --chunks {self.chunks}' if self.schedule == 'interleaved' else ''}: {e}") from e
             stages = self.pipe * schedule.num_chunks
             if self.num_layers % stages:
                 raise ValueError(f"--num-layers {self.num_layers} is not divisible by the {stages} virtual stages of "

@@ -172,7 +172,8 @@ def test_charlm_runs_data2_pipe2_tensor2(tmp_path):
     spec.loader.exec_module(charlm)
     with pytest.raises(ValueError, match=r"--num-layers 3 is not divisible by --pipe 2"):
         charlm.Config(pipe=2, num_layers=3)
-    with pytest.raises(ValueError, match=r"--schedule 1f1b needs --microbatches >= --pipe \(4\)"):
+    with pytest.raises(ValueError, match=r"--schedule 1f1b with --pipe 4 --microbatches 2: 1F1B needs "
+                                         r"num_microbatches >= num_stages"):
         charlm.Config(pipe=4, microbatches=2, num_layers=4)
     cfg = charlm.Config(pipe=2, mesh=jp.run.MeshConfig(fsdp=1, tensor=2), schedule="1f1b", microbatches=4, steps=6, eval_interval=6,
                         eval_batches=1, batch_size=16, seq_len=32, d_model=64, num_layers=2, warmup_steps=1,
