@@ -19,6 +19,15 @@ def _check_sizes(**sizes: int) -> None:
             raise ValueError(f"{name}={value!r} must be a positive int")
 
 
+def _check_at_least_one_per_stage(name: str, p: int, m: int) -> tuple[int, int]:
+    """Checks the sizes and ``m >= p`` (a zero-bubble table needs a microbatch per stage); returns ``(p, m)``."""
+    _check_sizes(num_stages=p, num_microbatches=m)
+    if m < p:
+        raise ValueError(f"{name} needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; use "
+                         f"num_microbatches >= {p}")
+    return p, m
+
+
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """GPipe (Huang et al. 2019, sec. 2.2): all forwards, then all backwards.
 
@@ -189,11 +198,7 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
     Raises:
       ValueError: a size that is not a positive int, or ``m < p``.
     """
-    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
-    p, m = num_stages, num_microbatches
-    if m < p:
-        raise ValueError(f"zero_bubble needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; use "
-                         f"num_microbatches >= {p}")
+    p, m = _check_at_least_one_per_stage("zero_bubble", num_stages, num_microbatches)
     return place_in_order("zb-h1", m, [_zb_h1_order(p, m, s) for s in range(p)])
 
 
@@ -216,11 +221,7 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     Raises:
       ValueError: a size that is not a positive int, or ``m < p``.
     """
-    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
-    p, m = num_stages, num_microbatches
-    if m < p:
-        raise ValueError(f"zero_bubble_v needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; "
-                         f"use num_microbatches >= {p}")
+    p, m = _check_at_least_one_per_stage("zero_bubble_v", num_stages, num_microbatches)
     rank = {"B": 0, "F": 1, "W": 2}
     return _list_schedule("zb-v", p, m, v_shape(p), [2 * p] * p,
                           lambda a, vs: (rank[a.kind], a.microbatch, -vs))
