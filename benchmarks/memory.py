@@ -10,20 +10,9 @@ params and optimizer state, bfloat16 compute). Prints one JSON row per (layout, 
 
 * ``measured_bytes``: from ``compile().memory_analysis()``: arguments + outputs - aliased (the donated state)
   + temporaries, per device;
-* ``analytic_bytes`` and its parts, per device (``s(x)``: the number of devices a leaf ``x`` is split over):
-
-  - params ``P = sum_x 4 |x| / s(x)`` (float32 storage); gradients ``P`` (float32); AdamW moments ``2 P``;
-  - under bf16 the compute copy of the params ``P / 2``;
-  - activations ``A = T * (N_d * r + h)``, where ``T`` is the tokens a device holds at once: ``B L / (data *
-    fsdp)``, or under a pipeline ``B L / (data * m)`` per microbatch times the schedule's peak stash slots
-    (``max(schedule.peak_stash)``), ``N_d`` the layers on the device (``N / pipe``), ``r`` the bytes a block
-    saves per token for its backward and ``h`` those of the head:
-    ``r = c (2 D + 3 H K / t + H K / t + 2 F / t) + 4 H Lk / t (+ c H Lk / t when c < 4)``: the block input and
-    the residual after attention (``D`` each), q, k, v and the attention output, the MLP pre-activation and
-    GELU output (LayerNorm and GELU are rematerialised: only inputs are saved), the float32 softmax
-    probabilities over ``Lk`` visible keys on average (``L`` for ``attention="xla"``, the mean block end for
-    ``"blocked"``) and their cast to the compute dtype; ``h = c D + 2 * 4 V / t`` (final LayerNorm input,
-    float32 logits and their softmax). ``c`` is the compute dtype's bytes, ``t`` the tensor-parallel size;
+* ``analytic_bytes`` and its parts, per device: the estimate of :mod:`jaxpar.plan_memory` (params, gradients,
+  optimizer state, the bf16 compute copy, activations by the GPT's remat setting), the one formula the
+  library's planner (``jp.plan.plan``) uses too;
 * ``ratio = measured / analytic``;
 * ``vjp_residual_bytes`` (layouts without a pipeline): what ``jax.vjp`` of the unsharded loss keeps at the
   per-device batch, the activations autodiff really saves (for TP an upper bound: heads are not split).
@@ -50,6 +39,7 @@ import numpy as np  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
 from jaxpar.models import GPT, GPTConfig  # noqa: E402
+from jaxpar import plan_memory  # noqa: E402
 from jaxpar.pipeline import builders  # noqa: E402
 
 PLAIN_LAYOUTS = {"DP": dict(data=8), "FSDP": dict(data=1, fsdp=8), "TP": dict(data=2, tensor=4)}
@@ -75,42 +65,12 @@ def measured(compiled) -> dict:
             "temp_bytes": int(m.temp_size_in_bytes)}
 
 
-def mean_visible_keys(cfg: GPTConfig, L: int) -> float:
-    if cfg.attention != "blocked":
-        return float(L)
-    n = max(1, min(cfg.attention_blocks, L))
-    ends = [round((i + 1) * L / n) for i in range(n)]
-    sizes = [e - round(i * L / n) for i, e in enumerate(ends)]
-    return sum(s * e for s, e in zip(sizes, ends)) / L
-
-
 def analytic(cfg: GPTConfig, state, mesh, batch: int, seq: int, policy, schedule=None) -> dict:
-    """The estimate of the module docstring, per device, in bytes."""
-    P = sum(4 * x.size / math.prod(x.sharding.mesh.shape[a] for a in _axes(x.sharding.spec))
-            for x in jax.tree.leaves(state.params))
-    c = 4 if policy is None else 2
-    t, D, H, K, F = mesh.shape["tensor"], cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
-    Lk = mean_visible_keys(cfg, seq)
-    r = c * (2 * D + 4 * H * K / t + 2 * F / t) + 4 * H * Lk / t + (c * H * Lk / t if c < 4 else 0)
-    h = c * D + 2 * 4 * cfg.padded_vocab / t
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    if schedule is None:
-        tokens, layers = batch * seq / dp, cfg.num_layers
-    else:
-        m = schedule.num_microbatches
-        tokens = batch * seq / (mesh.shape["data"] * m) * max(schedule.peak_stash)
-        layers = cfg.num_layers / mesh.shape["pipe"]
-    parts = {"params": P, "grads": P, "adam_moments": 2 * P, "compute_params": P / 2 if c == 2 else 0.0,
-             "activations": tokens * (layers * r + h)}
+    """The estimate of ``jaxpar.plan_memory`` (the library's one formula), per device, in bytes. ``policy`` is
+    read from ``state.policy``; the argument is kept for callers that pass the policy name."""
+    del policy
+    parts = plan_memory.estimate(cfg, state, mesh, batch, seq, schedule)
     return {"analytic_bytes": int(sum(parts.values())), "analytic_parts": {k: int(v) for k, v in parts.items()}}
-
-
-def _axes(spec) -> list[str]:
-    out = []
-    for entry in spec:
-        if entry is not None:
-            out.extend((entry,) if isinstance(entry, str) else entry)
-    return out
 
 
 def compile_step(cfg: GPTConfig, sizes: dict, policy_name, batch: int, seq: int, schedule=None):

@@ -124,12 +124,14 @@ class Config:
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and
 # what is logged. Anything else (model, optimizer, data, seed, precision, pruning) needs a new --out-dir.
 RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "schedule", "chunks", "microbatches", "simulate_devices",
-                               "steps", "eval_interval", "eval_batches", "sample_chars", "out_dir", "resume",
-                               "checkpoint_interval"})
+                               "devices_per_host", "steps", "eval_interval", "eval_batches", "sample_chars", "out_dir",
+                               "resume", "checkpoint_interval"})
 
 
 def main(cfg: Config) -> float | None:
     """Trains (or resumes) and returns the final validation loss; None when preempted."""
+    jp.gpu.apply_gpu_defaults(matmul_precision=cfg.precision.matmul_precision,  # GPU only; before any device use
+                              collective_matmul=cfg.mesh.tensor > 1)
     jp.run.simulate_cpu_devices(cfg.mesh.simulate_devices)
     jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.launch` or on a cluster
     corpus = jp.data.CharCorpus.load(cfg.text)
@@ -145,9 +147,14 @@ def main(cfg: Config) -> float | None:
     out, policy = Path(cfg.out_dir), cfg.precision.policy()
     jp.run.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
     ckpt = jp.checkpoint.CheckpointManager(out / "checkpoints", save_interval_steps=cfg.checkpoint_interval)
+    # with --pipe > 1 the state holds the schedule's stage layout (interleaved, zbv: no weight crosses pipe in a
+    # step); checkpoints are written in model order, so a run resumes under any --schedule / --pipe
+    staged = cfg.grad_fn(model) if cfg.pipe > 1 else None
     state, step0 = jp.checkpoint.restore_or_init(  # resumes from the latest checkpoint when there is one
-        ckpt, lambda: jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy),
-        lambda: jp.train.abstract_state(model.init, tx, mesh=mesh, policy=policy), require=cfg.resume)
+        ckpt, lambda: jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy,
+                                          pipeline=staged),
+        lambda: jp.train.abstract_state(model.init, tx, mesh=mesh, policy=policy, pipeline=staged),
+        require=cfg.resume)
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
         (out / "config.json").write_text(json.dumps(jp.run.flat_config(cfg), indent=2))
@@ -161,9 +168,10 @@ def main(cfg: Config) -> float | None:
         jp.run.say(f"preempted: saved a checkpoint at step {result.step} in {out / 'checkpoints'}; run the same "
                    "command again to resume")
         return None
-    report(cfg, model, corpus, mesh, result.state, val, writer.active)
+    final = jp.train.to_model_order(result.state)   # sampling and compaction read the params as the model
+    report(cfg, model, corpus, mesh, final, val, writer.active)
     if cfg.pruning.structured:
-        compaction_report(cfg, model, corpus, mesh, tx, result.state, writer.active)
+        compaction_report(cfg, model, corpus, mesh, tx, final, writer.active)
     return val
 
 

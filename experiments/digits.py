@@ -59,6 +59,7 @@ def main(cfg: Config) -> float:
 
 def run(cfg: Config) -> dict[str, float]:
     """Trains; returns the test metrics (``accuracy``, ``loss``, ``weight``) and the kernels' ``sparsity``."""
+    jp.gpu.apply_gpu_defaults(collective_matmul=cfg.mesh.tensor > 1)  # XLA flags on GPU only; before any device use
     jp.run.simulate_cpu_devices(cfg.mesh.simulate_devices)
     digits = jp.data.Digits.load(seed=cfg.seed)
     mesh = cfg.mesh.make()

@@ -71,6 +71,22 @@ def cluster_detected() -> bool:
         return any(v in os.environ for v in _CLUSTER_VARIABLES)
 
 
+def backends_initialized() -> bool:
+    """Whether JAX's backends (its XLA clients) have started, after which ``XLA_FLAGS`` is no longer read.
+
+    JAX has no public probe; ``jax._src.xla_bridge.backends_are_initialized()`` (jax 0.10 and 0.11) is what
+    ``jax.distributed.initialize`` itself checks. A JAX without it is reported as not initialized (the
+    caller's flags then simply may not take effect, as before this check existed).
+
+    When JAX offers a public probe: use it and delete this function.
+    """
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
+
+
 def orbax_state_handler() -> ocp.PyTreeCheckpointHandler:
     """orbax's PyTree handler with replica-parallel array saving turned off, where orbax has the option.
 

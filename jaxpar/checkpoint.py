@@ -31,6 +31,13 @@ fallback to an older step: the caller decides (``restore(step=...)``), so a resu
 a step it did not ask for. The checksum is a position-weighted wrapping uint32 sum of each leaf's bits,
 computed on the devices, so it does not depend on the mesh the state is saved from or restored onto.
 
+Pipeline stage layouts: a ``jp.train.TrainState`` whose ``layout`` is set (params and optimizer state in an
+interleaved or ZB-V schedule's stage layout, ``init_state(..., pipeline=)``) is saved in **model order**
+(``jp.train.to_model_order``: a one-off permutation on the devices, an extra copy of the staged leaves while
+saving), and a restore puts the arrays into the target's layout (``abstract_state(..., pipeline=)``). So a
+checkpoint restores under any schedule, any ``pipe`` size and no pipeline at all; the checksums are those of
+the model-order arrays.
+
 Saving every n steps and on preemption is the training loop's: ``jaxpar.loop.checkpoint(manager)``.
 """
 
@@ -50,6 +57,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar.jit import check_live
+from jaxpar.train import to_layout, to_model_order
 
 from jaxpar._compat import orbax_state_handler
 
@@ -171,6 +179,11 @@ def _handlers() -> dict[str, Any]:
             "jaxpar": ocp.JsonCheckpointHandler()}
 
 
+def _layout(tree: Any) -> Any:
+    """A training state's stage layout (``TrainState.layout``), None for model order or any other pytree."""
+    return getattr(tree, "layout", None)
+
+
 def _check_saveable(state: Any) -> None:
     """TypeError naming the first leaf that is not an array; ValueError for donated arrays."""
     for path, x in _leaves_with_paths(state):
@@ -280,7 +293,7 @@ class CheckpointManager:
 
         Args:
           step: int >= 0, the number of updates ``state`` has applied.
-          state: the pytree to save.
+          state: the pytree to save; a ``TrainState`` in a stage layout is written in model order.
           extras: a small JSON-able dict stored next to it (e.g. ``{"data_step": step, "config": {...}}``).
           force: save even if ``step`` is not a multiple of ``save_interval_steps``.
 
@@ -295,7 +308,7 @@ class CheckpointManager:
         if not (force or self.should_save(step)) or step in self._started or step in self._mgr.all_steps():
             return False
         _check_saveable(state)
-        tree, impls = _to_saveable(state)
+        tree, impls = _to_saveable(to_model_order(state) if _layout(state) is not None else state)
         meta = {"format": FORMAT, "step": step, "prng_keys": impls,
                 "leaves": [dict(d, checksum=c) for d, c in zip(_describe(tree), _checksums(tree))]}
         self._started.add(step)   # only once the state is known good: a failed save can be retried
@@ -391,7 +404,9 @@ class CheckpointManager:
         Returns:
           The state, with the target's pytree types (``TrainState``, optax and jaxpar ``NamedTuple``
           states, typed PRNG keys) and every array placed directly in the target's sharding: each
-          process reads only the slices its devices hold, whatever mesh the checkpoint was saved from.
+          process reads only the slices its devices hold, whatever mesh the checkpoint was saved from. A
+          target ``TrainState`` with a ``layout`` gets its arrays in that stage layout (the checkpoint holds
+          model order), whatever schedule wrote it.
 
         Raises:
           TypeError: no ``target``; a target leaf that is not an array or ``ShapeDtypeStruct`` with a sharding.
@@ -405,6 +420,9 @@ class CheckpointManager:
                             "ckpt.restore(target=jp.train.abstract_state(init_fn, tx, mesh=mesh)); the "
                             "checkpoint's own layout is never used, so arrays land in the target's shardings")
         _check_target(target)
+        layout = _layout(target)
+        if layout is not None:   # the files hold model order: restore that, then stage it on the devices
+            target = target.replace(layout=None)
         step = self._resolve(step)
         meta = self.metadata(step)
         compare(meta["leaves"], target, what=f"checkpoint step {step} in {str(self.directory)!r}")
@@ -420,7 +438,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} cannot be read: it is "
                                   f"truncated or corrupted ({type(e).__name__}: {e}){self._others(step)}") from e
         _verify(meta["leaves"], tree, f"checkpoint step {step} in {str(self.directory)!r}", self._others(step))
-        return jax.tree.map(lambda t, x: _wrap_key(x, t) if _is_key(t) else x, target, tree)
+        state = jax.tree.map(lambda t, x: _wrap_key(x, t) if _is_key(t) else x, target, tree)
+        return state if layout is None else to_layout(state, layout)
 
 
 def _check_target(target: Any) -> None:

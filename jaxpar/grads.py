@@ -39,10 +39,14 @@ RESERVED_METRICS = ("loss", "grad_norm", "loss_scale", "skipped")
 
 
 class Context(NamedTuple):
-    """Where a gradient function runs: the step's mesh, logical axis rules and precision policy."""
+    """Where a gradient function runs: the step's mesh, logical axis rules and precision policy, and the
+    state's ``layout`` (``TrainState.layout``: None for params in model order, else the
+    ``jaxpar.pipeline.layout.StateLayout`` a pipelined gradient function reads; the step refuses a staged state
+    for a gradient function without ``uses_pipe``)."""
     mesh: Mesh
     rules: shd.Rules = shd.DEFAULT_RULES
     policy: Policy | None = None
+    layout: Any = None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

@@ -105,6 +105,23 @@ def datasheet_peak_flops(device_kind: str) -> float | None:
     return None
 
 
+# Per-GPU datasheet figures for planning runs (``jaxpar.plan``): memory capacity (bytes, the datasheet's GB =
+# 1e9 bytes), HBM bandwidth and link bandwidths per GPU per direction (bytes/s). Sources: "NVIDIA H100 Tensor Core
+# GPU" datasheet (SXM: 80 GB, 3.35 TB/s, NVLink 900 GB/s = 450 GB/s each way), "NVIDIA H200 Tensor Core GPU"
+# datasheet (SXM: 141 GB, 4.8 TB/s, NVLink 900 GB/s), "NVIDIA A100 Tensor Core GPU" datasheet (SXM 80GB: 2,039
+# GB/s, NVLink 600 GB/s = 300 GB/s each way); InfiniBand: one ConnectX-7 400 Gb/s (50 GB/s) NIC per GPU in DGX
+# H100 / H200, one ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU in DGX A100 (the DGX user guides). The peak dense
+# bf16 FLOP/s is the table above's, looked up by ``kind``.
+GPU_DATASHEETS: dict[str, dict[str, Any]] = {
+    "h100-80gb": dict(kind="H100 SXM", memory_bytes=80e9, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9,
+                      infiniband_bytes_per_s=50e9),
+    "h200": dict(kind="H200 SXM", memory_bytes=141e9, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9,
+                 infiniband_bytes_per_s=50e9),
+    "a100-80gb": dict(kind="A100 SXM", memory_bytes=80e9, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=300e9,
+                      infiniband_bytes_per_s=25e9),
+}
+
+
 def measure_matmul_flops(n: int = 2048, dtype: Any = jnp.float32, repeats: int = 5,
                          device: jax.Device | None = None) -> float:
     """Achieved FLOP/s of an ``[n, n] @ [n, n]`` matmul on ``device`` (default: the first device): ``2 n^3``

@@ -220,27 +220,39 @@ def accuracy_vs_sparsity(series: dict[str, list[tuple[float, float, float]]], pa
 def schedule_gantt(schedule: Any, path: str | Path | None = None, title: str | None = None):
     """A pipeline schedule's table as a Gantt chart (one row per stage, one column per tick).
 
-    Forward actions are blue, backward orange (``W`` green), labelled with their microbatch; later chunks of
-    an interleaved table are paler; idle ticks are blank, so the bubble is the white area. ``schedule`` is a
-    ``jp.pipeline.Schedule``; ``path``: the PNG to write, or None to return the Figure.
+    ``F`` actions are blue, ``B`` orange, ``W`` green; with several chunks (interleaved, ZB-V) each bar is
+    labelled ``<microbatch>c<chunk>`` (e.g. ``3c1``: microbatch 3 on chunk 1) and later chunks are paler (hatched);
+    with one chunk the label is the microbatch. The legend lists every (action, chunk) drawn. Idle ticks are
+    blank, so the bubble is the white area. ``schedule`` is a ``jp.pipeline.Schedule``; ``path``: the PNG to
+    write, or None to return the Figure.
     """
     Patch = require("matplotlib.patches", "jaxpar.plot").Patch
     colours = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-    fig, ax = _figure((max(6.0, 0.35 * schedule.num_ticks), 0.5 * schedule.num_stages + 1.2))
+    chunks = schedule.num_chunks
+    alpha = lambda c: 0.9 - 0.55 * c / max(chunks - 1, 1)
+    hatch = lambda c: "//" if c % 2 else None
+    fig, ax = _figure((max(6.0, 0.42 * schedule.num_ticks), 0.5 * schedule.num_stages + 1.4))
+    drawn = set()
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
             if a is not None:
-                ax.broken_barh([(t, 1)], (s - 0.4, 0.8), facecolors=colours[a.kind], alpha=0.35 + 0.65 / (1 + a.chunk))
-                ax.text(t + 0.5, s, str(a.microbatch), ha="center", va="center", fontsize=7)
+                ax.broken_barh([(t, 1)], (s - 0.4, 0.8), facecolors=colours[a.kind], alpha=alpha(a.chunk),
+                               hatch=hatch(a.chunk), edgecolor="white", linewidth=0.5)
+                label = f"{a.microbatch}c{a.chunk}" if chunks > 1 else str(a.microbatch)
+                ax.text(t + 0.5, s, label, ha="center", va="center", fontsize=6 if chunks > 1 else 7)
+                drawn.add((a.kind, a.chunk))
     ax.set_xlim(0, schedule.num_ticks)
     ax.set_ylim(schedule.num_stages - 0.5, -0.5)
     ax.set_yticks(range(schedule.num_stages), [f"stage {s}" for s in range(schedule.num_stages)])
     ax.set_xlabel("tick")
-    kinds = sorted({a.kind for row in schedule.table for a in row if a is not None}, key="FBW".index)
-    ax.legend(handles=[Patch(color=colours[k], label=k) for k in kinds], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_title(title or f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}, "
-                          f"bubble {schedule.bubble_fraction:.2f}")
+    names = {"F": "F (forward)", "B": "B (input grad)" if schedule.split_backward else "B (backward)",
+             "W": "W (weight grad)"}
+    handles = [Patch(facecolor=colours[k], alpha=alpha(c), hatch=hatch(c), edgecolor="white",
+                     label=names[k] + (f", chunk {c}" if chunks > 1 else ""))
+               for k, c in sorted(drawn, key=lambda kc: ("FBW".index(kc[0]), kc[1]))]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(title or f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}"
+                          + (f", {chunks} chunks" if chunks > 1 else "") + f", bubble {schedule.bubble_fraction:.2f}")
     return _write(fig, path)
 
 

@@ -106,10 +106,13 @@ class MeshConfig:
     fsdp: int = 2                  # FSDP axis size (params and optimizer state sharded over it)
     tensor: int = 2                # tensor-parallel axis size (Megatron split of attention and MLP)
     simulate_devices: int = 8      # host CPU devices to simulate when running on CPU
+    devices_per_host: int = 0      # hybrid mesh over hosts of this many devices (GPUs per node): tensor and fsdp
+                                   # inside a node, data/pipe across nodes; 0: flat mesh
 
     def make(self, pipe: int = 1) -> jax.sharding.Mesh:
-        """``jp.make_mesh`` with these sizes and ``pipe`` pipeline stages."""
-        return make_mesh(data=self.data, pipe=pipe, fsdp=self.fsdp, tensor=self.tensor)
+        """``jp.make_mesh`` with these sizes and ``pipe`` pipeline stages (hybrid with ``devices_per_host``)."""
+        return make_mesh(data=self.data, pipe=pipe, fsdp=self.fsdp, tensor=self.tensor,
+                         devices_per_host=self.devices_per_host or None)
 
 
 PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.Policy.from_string
@@ -119,6 +122,8 @@ PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # f
 class PrecisionConfig:
     """Mixed precision: the policy, and dynamic loss scaling for float16."""
     precision: Literal["f32", "bf16", "fp16"] = "f32"  # bf16: params f32, compute bf16; fp16: same + loss scaling
+    matmul_precision: Literal["default", "tf32", "fp32", "bf16"] = "default"  # float32 matmuls, GPU only
+                                   # (jp.gpu): tf32 (JAX's GPU default), fp32 (TF32 off), bf16
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

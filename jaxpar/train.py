@@ -24,6 +24,7 @@ from jaxpar import sharding as shd
 from jaxpar.grads import GradFn, LossFn, check_batch_size  # noqa: F401  (jp.train.check_batch_size)
 from jaxpar.jit import MeshJit
 from jaxpar.optim import adamw, decay_mask  # noqa: F401  (jp.train.adamw: the experiments' optimizer)
+from jaxpar.pipeline.layout import StateLayout, permute_state, state_layout
 from jaxpar.precision import Policy
 
 
@@ -38,12 +39,20 @@ class TrainState:
       rng: a typed PRNG key; step ``t`` uses ``jax.random.fold_in(rng, t)``.
       policy: the mixed-precision policy (static: part of the tree structure, not an array), or None for no
         casts. Given once, to :func:`init_state` / :func:`abstract_state`; the steps read it from here.
+      layout: None (params and optimizer state in model order), or the
+        :class:`~jaxpar.pipeline.layout.StateLayout` of a pipeline's schedule (static): ``params[stage_key]``
+        and every optimizer-state leaf that follows it are in the schedule's stage layout, so the pipelined
+        step moves no weight over ``pipe``. Set by ``init_state(..., pipeline=)`` / ``abstract_state(...,
+        pipeline=)``; checkpoints are written in model order (:func:`to_model_order`) and restored into the
+        target's layout. Code that reads ``params`` as the model (sampling, export, compaction) takes
+        ``to_model_order(state).params``.
     """
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
     policy: Policy | None = flax.struct.field(pytree_node=False, default=None)
+    layout: StateLayout | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def _as_key(rng: Any) -> jax.Array:
@@ -56,8 +65,8 @@ def _as_key(rng: Any) -> jax.Array:
     raise TypeError(f"rng must be a typed key (jax.random.key(seed)), a raw uint32 key or an int seed; got {rng!r}")
 
 
-def _abstract(init_fn, tx, rng, mesh, rules, policy):
-    """(state shapes, state shardings) without computing anything."""
+def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None):
+    """(state shapes, state shardings) without computing anything; both carry the pipeline's layout."""
     with shd.use_for_init(mesh, rules):
         boxed = jax.eval_shape(init_fn, rng)
     param_shardings = shd.named_shardings(boxed, mesh, rules)
@@ -66,12 +75,55 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy):
         param_shapes = policy.cast_to_param(param_shapes)
     etx = _effective_tx(tx, policy)
     opt_shapes = jax.eval_shape(etx.init, param_shapes)
+    layout = None if pipeline is None else state_layout(pipeline.stage_key, pipeline.schedule, etx, param_shapes,
+                                                        opt_shapes, mesh)
     rep = NamedSharding(mesh, P())
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
-                        rng=jax.eval_shape(lambda k: k, rng), policy=policy)
-    shardings = TrainState(step=rep, params=param_shardings, rng=rep, policy=policy,
+                        rng=jax.eval_shape(lambda k: k, rng), policy=policy, layout=layout)
+    # a stage layout permutes whole blocks of the layers axis: shapes, and so shardings, are those of model order
+    shardings = TrainState(step=rep, params=param_shardings, rng=rep, policy=policy, layout=layout,
                            opt_state=shd.opt_state_shardings(etx, param_shapes, param_shardings, mesh))
     return shapes, shardings
+
+
+def _check_pipeline(pipeline: Any) -> None:
+    if pipeline is not None and not (isinstance(getattr(pipeline, "stage_key", None), str)
+                                     and hasattr(getattr(pipeline, "schedule", None), "placement")):
+        raise TypeError(f"pipeline must be the jp.pipeline.Pipeline the state will be trained with (its "
+                        f"stage_key and schedule set the stage layout), or None for model order; got {pipeline!r}")
+
+
+def to_model_order(state: TrainState) -> TrainState:
+    """``state`` with params and optimizer state in model order (``layout=None``); itself when already so.
+
+    The inverse of :func:`to_layout`: exact (whole blocks of the layers axis move, no arithmetic). Arrays keep
+    their shardings (the moved blocks cross ``pipe``: a one-off cost, e.g. when saving a checkpoint).
+    """
+    if state.layout is None:
+        return state
+    return _moved(state, state.layout, inverse=True).replace(layout=None)
+
+
+def to_layout(state: TrainState, layout: StateLayout | None) -> TrainState:
+    """A model-order ``state`` put in ``layout`` (from ``abstract_state(..., pipeline=).layout``); exact.
+
+    Raises:
+      ValueError: ``state`` is not in model order (take :func:`to_model_order` first).
+    """
+    if state.layout is not None:
+        raise ValueError(f"to_layout needs a state in model order, got one in {state.layout!r}: pass "
+                         "jp.train.to_model_order(state)")
+    return state if layout is None else _moved(state, layout, inverse=False).replace(layout=layout)
+
+
+def _moved(state: TrainState, layout: StateLayout, inverse: bool) -> TrainState:
+    move = lambda p, o: permute_state(p, o, layout, inverse=inverse)
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    if leaves and all(isinstance(x, jax.Array) for x in leaves):
+        shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
+        move = jax.jit(move, out_shardings=shardings)
+    params, opt_state = move(state.params, state.opt_state)
+    return state.replace(params=params, opt_state=opt_state)
 
 
 def _effective_tx(tx: optax.GradientTransformation, policy: Policy | None) -> optax.GradientTransformation:
@@ -90,20 +142,24 @@ def _check_common(mesh, rules, policy=None):
 
 
 def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, *, mesh: Mesh,
-                   rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None) -> TrainState:
+                   rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
+                   pipeline: Any = None) -> TrainState:
     """The ``TrainState`` of ``jax.ShapeDtypeStruct`` leaves, each with its ``NamedSharding``.
 
-    It is what :func:`init_state` would return, without allocating anything: the restore target for
-    checkpoints on the current mesh.
+    It is what :func:`init_state` would return (with the same ``pipeline``: the same ``layout``), without
+    allocating anything: the restore target for checkpoints on the current mesh, whose arrays a restore puts
+    in this layout whatever schedule or mesh wrote them.
     """
     _check_common(mesh, rules, policy)
+    _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
-    shapes, shardings = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy)
+    shapes, shardings = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: Any, *, mesh: Mesh,
-               rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None) -> TrainState:
+               rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
+               pipeline: Any = None) -> TrainState:
     """Initializes params and optimizer state directly in their sharded layout.
 
     The state's shapes come from ``jax.eval_shape`` and it is built by ``jax.jit(..., out_shardings=...)``, so
@@ -118,23 +174,33 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
       mesh: from :func:`jaxpar.make_mesh`.
       rules: logical-to-mesh axis rules.
       policy: a mixed-precision policy; params are stored in its ``param_dtype``.
+      pipeline: the ``jp.pipeline.Pipeline`` the state will train with, or None. With a schedule of several
+        chunks per stage (interleaved 1F1B, ZB-V) the state is built in its stage layout (``state.layout``):
+        the model-order init, then ``params[pipeline.stage_key]`` and every optimizer-state leaf computed
+        along its layers (moments, masks; :func:`jaxpar.pipeline.layout.state_layout`) permuted, so the
+        state equals ``to_layout(model-order state)`` exactly. The identity (``layout=None``) for one chunk.
 
     Raises:
       ValueError: rules naming an axis the mesh lacks; a sharded parameter dimension not divisible by its
-        mesh axes (the message names the parameter).
+        mesh axes (the message names the parameter); with ``pipeline``, stage params whose layers the
+        schedule's virtual stages do not divide.
+      TypeError: ``pipeline`` is not a Pipeline.
     """
     _check_common(mesh, rules, policy)
+    _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
-    _, shardings = _abstract(init_fn, tx, init_rng, mesh, rules, policy)
+    _, shardings = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline)
 
     def _init(init_rng, state_rng):
         params = nn.meta.unbox(init_fn(init_rng))
         if policy is not None:
             params = policy.cast_to_param(params)
         opt_state = _effective_tx(tx, policy).init(params)
+        if shardings.layout is not None:   # the model-order init, put in the stage layout
+            params, opt_state = permute_state(params, opt_state, shardings.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng,
-                          policy=policy)
+                          policy=policy, layout=shardings.layout)
 
     with shd.use_for_init(mesh, rules):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
@@ -288,6 +354,11 @@ class Step:
                 raise ValueError("the state's opt_state does not have the structure this step's tx gives "
                                  "(tx.init(params)): build the state with the same tx as the step "
                                  f"(state: {jax.tree.structure(state.opt_state)}; tx: {jax.tree.structure(expected)})")
+        if state.layout is not None and not (self._grad_fn is not None and self._grad_fn.uses_pipe):
+            raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
+                             f"{state.layout!r}), which this step would read as model order: step it with the "
+                             "jp.pipeline.Pipeline it was built for (make_train_step / make_eval_step(pipeline)), "
+                             "or convert it first with jp.train.to_model_order(state)")
 
     def _prepare(self, state: TrainState, batch: Any, concrete: bool) -> Any:
         b = self._batches
@@ -305,7 +376,7 @@ class Step:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
                 g.check(abstract(state.params), _cast_inputs(state.policy, abstract(batch)),
-                        gr.Context(b.mesh, b.rules, state.policy))
+                        gr.Context(b.mesh, b.rules, state.policy, state.layout))
             self._checked.add(key)
         return batch
 
@@ -353,6 +424,8 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         gradient function's own checks (a pipeline: layers not divisible by stages, stage shapes).
       TypeError, ValueError (at once): a bad ``grad_fn``, ``tx``, mesh or rules; ``grad_accum_steps`` not a
         positive int; a mesh with ``pipe > 1`` and no pipeline.
+      ValueError (first call, before tracing): a state in a stage layout (``state.layout``) for a gradient
+        function that is not a pipeline, or in another schedule's layout than the pipeline's.
     """
     _check_common(mesh, rules)
     tx = shd.check_transformation(tx)
@@ -364,7 +437,8 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
         loss, aux, grads = _check_grad_output(grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale,
-                                                      gr.Context(mesh, rules, state.policy)), state.params, grad_fn)
+                                                      gr.Context(mesh, rules, state.policy, state.layout)),
+                                             state.params, grad_fn)
         state = _apply_update(tx, state, grads)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
         return state, metrics
@@ -403,14 +477,18 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
                             "loss_fn it was built from")
         loss_fn.check_mesh(mesh)
         grad_fn, pipeline = loss_fn, loss_fn
-        loss_fn = lambda params, batch, rng: pipeline.eval_loss(params, batch, rng, gr.Context(mesh, rules))
-    elif not callable(loss_fn):
+        loss_fn = lambda params, batch, rng, layout: pipeline.eval_loss(params, batch, rng,
+                                                                        gr.Context(mesh, rules, layout=layout))
+    elif callable(loss_fn):
+        plain = loss_fn
+        loss_fn = lambda params, batch, rng, layout: plain(params, batch, rng)   # layout None: checked in Step
+    else:
         raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
 
     def _eval(state: TrainState, batch: Any):
         params = state.params if state.policy is None else state.policy.cast_to_compute(state.params)
         loss, aux = gr.check_loss_output(loss_fn(params, _cast_inputs(state.policy, batch),
-                                                 jax.random.fold_in(state.rng, state.step)))
+                                                 jax.random.fold_in(state.rng, state.step), state.layout))
         return {"loss": loss.astype(jnp.float32), **aux}
 
     jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh))

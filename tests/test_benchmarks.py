@@ -103,10 +103,20 @@ def test_train_step_script_compares_a_model_module():
 def test_pipeline_memory_script():
     import pipeline_memory
     out = pipeline_memory.main(["--stages", "2", "--growth-stages", "--microbatches", "4",
-                                "--stash", "residuals"])
+                                "--stash", "residuals", "--table-microbatches", "4"])
     by = {(r["schedule"], r["microbatches"]): r for r in out["rows"]}
     assert by[("1f1b", 4)]["stash_slots"] < by[("gpipe", 4)]["stash_slots"]
     assert all(r["temp_bytes"] > 0 for r in out["rows"])
+    assert [r["schedule"] for r in out["schedules"]] == ["gpipe", "1f1b", "interleaved", "zb", "zbv"]
+
+
+@pytest.mark.slow   # compiles the GPT's train step three times (~1 min)
+def test_pipeline_schedules_script():
+    import pipeline_schedules
+    out = pipeline_schedules.main(["--steps", "2", "--rounds", "1", "--timed-steps", "1", "--schedules", "zbv"])
+    row = out["schedules"]["zbv"]
+    assert row["rel_diff_step1"] <= 1e-5 and len(row["losses"]) == 2 and row["step_seconds"] > 0
+    assert row["lockstep_time"] >= row["ideal_time"] > 0
 
 
 def test_mfu_and_peak_flops():

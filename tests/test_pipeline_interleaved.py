@@ -191,8 +191,7 @@ def gpt_step_parity(schedule, mesh, seed, params_layout="model"):
     model, tx = gpt(schedule.num_virtual_stages), optax.sgd(0.1, momentum=0.9)
     batch = gpt_batch(np.random.default_rng(seed), 16, model.cfg)
     pipeline = gpt_pipeline(model, schedule, params_layout=params_layout)
-    init = model.init if params_layout == "model" else lambda rng: pipeline.to_stage_layout(model.init(rng))
-    state = jp.train.init_state(init, tx, SEED, mesh=mesh)
+    state = jp.train.init_state(model.init, tx, SEED, mesh=mesh, pipeline=None if params_layout == "model" else pipeline)
     to_model = (lambda t: t) if params_layout == "model" else pipeline.from_stage_layout
     params = jax.device_put(to_model(jax.device_get(state.params)), jax.devices()[0])
     (loss, _), grads = jax.jit(jax.value_and_grad(model.loss, has_aux=True))(params, batch)
@@ -236,7 +235,7 @@ def _permutes_outside_loops(hlo: str) -> tuple[list[str], int]:
 
 @pytest.mark.slow
 def test_interleaved_gpt_params_held_in_stage_layout(mesh_factory):
-    """``params_layout='stage'``: the state holds the stage layout (init through ``Pipeline.to_stage_layout``);
+    """``params_layout='stage'``: the state holds the stage layout (``init_state(..., pipeline=pipeline)``);
     the same step in model order, checked through ``from_stage_layout``; and no weight crosses ``pipe`` in the
     step: the compiled step has no collective-permute or all-to-all outside the tick loop (the loop's one
     permute moves the activations and cotangents). (In model order, the same step permutes the weights in and

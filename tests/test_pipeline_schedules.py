@@ -59,7 +59,8 @@ def _cases(name):
 
 @pytest.mark.parametrize("name", list(TABLES))
 def test_runtime_buffers_come_from_the_table(name):
-    """The interpreter's slot assignment uses exactly the table's peak counts (maximum over stages)."""
+    """The interpreter's slot assignment uses exactly the table's peak counts (maximum over stages); with split
+    backwards the B-only leaves and B's carry to W share the stash's slots (bstash == wstash == stash)."""
     for p, m in _cases(name):
         s = TABLES[name](p, m)
         ct = control_table(s)
@@ -67,9 +68,8 @@ def test_runtime_buffers_come_from_the_table(name):
         for field, a in ct.actions._asdict().items():
             shape = (s.num_ticks, p, 3) if field.startswith("arrive") else (s.num_ticks, p)
             assert a.shape == shape and a.dtype == np.int32, (field, a.shape, a.dtype)
-        bstash = max(max(s._per_stage_peak("bstash")), 1)
-        assert ct.sizes._asdict() == {"stash": max(s.peak_stash), "bstash": bstash,
-                                      "wstash": max(max(s.peak_wstash), 1),
+        shared = max(s.peak_stash) if s.split_backward else 1
+        assert ct.sizes._asdict() == {"stash": max(s.peak_stash), "bstash": shared, "wstash": shared,
                                       "activations": max(max(a for a, _ in s.recv_slots), 1),
                                       "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
 
@@ -171,8 +171,28 @@ def test_text_gantt():
 def test_gantt_plot(tmp_path):
     path = jp.plot.schedule_gantt(one_f_one_b(4, 8), tmp_path / "1f1b.png")
     assert path.stat().st_size > 5000
-    path = jp.plot.schedule_gantt(jp.pipeline.zero_bubble_v(2, 4), tmp_path / "zbv.png")   # chunks and W
-    assert path.stat().st_size > 5000
+    fig = jp.plot.schedule_gantt(jp.pipeline.zero_bubble_v(2, 4))   # chunks and W
+    ax = fig.axes[0]
+    labels = {t.get_text() for t in ax.texts}
+    assert {"0c0", "3c1"} <= labels and len(ax.texts) == 3 * 4 * 4     # one label per action: 3 kinds, m=4, V=4
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [f"{k}, chunk {c}" for k in ("F (forward)", "B (input grad)", "W (weight grad)") for c in (0, 1)]
+
+
+def test_compare_compiled_memory(mesh_factory):
+    """``compare`` with a stage function and shapes: compiled temporary memory per device; GPipe (stashes every
+    microbatch) above 1F1B (at most p) at m = 8; the shapes are required together."""
+    import jax
+    import jax.numpy as jnp
+    stage = lambda prm, x: jnp.tanh(x @ prm["w"][0])
+    loss = lambda head, y, t: jnp.mean((y - t) ** 2)
+    s = jax.ShapeDtypeStruct
+    shapes = {"layers": {"w": s((2, 32, 32), jnp.float32)}, "head": {}, "x": s((32, 8, 32), jnp.float32),
+              "targets": s((32, 8, 32), jnp.float32), "mesh": mesh_factory(pipe=2)}
+    rows = jp.pipeline.compare([gpipe(2, 8), one_f_one_b(2, 8)], stage_fn=stage, loss_fn=loss, **shapes)
+    assert rows[0]["temp_bytes"] > rows[1]["temp_bytes"] > 0, rows
+    with pytest.raises(ValueError, match=r"missing \['loss_fn'\]"):
+        jp.pipeline.compare([gpipe(2, 8)], stage_fn=stage, **shapes)
 
 
 def test_hand_written_table_with_w_actions_and_chunks():

@@ -18,8 +18,11 @@ interpreter's step time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
 
 from jaxpar.pipeline.schedules import Schedule, dependencies
 
@@ -66,13 +69,69 @@ def timing(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timi
     return Timing(makespan, work, 1.0 - work / (schedule.num_stages * makespan), start)
 
 
-def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = None) -> list[dict]:
-    """One row per schedule: its table's size, cost-weighted time and bubble, and its peak stash.
+def lockstep_time(schedule: Schedule, costs: Mapping[str, float] | None = None) -> float:
+    """The table's time when every stage runs in step, as the interpreter does (one ``lax.scan`` step per tick):
+    each tick lasts as long as its slowest action, ``sum over ticks of max(cost of the tick's actions)``
+    (costs as in :func:`timing`; a tick where every stage idles costs 0). Compare with :func:`timing`'s
+    ``makespan``, the time when each action lasts its own cost: the ratio is what lockstep costs the table.
+
+    Raises:
+      ValueError: as :func:`timing`.
+    """
+    costs = dict(default_costs(schedule) if costs is None else costs)
+    timing(schedule, costs)                                  # validates the costs
+    return float(sum(max([costs[a.kind] for a in row if a is not None], default=0.0) for row in schedule.table))
+
+
+_MEMORY_ARGS = ("loss_fn", "layers", "head", "x", "targets", "mesh")
+
+
+def _stage_params(layers: Any, schedule: Schedule) -> Any:
+    """Zeros of ``layers``' leaves reshaped ``[L, ...] -> [p v, L / (p v), ...]``: each virtual stage's rows."""
+    V = schedule.num_virtual_stages
+    def rows(a):
+        L = a.shape[0] if a.ndim else 0
+        if L == 0 or L % V:
+            raise ValueError(f"compare: a layers leaf has leading axis {L}, not a multiple of {schedule.name!r}'s "
+                             f"{V} virtual stages; give layers with a leading (layer) axis divisible by every "
+                             "schedule's num_stages * num_chunks")
+        return np.zeros((V, L // V, *a.shape[1:]), a.dtype)
+    return jax.tree.map(rows, layers)
+
+
+def compiled_temp_bytes(schedule: Schedule, stage_fn: Callable, loss_fn: Callable, *, layers: Any, head: Any,
+                        x: Any, targets: Any, mesh: Any, stash: str = "residuals") -> int:
+    """Compiled temporary memory per device (bytes) of ``jp.pipeline.value_and_grad`` under ``schedule``.
+
+    ``compile().memory_analysis().temp_size_in_bytes`` of the program for zeros of the given shapes (arrays or
+    ``ShapeDtypeStruct``\\ s): ``layers`` holds the model's ``L`` layers stacked on a leading axis, of which each
+    virtual stage gets ``L / (p v)`` rows (``stage_fn`` must run every row it is given); ``head``, ``x``
+    (``[B, ...]``) and ``targets`` as :func:`jaxpar.pipeline.value_and_grad` takes them; ``mesh``'s ``pipe``
+    size must be ``schedule.num_stages``.
+
+    Raises:
+      ValueError: a ``layers`` leaf whose leading axis is not a multiple of ``p v``; and what
+        ``value_and_grad`` raises (a mesh whose ``pipe`` size is not ``num_stages``, ...).
+    """
+    from jaxpar.pipeline.runtime import value_and_grad
+    zeros = lambda t: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), t)
+    f = value_and_grad(stage_fn, loss_fn, schedule, mesh=mesh, stash=stash)
+    lowered = f.lower(_stage_params(layers, schedule), zeros(head), zeros(x), zeros(targets))
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+
+
+def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = None, *,
+            stage_fn: Callable | None = None, **memory: Any) -> list[dict]:
+    """One row per schedule: its table's size, cost-weighted time and bubble, its peak stash and, given a stage
+    function and shapes, its compiled temporary memory per device.
 
     Args:
       schedules: :class:`Schedule`\\ s (any builders', or :func:`jaxpar.pipeline.custom.from_actions`').
       costs: per-action costs for every schedule; default :func:`default_costs` of each (``B = 2`` where it
         includes ``W``, so fused and split tables compare on the same work).
+      stage_fn: optional; with it, ``loss_fn``, ``layers``, ``head``, ``x``, ``targets`` and ``mesh`` (and
+        optionally ``stash``) as keywords: each schedule's program is compiled (:func:`compiled_temp_bytes`;
+        the same model and global batch for every schedule, so the microbatch size is ``B / m``).
 
     Returns:
       A list of dicts with keys ``name``, ``stages``, ``microbatches``, ``chunks``; ``ticks`` (the table's
@@ -80,8 +139,20 @@ def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = N
       makespan)``); ``peak_stash`` (per stage, the most (microbatch, chunk) pairs held from ``F`` to ``B``,
       or to ``W``); ``peak_stash_layers`` (the same in microbatches of ``1 / p`` of the model's layers, i.e.
       ``peak_stash / chunks``: 1F1B's ``p - s``; comparable across chunk counts); ``peak_wstash`` (per stage,
-      the pairs held from ``B`` to ``W``).
+      the pairs held from ``B`` to ``W``); ``lockstep_time`` (:func:`lockstep_time`); with ``stage_fn``, ``temp_bytes`` (compiled temporary memory per
+      device, bytes).
+
+    Raises:
+      TypeError: an entry that is not a Schedule.
+      ValueError: a bad cost (:func:`timing`); ``stage_fn`` given without one of the shapes (named), or an
+        unknown keyword; what :func:`compiled_temp_bytes` raises.
     """
+    if stage_fn is not None or memory:
+        missing = [k for k in _MEMORY_ARGS if k not in memory] + (["stage_fn"] if stage_fn is None else [])
+        unknown = sorted(set(memory) - set(_MEMORY_ARGS) - {"stash"})
+        if missing or unknown:
+            raise ValueError(f"compare: compiled memory needs stage_fn and {', '.join(_MEMORY_ARGS)} as keywords; "
+                             f"missing {missing}, unknown {unknown}")
     rows = []
     for s in schedules:
         if not isinstance(s, Schedule):
@@ -90,8 +161,11 @@ def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = N
         rows.append({"name": s.name, "stages": s.num_stages, "microbatches": s.num_microbatches,
                      "chunks": s.num_chunks, "ticks": s.num_ticks, "time": t.makespan, "bubble": t.bubble,
                      "peak_stash": s.peak_stash, "peak_stash_layers": tuple(x / s.num_chunks for x in s.peak_stash),
-                     "peak_wstash": s.peak_wstash})
+                     "peak_wstash": s.peak_wstash, "lockstep_time": lockstep_time(s, costs)})
+        if stage_fn is not None:
+            shapes = {k: v for k, v in memory.items() if k != "loss_fn"}
+            rows[-1]["temp_bytes"] = compiled_temp_bytes(s, stage_fn, memory["loss_fn"], **shapes)
     return rows
 
 
-__all__ = ["Timing", "compare", "default_costs", "timing"]
+__all__ = ["Timing", "compare", "compiled_temp_bytes", "default_costs", "lockstep_time", "timing"]

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxpar import grads
 from jaxpar import sharding as shd
-from jaxpar.pipeline.interpreter import AXIS
+from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
 
@@ -44,6 +44,18 @@ def check_mesh_and_schedule(schedule: Schedule, mesh: Mesh, stash: str = "residu
                          f"pipe={schedule.num_stages}")
     if stash not in STASH_MODES:
         raise ValueError(f"stash={stash!r}; use one of {STASH_MODES}")
+
+
+def check_comm_options(fsdp_gather: str, comm: str = "step", what: str = "fsdp_gather") -> None:
+    """Raises ValueError unless ``fsdp_gather`` is ``'step'`` or ``'action'`` (and the private ``comm`` is
+    ``'step'`` or ``'action'``)."""
+    if fsdp_gather not in FSDP_GATHER:
+        raise ValueError(f"{what}={fsdp_gather!r}; use 'step' (gather each stage's weights over fsdp once per step "
+                         "and keep them: least traffic) or 'action' (gather them inside every F/B/W action: least "
+                         "memory)")
+    if comm not in ("step", "action"):
+        raise ValueError(f"comm={comm!r}; use 'step' (reduce gradients once per step) or 'action' (GSPMD reduces "
+                         "them inside every backward action)")
 
 
 def check_stage_params(stage_params: Any, schedule: Schedule) -> None:

@@ -1,8 +1,13 @@
 """The pipeline interpreter: one ``jax.shard_map`` body that executes any valid schedule table.
 
-The interpreter runs over the ``pipe`` mesh axis only (``axis_names={'pipe'}``): inside a stage the
-``data``, ``fsdp`` and ``tensor`` axes stay automatic, so GSPMD keeps partitioning the stage function as it
-does outside a pipeline. It is a ``lax.scan`` over the schedule's ticks; at every tick each stage
+The interpreter's ``shard_map`` is manual over ``pipe`` and the batch axes (``data``, ``fsdp``: see
+:func:`manual_batch_axes`); ``tensor`` stays automatic, so GSPMD keeps partitioning the stage function over
+it. Each device runs its rows of every microbatch and accumulates its stage's float32 gradient locally; the
+reductions over the batch axes run once per step, after the tick loop (``psum`` over ``data``,
+``psum_scatter`` over ``fsdp``), not inside every backward action as GSPMD does when the batch axes are
+automatic. Only ``jax.shard_map``, ``lax.psum``/``psum_scatter``/``all_gather``/``pcast`` and ``check_vma`` are
+used: the same on jax 0.10 and 0.11 (``reduced`` shardings, the other way to keep the reduction out of the
+loop, exist only from 0.11). It is a ``lax.scan`` over the schedule's ticks; at every tick each stage
 
 1. reads its entry of the constant control table (:func:`jaxpar.pipeline.table.control_table`: its action,
    microbatch, chunk, and the buffer slots it reads and writes), indexed by ``lax.axis_index('pipe')``;
@@ -37,33 +42,40 @@ derive the same keys as its F, so what the pullback recomputes (a dropout mask) 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from jaxpar import _compat
 from jaxpar.grads import merge_microbatches, microbatch, split_microbatches
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
-from jaxpar.pipeline.stash import (backward_leaves, forward_and_stash, held_to_weight, pullback_from_stash,
-                                   residual_plan, stashed_structs, write_stash)
+from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
+                                   pullback_from_stash, residual_plan, stashed_structs, write_stash)
 from jaxpar.pipeline.table import (ACTIVATIONS, BWD, BWD_INPUT, COTANGENTS, FWD, FWD_LAST, NEXT, PREV, SELF, Actions,
                                    BufferSizes, ControlTable, control_table)
 
 AXIS = "pipe"
+FSDP = "fsdp"
+FSDP_GATHER = ("step", "action")
 
 
 # ---------------------------------------------------------------------------------------- small helpers
 
-def _varying(tree: Any) -> Any:
-    """Marks every leaf as varying over ``pipe`` (a type-level cast; nothing moves)."""
+def _varying(tree: Any, axes: tuple[str, ...] = (AXIS,)) -> Any:
+    """Marks every leaf as varying over ``axes`` (a type-level cast; nothing moves). Casting the parameters
+    before they enter a ``jax.vjp`` is what keeps the vjp from summing their cotangent over ``axes``."""
     def cast(x):
-        return x if AXIS in _compat.varying_axes(x) else jax.lax.pcast(x, AXIS, to="varying")
+        missing = tuple(a for a in axes if a not in _compat.varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(cast, tree)
 
 
@@ -125,8 +137,9 @@ def _merge(held: tuple[bool, ...], kept: tuple, rest: tuple) -> tuple:
 class _Stashes(NamedTuple):
     """The stash buffers (per leaf ``[slots, ...]``) and, in the action branches, the slot each is read at."""
     stash: Any             # F writes, B (and W) read: the leaves W reads (without a split: all)
-    bstash: Any            # split backwards: F writes, B reads: the leaves only B reads
-    wstash: Any            # split backwards: B writes, W reads: what B hands to W
+    bstash: Any            # split backwards: F writes the leaves only B reads, B reads them and writes in their
+                           # place what W needs (one buffer, stash.SharedSlots; the stash's slots)
+    wstash: Any            # buffers: () (B's carry lives in bstash); slots: where B writes and W reads it
 
 
 class _Out(NamedTuple):
@@ -162,6 +175,25 @@ class _Interpreter:
     stash: str = "residuals"
     has_aux: bool = False
     takes_rng: bool = False
+    batch: tuple[str, ...] = ()       # the batch mesh axes the body is manual over (() : GSPMD reduces in actions)
+    batch_size: int = 1               # their product: the shards of one microbatch
+    fsdp_dims: tuple = ()             # per stage-param leaf: its dim sharded over fsdp (None: none), with fsdp manual
+    fsdp_gather: str = "step"         # 'step': weights gathered once at entry; 'action': inside each action
+    fsdp_size: int = 1
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The manual axes: ``pipe`` and the manual batch axes."""
+        return (AXIS, *self.batch)
+
+    @property
+    def gathers(self) -> bool:
+        """Whether each action all-gathers its chunk's weights over ``fsdp`` (``fsdp_gather='action'``)."""
+        return FSDP in self.batch and self.fsdp_gather == "action"
+
+    def dims(self) -> tuple:
+        """Per stage-param leaf, the dim its gradient is reduce-scattered along over ``fsdp`` (or None)."""
+        return self.fsdp_dims if FSDP in self.batch else ()
 
     @property
     def p(self) -> int:
@@ -180,7 +212,36 @@ class _Interpreter:
         return jax.lax.axis_index(AXIS) if self.p > 1 else jnp.zeros((), jnp.int32)
 
     def _vary(self, tree: Any) -> Any:
-        return _varying(tree) if self.p > 1 else tree
+        return _varying(tree, self.axes) if self.p > 1 else tree
+
+    def _gather(self, params: Any, offset: int = 1) -> Any:
+        """With ``fsdp_gather='action'``: ``params`` (one chunk: ``offset=1``; the ``[chunks, ...]`` block:
+        ``offset=0``) all-gathered over ``fsdp`` along each leaf's fsdp dim; otherwise ``params`` as given."""
+        if not self.gathers:
+            return params
+        leaves, treedef = jax.tree.flatten(params)
+        full = [a if d is None else jax.lax.all_gather(a, FSDP, axis=d - offset, tiled=True)
+                for a, d in zip(leaves, self.fsdp_dims)]
+        return self._vary(treedef.unflatten(full))
+
+    def _full(self, params: Any) -> Any:
+        """The (abstract) unsharded block of ``[chunks, ...]`` params: the float32 gradient accumulator's shape."""
+        leaves, treedef = jax.tree.flatten(params)
+        grow = lambda a, d: a.shape if d is None else (*a.shape[:d], a.shape[d] * self.fsdp_size, *a.shape[d + 1:])
+        dims = self.fsdp_dims if self.gathers else (None,) * len(leaves)
+        return treedef.unflatten([jax.ShapeDtypeStruct(grow(a, d), a.dtype) for a, d in zip(leaves, dims)])
+
+    def _share(self, aux: dict) -> jax.Array | None:
+        """This shard's part of its microbatch's loss (None without manual batch axes): with ``aux['weight']``,
+        ``w_s / sum_s w_s`` (the loss being a mean over what the weight counts, the microbatch's loss is
+        ``sum_s w_s l_s / sum_s w_s``: a scalar ``psum`` inside the action); without, ``1 / shards`` (equal rows
+        per shard: the mean of the shards' means). The loss cotangent of shard ``s`` is seeded with it."""
+        if not self.batch:
+            return None
+        if "weight" in aux:
+            w = jax.lax.stop_gradient(jnp.asarray(aux["weight"], jnp.float32))
+            return w / jax.lax.psum(w, self.batch)
+        return jnp.asarray(1.0 / self.batch_size, jnp.float32)
 
     def _layer_keys(self, rng: jax.Array | None, mb: jax.Array, chunk: jax.Array, layers: int) -> jax.Array | None:
         """The keys of one action (``None`` without ``takes_rng``): ``[layers]`` typed keys, entry ``l`` being
@@ -199,13 +260,30 @@ class _Interpreter:
             return self.stage_fn
         return lambda params, x: self.stage_fn(params, x, keys)
 
-    def _psum(self, tree: Any, from_one_stage: bool = False) -> Any:
-        """``psum`` over ``pipe``; ``from_one_stage``: of values one stage holds (the others zeros), which is
-        exact, so 16-bit floats are summed in float32 (:func:`jaxpar._compat.psum_16bit_safe`)."""
+    def _psum(self, tree: Any, from_one_stage: bool = False, batch: bool = False) -> Any:
+        """``psum`` over ``pipe`` (``batch``: and the manual batch axes); ``from_one_stage``: of values one stage
+        holds (the others zeros), which is exact, so 16-bit floats are summed in float32
+        (:func:`jaxpar._compat.psum_16bit_safe`)."""
         if self.p == 1:
             return tree
         psum = _compat.psum_16bit_safe if from_one_stage else jax.lax.psum
-        return jax.tree.map(lambda x: psum(x, AXIS), tree)
+        axes = self.axes if batch and self.batch else AXIS
+        return jax.tree.map(lambda x: psum(x, axes), tree)
+
+    def _reduce_stage(self, dparams: Any) -> Any:
+        """Once per step, after the tick loop: the float32 stage gradient reduce-scattered over ``fsdp`` (along
+        each leaf's fsdp dim) and summed over the other manual batch axes."""
+        if not self.batch:
+            return dparams
+        leaves, treedef = jax.tree.flatten(dparams)
+        out = []
+        for g, d in zip(leaves, self.dims() or (None,) * len(leaves)):
+            rest = self.batch
+            if d is not None:
+                g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True)
+                rest = tuple(a for a in self.batch if a != FSDP)
+            out.append(jax.lax.psum(g, rest) if rest else g)
+        return treedef.unflatten(out)
 
     def _send(self, table: ControlTable, message: jax.Array) -> tuple:
         """``(from the previous stage, from the next stage, own)``: the message handed round over the pairs the
@@ -222,6 +300,10 @@ class _Interpreter:
         out = self.loss_fn(head, y, tgt)
         loss, aux = out if self.has_aux else (out, {})
         loss = loss.astype(jnp.float32) / self.m
+        share = self._share(aux)
+        if share is not None:   # this shard's part; summed over the batch axes after the loop
+            loss = loss * share
+            aux = {k: v if k == "weight" else v * share for k, v in aux.items()}
         return loss * scale, (loss, aux)
 
     def _branches(self, plan, split, zero: _Out, scale):
@@ -230,42 +312,54 @@ class _Interpreter:
         stashes are read-only here (B and W read their slots inside their branches, so other ticks never touch
         them). B and W rebuild a microbatch's pullback with the keys of its F, so a dropout mask is the same."""
         f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
-        held = held_to_weight(self.stash, plan, split)
+        held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, zero.send)
         read = lambda bufs, slot: tuple(b[slot] for b in bufs)
-        stashed = lambda st, sl: _merge(held, read(st.stash, sl.stash), read(st.bstash, sl.bstash))
+        stashed = lambda st, sl: _merge(held, read(st.stash, sl.stash),
+                                        shared.unpack(read(st.bstash, sl.bstash), False))
         leaves = lambda sf, params, x, res: backward_leaves(sf, self.stash, params, x, res, plan)[1]
 
         def idle(params, head, x, g, tgt, st, sl, keys):
             return zero
 
         def fwd(params, head, x, g, tgt, st, sl, keys):
+            params = self._gather(params)
             y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
             return zero._replace(send=y, res=res)
 
         def fwd_last(params, head, x, g, tgt, st, sl, keys):
+            params = self._gather(params)
             y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
                 head, y, tgt, scale)
             return self._vary(zero._replace(send=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
 
         def bwd(params, head, x, g, tgt, st, sl, keys):
+            params = self._gather(params)
             res = stashed(st, sl)
             dparams, dx = pullback_from_stash(self._bind(keys), self.stash, params, x, res, plan)(g)
             return zero._replace(send=dx, dparams=f32(dparams))
 
         def bwd_input(params, head, x, g, tgt, st, sl, keys):
+            params = self._gather(params)
             res = leaves(self._bind(keys), params, x, stashed(st, sl))
             dx, carry = split_lib.backward_input(split, params, x, res, g)
             return self._vary(zero._replace(send=dx, wres=carry))
 
         def bwd_weight(params, head, x, g, tgt, st, sl, keys):
-            freed = tuple(jnp.zeros(b.shape[1:], b.dtype) for b in st.bstash)   # read by B only: dead code here
+            params = self._gather(params)
+            freed = tuple(jnp.zeros(r.shape, r.dtype) for r in shared.first)   # read by B only: dead code here
             res = leaves(self._bind(keys), params, x, _merge(held, read(st.stash, sl.stash), freed))
-            dparams = split_lib.backward_weight(split, params, x, res, read(st.wstash, sl.wstash))
+            carry = shared.unpack(read(st.bstash, sl.wstash), True)
+            dparams = split_lib.backward_weight(split, params, x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
         return [idle, fwd, fwd_last, bwd] + ([bwd_input, bwd_weight] if split is not None else [])
 
     # --- value and gradient ------------------------------------------------------------------------------
+    def _shared(self, plan, split, x0) -> SharedSlots:
+        """The B-only stashed leaves and B's carry to W: one buffer, taking turns in each slot."""
+        _, freed = _part(held_to_weight(self.stash, plan, split), stashed_structs(self.stash, plan, x0))
+        return SharedSlots(freed, split.carry_structs if split is not None else ())
+
     def _init(self, params, head, x_micro, t_micro, sizes: BufferSizes, plan, split) -> tuple[_Carry, _Out]:
         x0 = x_micro[:, 0]
         res = stashed_structs(self.stash, plan, x0)
@@ -273,16 +367,17 @@ class _Interpreter:
         aux = jax.eval_shape(lambda h, y, t: self._scaled_loss(h, y, t, 1.0)[1][1], head, x0,
                              jax.tree.map(lambda t: t[:, 0], t_micro))
         f32 = jnp.float32
-        one = _chunk(params, 0, 1)
+        full = self._full(params)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), full)
         zero = _Out(jnp.zeros_like(x0), _zeros(res), _zeros(wres), _zeros(one, f32), _zeros(head, f32),
                     jnp.zeros((), f32), _zeros(aux))
         buffers = lambda n: jnp.zeros((n, *x0.shape), x0.dtype)
         slots = lambda n, structs: tuple(jnp.zeros((n, *r.shape), r.dtype) for r in structs)
-        kept, freed = _part(held_to_weight(self.stash, plan, split), res)
-        stashes = _Stashes(slots(sizes.stash, kept), slots(sizes.bstash, freed), slots(sizes.wstash, wres))
+        kept, _ = _part(held_to_weight(self.stash, plan, split), res)
+        stashes = _Stashes(slots(sizes.stash, kept), self._shared(plan, split, x0).zeros(sizes.bstash), ())
         carry = _Carry(stashes=stashes,
                        act=buffers(sizes.activations), cot=buffers(sizes.cotangents),
-                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(params, f32), dhead=zero.dhead,
+                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(full, f32), dhead=zero.dhead,
                        loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
         return self._vary(carry), self._vary(zero)
 
@@ -292,15 +387,15 @@ class _Interpreter:
         with ``takes_rng``, the step's key (:meth:`_layer_keys`)."""
         table = control_table(self.schedule)
         stage = self._stage()
-        head, x_micro, t_micro, scale = self._vary((head, x_micro, t_micro, scale))
-        one = _chunk(stage_params, 0, 1)
+        stage_params, head, x_micro, t_micro, scale = self._vary((stage_params, head, x_micro, t_micro, scale))
+        one = self._gather(_chunk(stage_params, 0, 1))
         layers = _num_rows(one)
         sf0 = self._bind(self._layer_keys(rng, 0, 0, layers))   # the plans read shapes only: any action's keys
         plan = residual_plan(sf0, one, x_micro[:, 0]) if self.stash == "residuals" else None
         split = split_lib.split_plan(sf0, one, x_micro[:, 0]) if self.schedule.split_backward else None
         carry, zero = self._init(stage_params, head, x_micro, t_micro, table.sizes, plan, split)
         branches = self._branches(plan, split, zero, scale)
-        held = held_to_weight(self.stash, plan, split)
+        held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, x_micro[:, 0])
 
         def tick(carry: _Carry, row: Actions):
             c = jax.tree.map(lambda a: a[stage], row)
@@ -317,8 +412,8 @@ class _Interpreter:
             is_fwd = (kind == FWD) | (kind == FWD_LAST)
             return _Carry(
                 stashes=_Stashes(write_stash(st.stash, kept, c.stash_slot, is_fwd),
-                                 write_stash(st.bstash, freed, c.bstash_slot, is_fwd),
-                                 write_stash(st.wstash, out.wres, c.wstash_slot, kind == BWD_INPUT)),
+                                 write_stash(write_stash(st.bstash, shared.pack(freed, False), c.bstash_slot, is_fwd),
+                                             shared.pack(out.wres, True), c.wstash_slot, kind == BWD_INPUT), ()),
                 act=act, cot=cot,
                 gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == BWD) | (kind == BWD_INPUT)), axis=1),
                 dparams=_add_chunk(carry.dparams, out.dparams, c.chunk, self.v), dhead=add(carry.dhead, out.dhead),
@@ -326,10 +421,12 @@ class _Interpreter:
                 aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == FWD_LAST), carry.aux, out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
-        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), carry.dparams, stage_params)
-        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._psum(carry.dhead), head)
+        # once per step: the gradients' (and the loss's) reductions over pipe and the manual batch axes
+        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_stage(carry.dparams), stage_params)
+        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._psum(carry.dhead, batch=True), head)
         g_x = self._psum(carry.gx, from_one_stage=True)
-        return self._psum(carry.loss), (g_stage, g_head, g_x), self._psum(carry.aux, from_one_stage=True)
+        loss, aux = self._psum(carry.loss, batch=True), self._psum(carry.aux, from_one_stage=True, batch=True)
+        return loss, (g_stage, g_head, g_x), aux
 
     # --- forward only ---------------------------------------------------------------------------------
     def apply(self, stage_params, x_micro, rng=None):
@@ -361,13 +458,65 @@ class _Interpreter:
 
 # ----------------------------------------------------------------------------------- traceable cores
 
-def _over_pipe(body: Callable, schedule: Schedule, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
-    """``jax.shard_map`` of the interpreter over ``pipe`` only; with one stage, the body itself (plain GSPMD:
-    XLA rejects the pipe psums of a size-1 manual axis beside sharded auto axes)."""
+def _over_pipe(body: Callable, schedule: Schedule, mesh: Mesh, in_specs: tuple, out_specs: Any,
+               batch: tuple[str, ...] = ()) -> Callable:
+    """``jax.shard_map`` of the interpreter over ``pipe`` and the manual batch axes ``batch`` (``tensor`` and any
+    other axis stay automatic: GSPMD partitions the stage function over them); with one stage, the body itself
+    (plain GSPMD: XLA rejects the pipe psums of a size-1 manual axis beside sharded auto axes)."""
     if schedule.num_stages == 1:
         return body
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS, *batch},
                          check_vma=True)
+
+
+def manual_batch_axes(schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...], takes_rng: bool = False,
+                      comm: str = "step") -> tuple[str, ...]:
+    """The batch mesh axes (of size > 1) the interpreter's ``shard_map`` is manual over: those of ``batch_axes``
+    with ``comm='step'``, more than one stage and a stage function without an rng; else ``()`` (GSPMD then
+    reduces the data-parallel gradient inside each backward action, once per microbatch).
+
+    ``takes_rng`` keeps the GSPMD path: a stage function draws its dropout masks over the shape it is given,
+    and a manual shard sees only its rows, so its masks would differ from the non-pipelined step's (which
+    draws over the global microbatch); GSPMD's partitionable ``threefry`` draws the global values."""
+    if comm == "action" or schedule.num_stages == 1 or takes_rng:
+        return ()
+    return tuple(a for a in batch_axes if mesh.shape[a] > 1)
+
+
+def fsdp_dim(shape: tuple[int, ...], model_dim: int, fsdp: int) -> int | None:
+    """The dim of a ``[chunks, layers, ...]`` stage-param leaf taken as its ``fsdp`` dim: among the trailing dims
+    divisible by ``fsdp``, the last one of the activation's model size ``model_dim`` (jaxpar's rules shard the
+    ``embed`` dim of every weight over fsdp), else the largest (first of equals); None if none divides."""
+    dims = [d for d in range(2, len(shape)) if shape[d] % fsdp == 0]
+    model = [d for d in dims if shape[d] == model_dim]
+    if model:
+        return model[-1]
+    return max(dims, key=lambda d: (shape[d], -d)) if dims else None
+
+
+@contextlib.contextmanager
+def _local_rules(manual: tuple[str, ...]):
+    """The logical rules in context with the manual axes removed: inside the body a stage function's logical
+    constraints (e.g. ``constrain(x, 'batch', 'seq', 'embed')``) may name only automatic axes."""
+    rules = nn.get_logical_axis_rules()
+    if not manual or not rules:
+        yield
+        return
+    def strip(t):
+        if t is None or isinstance(t, str):
+            return None if t in manual else t
+        kept = tuple(a for a in t if a not in manual)
+        return kept or None
+    with nn.logical_axis_rules(tuple((name, strip(t)) for name, t in rules)):
+        yield
+
+
+def _stage_specs(stage_params: Any, interp: _Interpreter, sharded: bool) -> Any:
+    """Per stage-param leaf: ``P('pipe')``, or (``sharded``) ``P('pipe', ..., 'fsdp')`` with fsdp at its dim."""
+    leaves, treedef = jax.tree.flatten(stage_params)
+    dims = interp.dims() or (None,) * len(leaves)
+    spec = lambda d: P(AXIS) if d is None or not sharded else P(AXIS, *([None] * (d - 1)), FSDP)
+    return treedef.unflatten([spec(d) for d in dims])
 
 
 def _key_data(rng: jax.Array | None, takes_rng: bool) -> tuple[jax.Array | None, Callable]:
@@ -385,7 +534,7 @@ def _key_data(rng: jax.Array | None, takes_rng: bool) -> tuple[jax.Array | None,
 
 def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, mesh: Mesh,
                         batch_axes: tuple[str, ...], stash: str = "residuals", has_aux: bool = False,
-                        takes_rng: bool = False) -> Callable:
+                        takes_rng: bool = False, fsdp_gather: str = "step", comm: str = "step") -> Callable:
     """The traceable (unvalidated, unjitted) body of :func:`jaxpar.pipeline.value_and_grad`.
 
     Returns ``f(stage_params, head_params, x, targets, scale=None, rng=None) -> ((loss, (g_stage, g_head, g_x)),
@@ -395,20 +544,37 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     (and its B and W) gets ``keys[l] = fold_in(fold_in(rng, j), vs * R + l)``, ``R`` the rows of one virtual
     stage's params (its layers): one key per global layer. For use inside another jitted function (the train
     step), under ``jax.set_mesh(mesh)``.
-    """
-    interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux, takes_rng)
 
-    def inner(stage_params, head_params, x_micro, t_micro, scale, data, unwrap):
-        return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
+    Communication (``comm='step'``, the default; see :func:`manual_batch_axes` for when it applies): the
+    ``shard_map`` is manual over ``pipe`` and the batch axes, so each device runs its rows of every
+    microbatch, accumulates its stage's float32 gradient locally over the microbatches and reduces it once
+    after the tick loop: ``psum_scatter`` over ``fsdp`` (along each leaf's :func:`fsdp_dim`) and ``psum`` over
+    ``data``. ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the
+    ``shard_map``'s entry, for all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B
+    and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
+    """
+    manual = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, comm)
+    batch_size = int(np.prod([mesh.shape[a] for a in manual], dtype=int))
+    fsdp = mesh.shape[FSDP] if FSDP in manual else 1
 
     def run(stage_params, head_params, x, targets, scale=None, rng=None):
         m = schedule.num_microbatches
+        dims = tuple(fsdp_dim(a.shape, x.shape[-1], fsdp) for a in jax.tree.leaves(stage_params)) if fsdp > 1 else ()
+        interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux, takes_rng, manual, batch_size, dims,
+                              fsdp_gather, fsdp)
+
+        def inner(stage_params, head_params, x_micro, t_micro, scale, data):
+            with _local_rules(manual):
+                return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
+
         x_micro = split_microbatches(x, m, batch_axes)
         t_micro = jax.tree.map(lambda t: split_microbatches(t, m, batch_axes), targets)
         scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
         data, unwrap = _key_data(rng, takes_rng)
-        body = _over_pipe(lambda *a: inner(*a, unwrap), schedule, mesh, in_specs=(P(AXIS), P(), P(), P(), P(), P()),
-                          out_specs=(P(), (P(AXIS), P(), P()), P()))
+        rows = P(manual) if manual else P()
+        body = _over_pipe(inner, schedule, mesh,
+                          in_specs=(_stage_specs(stage_params, interp, interp.gathers), P(), rows, rows, P(), P()),
+                          out_specs=(P(), (_stage_specs(stage_params, interp, True), P(), rows), P()), batch=manual)
         loss, (g_stage, g_head, gx_micro), aux = body(stage_params, head_params, x_micro, t_micro, scale, data)
         return (loss, (g_stage, g_head, merge_microbatches(gx_micro, batch_axes))), aux
     return run

@@ -8,10 +8,11 @@
    ``[num_stages * num_chunks, layers / (num_stages * num_chunks), ...]``. With a ``pipe`` axis larger than 1
    the layers axis is already split over ``pipe`` (``jp.sharding.effective_rules``), so with one chunk stage
    ``s`` finds layers ``s*L/p .. (s+1)*L/p - 1`` on its own devices and nothing moves. With several chunks
-   (interleaved, ZB-V) the params are either kept in model order (``params_layout="model"``, the default:
-   the step permutes the layers to the stage layout, and the gradient back, so weights cross ``pipe`` every
-   step) or already in stage layout (``params_layout="stage"``: init them through
-   :meth:`Pipeline.to_stage_layout`; nothing moves);
+   (interleaved, ZB-V) the step follows the state's layout (``TrainState.layout``): a state built by
+   ``jp.train.init_state(..., pipeline=pipeline)`` (or restored into ``abstract_state(..., pipeline=pipeline)``)
+   holds the stage layout and nothing moves; a state in model order is permuted to the stage layout, and the
+   gradient back, inside every step (weights cross ``pipe`` every step). A state in another schedule's layout
+   is refused (ValueError before tracing);
 2. ``x = embed_fn(params, inputs)`` runs before the pipeline (GSPMD over the batch axes, replicated over
    ``pipe``); :func:`jaxpar.pipeline.value_and_grad`'s interpreter runs the stages and the head/loss;
 3. the embedding's gradient comes from ``g_x`` through ``jax.vjp(embed_fn)``; it is added to the head's
@@ -36,9 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import grads as gr
 from jaxpar import sharding as shd
-from jaxpar.pipeline.checks import check_mesh_and_schedule, check_stage_fn, struct
+from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, check_stage_fn, struct
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
-from jaxpar.pipeline.layout import from_stage_layout, to_stage_layout
+from jaxpar.pipeline.layout import from_stage_layout, stage_order, to_stage_layout
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
 
@@ -86,10 +87,25 @@ class Pipeline(gr.GradFn):
       stage_key: the params entry holding the stacked ``[layers, ...]`` stage params.
       inputs_key, targets_key: the batch entries given to ``embed_fn`` and ``head_loss_fn``.
       stash: ``'residuals'`` or ``'inputs'`` (see :func:`jaxpar.pipeline.value_and_grad`).
-      params_layout: ``'model'`` (``params[stage_key]`` in model order; the step converts) or ``'stage'``
-        (already in the schedule's stage layout, :meth:`to_stage_layout`). The same for one chunk per stage.
+      params_layout: ``'auto'`` (default: the layout the state records, ``TrainState.layout``: the stage
+        layout for a state from ``jp.train.init_state(..., pipeline=self)``, else model order, converted
+        inside every step), ``'stage'`` (the same, but a model-order state is refused: no weight may cross
+        ``pipe`` in a step) or ``'model'`` (a staged state is refused). All three are the same for one chunk
+        per stage, whose stage layout is the model order. (Before the state recorded its layout, ``'stage'``
+        meant params staged by hand through :meth:`to_stage_layout`; such a state does not say its layout, so
+        checkpoints and evaluation took it for model order: it is refused, build it with ``pipeline=``.)
       stage_takes_rng: whether ``stage_fn`` takes the layer keys (default False: ``stage_fn(params, x_mb)`` and
         the step's ``rng`` is not used).
+      fsdp_gather: with ``fsdp > 1`` (and ``pipe > 1``), when a stage's weights are all-gathered over ``fsdp``:
+        ``'step'`` (default) once per step, before the tick loop, kept for all microbatches (the weights of the
+        device's own layers, unsharded, stay in memory for the step; least traffic: as MaxText's
+        ``pipeline_fsdp_ag_once``), or ``'action'``: inside every F, B and W (``2m``-``3m`` gathers of each
+        weight per step, the unsharded weights live only during an action). Either way the stage gradient is
+        accumulated unsharded in float32 over the microbatches (4 bytes per parameter of the device's layers)
+        and reduce-scattered over ``fsdp`` once per step. The default: that accumulator already holds the
+        unsharded stage in float32, so keeping the weights too adds at most as much again (the compute dtype's
+        bytes per parameter), while gathering per action multiplies the all-gather traffic by ``2m`` to ``3m``.
+        See :func:`jaxpar.pipeline.value_and_grad` ("Communication").
 
     The loss is the mean of the microbatch losses (microbatches have equal size). The GPT's parts:
     ``Pipeline(model.embed, model.stage, model.head_loss, schedule)``.
@@ -114,8 +130,10 @@ class Pipeline(gr.GradFn):
     inputs_key: str = "inputs"
     targets_key: str = "targets"
     stash: str = "residuals"
-    params_layout: str = "model"
+    params_layout: str = "auto"
     stage_takes_rng: bool = False
+    fsdp_gather: str = "step"
+    _comm: str = "step"
     uses_pipe = True
 
     def __post_init__(self):
@@ -129,16 +147,17 @@ class Pipeline(gr.GradFn):
                              "one_f_one_b (or interleaved_1f1b, zero_bubble, zero_bubble_v)")
         if self.stash not in STASH_MODES:
             raise ValueError(f"Pipeline.stash={self.stash!r}; use one of {STASH_MODES}")
-        if self.params_layout not in ("model", "stage"):
-            raise ValueError(f"Pipeline.params_layout={self.params_layout!r}; use 'model' (params in model order) or "
-                             "'stage' (params already through Pipeline.to_stage_layout)")
+        if self.params_layout not in ("auto", "model", "stage"):
+            raise ValueError(f"Pipeline.params_layout={self.params_layout!r}; use 'auto' (the state's layout), "
+                             "'stage' (a state from jp.train.init_state(..., pipeline=pipeline)) or 'model'")
         if not isinstance(self.stage_takes_rng, bool):
             raise TypeError(f"Pipeline.stage_takes_rng={self.stage_takes_rng!r} must be a bool: True when stage_fn is "
                             "stage_fn(params, x_mb, keys)")
+        check_comm_options(self.fsdp_gather, self._comm, "Pipeline.fsdp_gather")
 
     def to_stage_layout(self, params: Any) -> Any:
-        """``params`` with ``params[stage_key]`` put in the schedule's stage layout (for ``params_layout='stage'``;
-        boxed Flax params too, e.g. ``lambda rng: pipeline.to_stage_layout(model.init(rng))``)."""
+        """``params`` with ``params[stage_key]`` put in the schedule's stage layout (boxed Flax params too). A
+        training state is put in it by ``jp.train.init_state(..., pipeline=pipeline)``, which records it."""
         return {**params, self.stage_key: to_stage_layout(params[self.stage_key], self.schedule)}
 
     def from_stage_layout(self, params: Any) -> Any:
@@ -155,6 +174,26 @@ class Pipeline(gr.GradFn):
         check_mesh_and_schedule(self.schedule, mesh, self.stash)
 
     # ------------------------------------------------------------------------------------------- checks
+    def _params_staged(self, ctx: gr.Context) -> bool:
+        """Whether ``params[stage_key]`` comes in the stage layout (``ctx.layout``, the state's); ValueError for
+        a state in another schedule's layout or one ``params_layout`` refuses."""
+        layout, order = ctx.layout, stage_order(self.schedule)
+        if layout is not None and (layout.stage_key != self.stage_key or tuple(layout.order) != order):
+            raise ValueError(f"the state is in the stage layout of another pipeline (stage_key={layout.stage_key!r}, "
+                             f"virtual stage order {layout.order}); this one ({self.schedule.name!r}, stage_key="
+                             f"{self.stage_key!r}) needs order {order}: restore a checkpoint into "
+                             "jp.train.abstract_state(..., pipeline=this_pipeline) (checkpoints are in model order), "
+                             "or convert with jp.train.to_model_order(state)")
+        if layout is not None and self.params_layout == "model":
+            raise ValueError("Pipeline(params_layout='model') got a state in its stage layout (state.layout is set); "
+                             "use params_layout='auto', or jp.train.to_model_order(state)")
+        if layout is None and self.params_layout == "stage" and order != tuple(range(len(order))):
+            raise ValueError(f"Pipeline(params_layout='stage') got a state in model order (state.layout is None), which "
+                             f"the {self.schedule.name!r} step would permute over pipe every step: build it with "
+                             "jp.train.init_state(..., pipeline=pipeline) (or restore into abstract_state(..., "
+                             "pipeline=pipeline)); a state staged by hand through Pipeline.to_stage_layout does not "
+                             "record its layout")
+        return layout is not None
     def check(self, params: Any, batch: Any, ctx: gr.Context) -> None:
         """Raises ValueError (before tracing) for params or a batch the pipeline cannot run.
 
@@ -166,6 +205,7 @@ class Pipeline(gr.GradFn):
             have = sorted(params) if isinstance(params, dict) else type(params).__name__
             raise ValueError(f"Pipeline.stage_key={self.stage_key!r} is not an entry of the params ({have}); "
                              "name the entry that holds the stacked [layers, ...] stage params")
+        self._params_staged(ctx)
         stages, rest = _split_params(params, self.stage_key)
         p, n = self.schedule.num_stages, self.schedule.num_virtual_stages
         what = f"num_stages = {p}" if n == p else f"num_stages * num_chunks = {n}"
@@ -212,13 +252,14 @@ class Pipeline(gr.GradFn):
         staged, rest = self._staged(params, ctx)
         x, embed_vjp = jax.vjp(lambda r: self.embed_fn(r, batch[self.inputs_key]), rest)
         core = value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
-                                   ctx.mesh, ctx.batch_axes, self.stash, True, self.stage_takes_rng)
+                                   ctx.mesh, ctx.batch_axes, self.stash, True, self.stage_takes_rng,
+                                   self.fsdp_gather, self._comm)
         (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale,
                                                     rng if self.stage_takes_rng else None)
         (g_embed,) = embed_vjp(g_x)
         g_rest = jax.tree.map(jnp.add, g_embed, g_head)       # tied weights: both uses add up
         g_stages = jax.tree.map(_from_stages, g_staged)
-        if self.params_layout == "model":
+        if not self._params_staged(ctx):
             g_stages = from_stage_layout(g_stages, self.schedule)
         grads = {k: g_stages if k == self.stage_key else g_rest[k] for k in params}
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -228,7 +269,7 @@ class Pipeline(gr.GradFn):
         """``(stage params as [V, layers / V, ...] in stage layout, the other params)``, cast by the policy."""
         compute_params = params if ctx.policy is None else ctx.policy.cast_to_compute(params)
         stages, rest = _split_params(compute_params, self.stage_key)
-        if self.params_layout == "model":
+        if not self._params_staged(ctx):
             stages = to_stage_layout(stages, self.schedule)
         return jax.tree.map(lambda a: _to_stages(a, self.schedule.num_virtual_stages), stages), rest
 
@@ -240,7 +281,7 @@ class Pipeline(gr.GradFn):
         ``stage_takes_rng`` the keys of the train step, see "Keys"), then ``head_loss_fn`` on each of the ``m``
         microbatches (``lax.map``: one microbatch's logits at a time). The loss is the mean of the microbatch
         losses and ``aux`` is reduced as in training (``weight`` summed, the rest weight-averaged), so the
-        eval loss equals the train step's loss at the same params. ``params`` in ``params_layout``.
+        eval loss equals the train step's loss at the same params. ``params`` in the layout ``ctx.layout`` says.
         """
         staged, rest = self._staged(params, ctx)
         x = self.embed_fn(rest, batch[self.inputs_key])

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
 from jaxpar.jit import MeshJit
-from jaxpar.pipeline.checks import (check_batch, check_loss_fn, check_mesh_and_schedule, check_stage_fn,
-                                    check_stage_params)
+from jaxpar.pipeline.checks import (check_batch, check_comm_options, check_loss_fn,
+                                    check_mesh_and_schedule, check_stage_fn, check_stage_params)
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
@@ -55,7 +55,8 @@ def _specs(mesh: Mesh, rules: shd.Rules):
 
 
 def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *, mesh: Mesh,
-                   rules: shd.Rules = shd.DEFAULT_RULES, stash: str = "residuals") -> Callable:
+                   rules: shd.Rules = shd.DEFAULT_RULES, stash: str = "residuals",
+                   fsdp_gather: str = "step") -> Callable:
     """Loss and gradients of a pipelined model: ``f(stage_params, head_params, x, targets)``.
 
     The model is ``loss = mean_j loss_fn(head_params, stage_{V-1}(... stage_0(x_j)), targets_j)`` over the
@@ -78,6 +79,7 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
       rules: logical axis rules; the ``batch`` rule gives the axes each microbatch is split over.
       stash: ``'residuals'`` (stash the input-dependent vjp residuals) or ``'inputs'`` (stash stage inputs
         and recompute the forward in the backward, and in the ``W`` of a split backward).
+      fsdp_gather: ``'step'`` or ``'action'``: see "Communication".
 
     Returns:
       ``f(stage_params, head_params, x, targets) -> (loss, (g_stage_params, g_head_params, g_x))``, jitted.
@@ -91,6 +93,19 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
       Gradients have their inputs' shapes, dtypes and shardings; ``g_x`` is ``d loss / d x`` (it includes the
       ``1/m``).
 
+    Communication: with ``pipe > 1`` the ``shard_map`` is manual over ``pipe`` and the batch axes (``data``,
+    ``fsdp``; ``tensor`` stays automatic), so gradients accumulate locally over the microbatches and are
+    reduced once per step, after the tick loop (``psum`` over ``data``, ``psum_scatter`` over ``fsdp``), as
+    Megatron and torchtitan do; inside, the stage function's logical constraints run with the batch axes
+    mapped to None. This path because it uses only ``jax.shard_map``, ``lax.psum``/``psum_scatter``/
+    ``all_gather``/``pcast`` with ``check_vma``, which behave the same on jax 0.10 and 0.11 (the ``reduced``
+    sharding annotation exists only from 0.11). Each shard's loss is its part of the microbatch's loss
+    (``w_s / sum w`` with an aux weight, else ``1 / shards``). ``fsdp_gather='step'`` (default) gathers each
+    stage's weights over ``fsdp`` once at entry and keeps them; ``'action'`` gathers inside every F/B/W;
+    both accumulate the stage gradient unsharded in float32 (4 bytes per parameter of the device's layers).
+    Stage functions that take an rng keep the former GSPMD path (their masks are drawn over the global
+    microbatch).
+
     Raises (before tracing):
       TypeError: ``schedule`` not a Schedule or ``mesh`` not a Mesh.
       ValueError: the mesh's ``pipe`` size is not ``schedule.num_stages``; a forward-only schedule; a
@@ -100,12 +115,13 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
         does not return a float scalar; an unknown ``stash``.
     """
     check_mesh_and_schedule(schedule, mesh, stash)
+    check_comm_options(fsdp_gather)
     if not schedule.has_backward:
         raise ValueError(f"schedule {schedule.name!r} is forward-only; use jp.pipeline.apply for inference, or a "
                          "training schedule (gpipe, one_f_one_b, interleaved_1f1b, zero_bubble, zero_bubble_v)")
     shd.validate_rules(rules, mesh)
     axes, staged, replicated, batched = _specs(mesh, rules)
-    core = value_and_grad_core(stage_fn, loss_fn, schedule, mesh, axes, stash)
+    core = value_and_grad_core(stage_fn, loss_fn, schedule, mesh, axes, stash, fsdp_gather=fsdp_gather)
     place = _placer(mesh, (staged, replicated, batched, batched))
     jitted = MeshJit(lambda *a: core(*a)[0], mesh, rules, lambda s, h, x, t: (shd.replicated(mesh), (s, h, x)),
                      checked_args=())

@@ -11,16 +11,21 @@ Two modes (``stash=`` of ``jp.pipeline.value_and_grad``):
 The interpreter keeps one buffer per stashed leaf, ``[stash slots, ...]``, written by F and read by B in the
 slot the control table names (:mod:`jaxpar.pipeline.table`). In a table with split backwards the stashed
 leaves fall in two groups (:func:`held_to_weight`): those W reads stay in the stash until the W, those only B
-reads go to a second one (``bstash``) freed at the B; and the values a split B hands to its W
-(:mod:`jaxpar.pipeline.split`) go to a third (``wstash``), from the B to the W.
+reads are needed from the F to the B; and the values a split B hands to its W (:mod:`jaxpar.pipeline.split`'s
+carry) from the B to the W. The last two never live at once for one (microbatch, chunk), so they share
+buffers (:class:`SharedSlots`, leaves of equal shape paired): each slot holds the B-only leaves until the B,
+which overwrites them with its carry. A (microbatch, chunk) then costs about ``held + max(B-only, carry)``
+bytes from its F to its W, instead of ``held + B-only`` and ``carry`` in two buffers each sized for its own
+peak.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 STASH_MODES = ("residuals", "inputs")
@@ -100,6 +105,55 @@ def held_to_weight(mode: str, plan: Plan | None, split: Any | None) -> tuple[boo
         return (True,) * (1 if mode == "inputs" else sum(plan[0]))
     leaf_index = [i for i, keep in enumerate(plan[0]) if keep]
     return tuple(i in split.w_leaves for i in leaf_index)
+
+
+class SharedSlots(NamedTuple):
+    """Two groups of leaves, ``first`` and ``second``, that take turns in the same buffer slots.
+
+    Each leaf of ``second`` takes the buffer of a leaf of ``first`` of the same shape and dtype (the first such
+    one not yet taken); a leaf with no partner gets a buffer of its own. Leaves are never reshaped, so a
+    sharded leaf keeps its layout (a flat union buffer would reshard inside the action branches, and a
+    collective inside a branch only some stages take deadlocks). :meth:`buffer_structs` are the slots'
+    structs; :meth:`pack` gives one group's values per buffer (zeros for the buffers it does not use).
+    """
+    first: tuple[jax.ShapeDtypeStruct, ...]
+    second: tuple[jax.ShapeDtypeStruct, ...]
+
+    def _layout(self) -> tuple[tuple[jax.ShapeDtypeStruct, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(buffer structs, buffer of each first leaf, buffer of each second leaf)``."""
+        key = lambda r: (tuple(r.shape), jnp.dtype(r.dtype))
+        buffers, free = list(self.first), list(range(len(self.first)))
+        of_second = []
+        for r in self.second:
+            match = next((i for i in free if key(buffers[i]) == key(r)), None)
+            if match is None:
+                buffers.append(r)
+                match = len(buffers) - 1
+            else:
+                free.remove(match)
+            of_second.append(match)
+        return tuple(buffers), tuple(range(len(self.first))), tuple(of_second)
+
+    def buffer_structs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return self._layout()[0]
+
+    def zeros(self, num_slots: int) -> tuple:
+        """The empty buffers, ``[num_slots, ...]`` per buffer."""
+        return tuple(jnp.zeros((num_slots, *r.shape), r.dtype) for r in self.buffer_structs())
+
+    def pack(self, values: tuple, second: bool) -> tuple:
+        """One slot's value per buffer: ``values`` (the ``second`` group's leaves, or the ``first``'s) in their
+        buffers, zeros in the others."""
+        buffers, of_first, of_second = self._layout()
+        out = [jnp.zeros(r.shape, r.dtype) for r in buffers]
+        for v, i in zip(values, of_second if second else of_first):
+            out[i] = v
+        return tuple(out)
+
+    def unpack(self, slot: tuple, second: bool) -> tuple:
+        """The leaves of the ``second`` group (or the ``first``) from one slot's values (one per buffer)."""
+        _, of_first, of_second = self._layout()
+        return tuple(slot[i] for i in (of_second if second else of_first))
 
 
 def write_stash(stash: tuple, res: tuple, slot: jax.Array, on: jax.Array) -> tuple:

@@ -4,7 +4,8 @@ The interpreter (:mod:`jaxpar.pipeline.interpreter`) scans over ticks; at tick `
 ``[t, s]`` of every array of the :class:`Actions` below: its action kind, the microbatch and chunk, and the
 buffer slots it reads and writes. The slots come from the schedule's buffer lifetimes
 (:meth:`Schedule.lifetimes`), coloured per stage so that the number of slots is each buffer's peak overlap
-(:meth:`Schedule.peak_stash`, :meth:`Schedule.peak_wstash`, :meth:`Schedule.recv_slots`). Every stage
+(:meth:`Schedule.peak_stash`, :meth:`Schedule.recv_slots`; with split backwards the B-only leaves and the
+carry to ``W`` share the stash's slots). Every stage
 allocates the largest stage's count, as SPMD runs one program on all stages.
 
 **Routing.** Every action produces at most one array of the activation's shape, its *message*: an ``F`` its
@@ -57,7 +58,10 @@ class Actions(NamedTuple):
 
 
 class BufferSizes(NamedTuple):
-    """Slots of each buffer every stage allocates: the maximum over stages of the table's counts, at least 1."""
+    """Slots of each buffer every stage allocates: the maximum over stages of the table's counts, at least 1.
+
+    With split backwards ``bstash`` and ``wstash`` are one shared buffer with the stash's slots (``bstash ==
+    wstash == stash``; see :func:`_stash_at_backward`)."""
     stash: int
     bstash: int
     wstash: int
@@ -146,14 +150,17 @@ def control_table(schedule: Schedule) -> ControlTable:
                 used.add((src, s))
                 count = max(count, k + 1)
         sizes[name] = max(count, 1)
-    _stash_at_backward(schedule, arrays)
+    _stash_at_backward(schedule, arrays, sizes)
     to_next = tuple(((s - 1) % p, s) for s in range(p) if (PREV, s) in used)
     to_prev = tuple(((s + 1) % p, s) for s in range(p) if (NEXT, s) in used)
     return ControlTable(Actions(**arrays), BufferSizes(**sizes), to_next, to_prev)
 
 
-def _stash_at_backward(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
-    """With split backwards the stash interval runs from ``F`` to ``W``: its ``B`` reads the same slot."""
+def _stash_at_backward(schedule: Schedule, arrays: dict[str, np.ndarray], sizes: dict[str, int]) -> None:
+    """With split backwards the stash interval runs from ``F`` to ``W``: its ``B`` reads the same slot. The
+    B-only leaves (``bstash``, ``F`` to ``B``) and ``B``'s carry to ``W`` (``wstash``, ``B`` to ``W``) share
+    one buffer (:class:`jaxpar.pipeline.stash.SharedSlots`) with the stash's slots: a (microbatch, chunk) keeps
+    its stash slot in all three from its ``F`` to its ``W``."""
     if not schedule.split_backward:
         return
     when = schedule.ticks()
@@ -161,3 +168,5 @@ def _stash_at_backward(schedule: Schedule, arrays: dict[str, np.ndarray]) -> Non
         if kind == "B":
             s, _ = schedule.location(v)
             arrays["stash_slot"][t, s] = arrays["stash_slot"][when[("F", j, v)], s]
+    arrays["bstash_slot"][:] = arrays["wstash_slot"][:] = arrays["stash_slot"]
+    sizes["bstash"] = sizes["wstash"] = sizes["stash"]

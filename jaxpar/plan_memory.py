@@ -1,0 +1,117 @@
+"""Analytic per-device memory of the GPT train step: the estimate set beside XLA's compiled ``memory_analysis``.
+
+One formula, used by :func:`jaxpar.plan.plan` and ``benchmarks/memory.py``. Per device, in bytes, with ``s(x)``
+the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its dtype's bytes:
+
+* params ``P = sum_x b(x) |x| / s(x)`` (the stored dtype: float32 master weights under a bf16 policy);
+  gradients ``P`` (the params' dtype); optimizer state: its leaves' bytes the same way (AdamW: ``2 P``);
+  with gradient accumulation a float32 accumulator ``P`` more;
+* a compute copy of the params when the compute dtype is narrower: ``P c / b`` (``P / 2`` for bf16 over f32);
+* activations ``A = T * (N_d * r_saved + r_live + h)``. ``T`` is the tokens a device holds at once:
+  ``B L / (data * fsdp * k)`` for ``k`` accumulation steps, or under a pipeline ``B L / (data * m * k)`` per
+  microbatch times the schedule's peak stash slots (``max(schedule.peak_stash)``); ``N_d`` the layers on the
+  device (``N / pipe``); ``h = c D + 2 * 4 V / t`` the head's (final LayerNorm input, float32 logits and their
+  softmax). ``r`` is what one block keeps per token for its backward without remat:
+  ``r = c (2 D + 3 H K / t + H K / t + 2 F / t) + 4 H Lk / t (+ c H Lk / t when c < 4)`` (block input and the
+  residual after attention, q, k, v and the attention output, the MLP pre-activation and GELU output, the
+  float32 softmax probabilities over ``Lk`` visible keys on average and their cast). By ``GPTConfig.remat``:
+
+  - ``"none"``: ``r_saved = r``, ``r_live = 0``;
+  - ``"full"`` (``jax.checkpoint``, nothing saveable): ``r_saved = c D`` (the block input), ``r_live = r``
+    (one block recomputed during its backward);
+  - ``"dots"`` (dots without batch dims saveable): ``r_saved = c (D + 3 H K / t + D + F / t + D)`` (input, the
+    qkv, out-projection, up and down matmul outputs), ``r_live = r``.
+
+  ``c`` is the compute dtype's bytes, ``t`` the tensor-parallel size, ``D, H, K, F, V`` the model's width,
+  heads, head dim, MLP width and padded vocabulary.
+
+Left out (so a compiled figure may exceed it): XLA's transient buffers (the gradient of one activation while
+the next is computed; the attention gradients), the batch and metrics, the pipeline's receive buffers and
+gradient accumulators, and on XLA:CPU the float32 copies it makes of bfloat16 buffers it computes in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def spec_axes(spec: Any) -> list[str]:
+    """The mesh axis names a ``PartitionSpec`` uses."""
+    out: list[str] = []
+    for entry in spec:
+        if entry is not None:
+            out.extend((entry,) if isinstance(entry, str) else entry)
+    return out
+
+
+def sharded_bytes(tree: Any) -> float:
+    """Per-device bytes of a tree of arrays or ``jax.ShapeDtypeStruct``s with ``NamedSharding``s (even splits)."""
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        split = 1 if sharding is None else math.prod(sharding.mesh.shape[a] for a in spec_axes(sharding.spec))
+        total += np.dtype(x.dtype).itemsize * math.prod(x.shape) / split if hasattr(x.dtype, "itemsize") else 0
+    return total
+
+
+def mean_visible_keys(cfg: Any, seq_len: int) -> float:
+    """Mean number of keys a query's attention computes over (``L`` for ``attention="xla"``; for ``"blocked"``
+    the mean block end, since each query block attends to every key up to its own end)."""
+    if cfg.attention != "blocked":
+        return float(seq_len)
+    n = max(1, min(cfg.attention_blocks, seq_len))
+    ends = [round((i + 1) * seq_len / n) for i in range(n)]
+    sizes = [e - round(i * seq_len / n) for i, e in enumerate(ends)]
+    return sum(s * e for s, e in zip(sizes, ends)) / seq_len
+
+
+def block_bytes_per_token(cfg: Any, seq_len: int, c: int, t: int) -> tuple[float, float]:
+    """``(r_saved, r_live)`` of the module docstring: bytes per token one block keeps for its backward, and
+    those of the one block being recomputed (remat)."""
+    D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+    Lk = mean_visible_keys(cfg, seq_len)
+    r = c * (2 * D + 4 * H * K / t + 2 * F / t) + 4 * H * Lk / t + (c * H * Lk / t if c < 4 else 0)
+    if cfg.remat == "none":
+        return r, 0.0
+    if cfg.remat == "full":
+        return c * D, r
+    return c * (3 * D + 3 * H * K / t + F / t), r
+
+
+def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, schedule: Any = None,
+             grad_accum_steps: int = 1) -> dict[str, float]:
+    """The estimate of the module docstring, per device, in bytes: ``{"params", "grads", "opt_state",
+    "grad_accumulator", "compute_params", "activations"}``.
+
+    Args:
+      cfg: the ``GPTConfig``.
+      state: the ``TrainState`` (arrays or ``jax.ShapeDtypeStruct``s with shardings, e.g.
+        ``jp.train.abstract_state``); its ``policy`` gives the compute dtype (None: the params' dtype).
+      mesh: the mesh (``data``, ``fsdp``, ``tensor``, ``pipe`` sizes).
+      global_batch, seq_len: sequences per step and tokens per sequence.
+      schedule: the pipeline schedule, or None.
+      grad_accum_steps: accumulation steps per update.
+    """
+    P = sharded_bytes(state.params)
+    param_bytes = max((np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params)), default=4)
+    policy = state.policy
+    c = param_bytes if policy is None else np.dtype(policy.compute_dtype).itemsize
+    if cfg.dtype is not None:
+        c = np.dtype(cfg.dtype).itemsize
+    t, k = mesh.shape["tensor"], grad_accum_steps
+    r_saved, r_live = block_bytes_per_token(cfg, seq_len, c, t)
+    h = c * cfg.d_model + 2 * 4 * cfg.padded_vocab / t
+    if schedule is None:
+        tokens, layers = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * k), cfg.num_layers
+    else:
+        m = schedule.num_microbatches
+        tokens = global_batch * seq_len / (mesh.shape["data"] * m * k) * max(schedule.peak_stash)
+        layers = cfg.num_layers / mesh.shape["pipe"]
+    return {"params": P, "grads": P, "opt_state": sharded_bytes(state.opt_state),
+            "grad_accumulator": P * 4 / param_bytes if k > 1 else 0.0,
+            "compute_params": P * c / param_bytes if c < param_bytes else 0.0,
+            "activations": tokens * (layers * r_saved + r_live + h)}
