@@ -6,7 +6,7 @@ Prints one JSON object. For each mesh (``dpt``: data=2 x pipe=2 x tensor=2; ``dp
 each number of microbatches ``m`` and each communication path, the GPT train step
 (``jp.train.make_train_step(Pipeline(model.embed, model.stage, model.head_loss, one_f_one_b(2, m)), sgd)``,
 4 layers, d_model 64, microbatch of 8 rows x 16 tokens) is compiled and its optimized HLO read
-(:func:`collectives`):
+(:func:`collectives`, through :func:`jaxpar.plan_hlo.collective_sites`):
 
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), whether it runs
   inside the pipeline's tick loop (a ``while`` body, or a computation called from one) or outside, the mesh
@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -41,122 +40,20 @@ import optax
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
+from jaxpar.plan_hlo import collective_sites
 
 CFG = GPTConfig(vocab_size=61, num_layers=4, num_heads=4, d_model=64, max_seq_len=16)
 MICROBATCH_ROWS = 8
 MESHES = {"dpt": {"data": 2, "pipe": 2, "tensor": 2}, "dpf": {"data": 2, "pipe": 2, "fsdp": 2}}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
-                "s64": 8, "u64": 8, "s16": 2, "u16": 2}
 PATHS = {"action": {"_comm": "action"}, "step": {"fsdp_gather": "step"}, "step-action": {"fsdp_gather": "action"}}
 
 
-def _shape_bytes(text: str) -> int:
-    """Bytes of every ``dtype[dims]`` in ``text`` (a tuple shape sums its parts)."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return total
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """``{computation name: its instruction lines}`` of an HLO module's text."""
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head and not line.startswith(" "):
-            name = head.group(1)
-            comps[name] = []
-        elif name is not None and line.startswith(" "):
-            comps[name].append(line.strip())
-    return comps
-
-
-def _multipliers(comps: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
-    """``{computation: (times it runs per step, loop depth)}``: a while body runs its trip count times
-    (``known_trip_count``) per run of its caller; other called computations once."""
-    calls: dict[str, list[tuple[str, int, int]]] = {c: [] for c in comps}
-    for caller, lines in comps.items():
-        for line in lines:
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            callees = re.findall(r"(?:to_apply|calls|condition|body|true_computation|false_computation)=%?([\w.\-]+)",
-                                 line)
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                callees += [c.strip().lstrip("%") for c in group.split(",")]
-            for c in callees:
-                if c in comps:
-                    is_body = body is not None and c == body.group(1)
-                    calls[c].append((caller, int(trip.group(1)) if (is_body and trip) else 1, int(is_body)))
-    memo: dict[str, tuple[int, int]] = {}
-
-    def mult(c: str) -> tuple[int, int]:
-        if c not in memo:
-            memo[c] = (1, 0)
-            if calls[c]:
-                runs = [(mult(p)[0] * n, mult(p)[1] + d) for p, n, d in calls[c]]
-                memo[c] = (sum(r for r, _ in runs), max(d for _, d in runs))
-        return memo[c]
-    return {c: mult(c) for c in comps}
-
-
-def _axes_of(groups: list[list[int]], mesh) -> list[str]:
-    """The mesh axes along which the devices of a replica group differ."""
-    coords = [np.unravel_index(i, mesh.devices.shape) for i in groups[0]] if groups and groups[0] else []
-    return [a for k, a in enumerate(mesh.axis_names) if len({c[k] for c in coords}) > 1]
-
-
-def _iota(num_devices: int, dims: str, perm: str | None) -> np.ndarray:
-    ids = np.arange(num_devices).reshape([int(d) for d in dims.split(",")])
-    return (ids.transpose([int(d) for d in perm.split(",")]) if perm else ids).reshape(-1)
-
-
-def _groups(line: str, num_devices: int) -> list[list[int]]:
-    """A collective's replica groups (explicit ``{{..},{..}}`` or iota ``[n,k]<=[dims]T(perm)``)."""
-    explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-    if explicit:
-        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        n, k = int(iota.group(1)), int(iota.group(2))
-        return _iota(num_devices, iota.group(3), iota.group(4)).reshape(n, k).tolist()
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-                     r"(?: \{([^}]*)\})?", line)
-    if mesh:   # mesh['a'=2,'b'=4], device_ids=([..]T(..)) {'a'}: groups along the braced axes of that mesh
-        names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        ids = (_iota(num_devices, mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(num_devices))
-        ids = ids.reshape([int(s) for _, s in names])
-        over = [k for k, (a, _) in enumerate(names) if f"'{a}'" in (mesh.group(4) or "")] or list(range(len(names)))
-        keep = [k for k in range(len(names)) if k not in over]
-        return ids.transpose(keep + over).reshape(-1, int(np.prod([ids.shape[k] for k in over]))).tolist()
-    pairs = re.search(r"source_target_pairs=\{([\d,{}]*)\}", line)
-    if pairs:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    return [list(range(num_devices))]
-
-
 def collectives(hlo: str, mesh) -> list[dict]:
-    """Every collective of a compiled module: op, where (``loop`` / ``outside``), mesh axes, bytes, executed
-    bytes per step, whether its result is a scalar."""
-    comps = _computations(hlo)
-    mult = _multipliers(comps)
-    out = []
-    for comp, lines in comps.items():
-        for line in lines:
-            op = re.search(r"^%?[\w.\-]+ = (.+?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line)
-            if not op:
-                continue
-            result_bytes = _shape_bytes(op.group(1))
-            operand_bytes = _shape_bytes(line[op.end():].split("), ")[0])
-            nbytes = max(result_bytes, operand_bytes)
-            runs, depth = mult[comp]
-            groups = _groups(line, mesh.devices.size)
-            out.append({"op": op.group(2), "where": "loop" if depth else "outside",
-                        "axes": "+".join(_axes_of(groups, mesh)) if op.group(2) != "collective-permute" else "pipe",
-                        "groups": str(groups[:4]), "bytes": nbytes, "executed_bytes": nbytes * runs,
-                        "scalar": result_bytes <= 8})
-    return out
+    """Every collective of a compiled module (:func:`jaxpar.plan_hlo.collective_sites`): op, where (``loop`` /
+    ``outside``), mesh axes, replica groups, bytes, executed bytes per step, whether its result is a scalar."""
+    return [{"op": c.kind, "where": "loop" if c.loop_depth else "outside", "axes": "+".join(c.axes),
+             "groups": str(c.groups[:4]), "bytes": c.bytes, "executed_bytes": c.bytes * c.runs, "scalar": c.scalar}
+            for c in collective_sites(hlo, dict(mesh.shape))]
 
 
 def summarize(colls: list[dict]) -> dict:

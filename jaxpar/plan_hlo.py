@@ -386,6 +386,65 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> HloStats:
     return HloStats(cost.get("flops", 0.0), cost.get("bytes", 0.0), colls, walker.unknown_trips)
 
 
+@dataclasses.dataclass
+class CollectiveSite:
+    """One collective instruction where it stands in the program (not summed with others)."""
+    kind: str
+    computation: str
+    bytes: float                 # payload per execution (as :class:`Collective`)
+    runs: float                  # executions per run of the program: trip counts of the loops around it
+    loop_depth: int              # how many ``while`` bodies enclose it (0: outside every loop)
+    axes: tuple[str, ...]
+    groups: list[list[int]]      # replica groups (a permute: its source-target pairs)
+    scalar: bool                 # a result of at most 8 bytes (a loss or metric reduction)
+
+
+def _runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str, tuple[float, int]]:
+    """``{computation: (runs per program run, loop depth)}``. A ``while`` body runs its trip count times per run
+    of its caller; every branch of a ``conditional`` is counted on each run (an upper bound for one branch)."""
+    out: dict[str, tuple[float, int]] = {}
+
+    def visit(name: str, runs: float, depth: int) -> None:
+        old = out.get(name, (0.0, 0))
+        out[name] = (old[0] + runs, max(old[1], depth))
+        for instr in comps.get(name, []):
+            for role, callee in _callees(instr):
+                if callee not in comps:
+                    continue
+                times, deeper = 1.0, 0
+                if instr.opcode == "while":
+                    times = (_trip_count(instr) or 1.0) + (1.0 if role == "condition" else 0.0)
+                    deeper = int(role == "body")
+                visit(callee, runs * times, depth + deeper)
+    visit(entry, 1.0, 0)
+    return out
+
+
+def collective_sites(text: str, mesh_shape: dict[str, int]) -> list[CollectiveSite]:
+    """Every collective of an HLO module's text with the loop depth it runs at and its runs per program run
+    (e.g. to show which reductions run inside a pipeline's tick loop). Arguments as for :func:`analyze`.
+
+    Raises:
+      ValueError: as for :func:`analyze`.
+    """
+    comps, entry = parse_module(text)
+    runs = _runs_per_computation(comps, entry)
+    num_devices = math.prod(mesh_shape.values())
+    sites = []
+    for comp, instrs in comps.items():
+        for instr in instrs:
+            kind = instr.opcode.removesuffix("-start")
+            if kind not in COLLECTIVES or comp not in runs:
+                continue
+            groups = (permute_pairs(instr.attrs) if kind == "collective-permute"
+                      else replica_groups(instr.attrs, num_devices))
+            size = 2 if kind == "collective-permute" else max(len(g) for g in groups)
+            n, depth = runs[comp]
+            sites.append(CollectiveSite(kind, comp, _payload(instr, kind, size), n, depth,
+                                        group_axes(groups, mesh_shape), groups, shape_bytes(instr.shape) <= 8))
+    return sites
+
+
 def upcast_copies(text: str) -> list[float]:
     """Bytes of each float32 copy of a whole bfloat16 buffer at the top level of the program (a ``convert``, or
     a fusion that only converts), largest first. XLA:CPU computes bf16 work in float32 and materialises such
