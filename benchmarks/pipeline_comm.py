@@ -21,7 +21,8 @@ each number of microbatches ``m`` and each communication path, the GPT train ste
 Paths (the private ``_comm`` switch of :class:`jaxpar.pipeline.Pipeline`, the runtime's ``comm`` argument):
 ``action`` is the old path (``shard_map`` manual over ``pipe`` only: GSPMD reduces the data-parallel
 gradient inside every backward action), ``step`` the new one with ``fsdp_gather='step'``, ``step-action``
-with ``fsdp_gather='action'``. ``--time`` also times each step (median of 5 after 2 warm-ups) side by side.
+with ``fsdp_gather='action'``. ``--time`` also times each step side by side (:func:`time_side_by_side`: interleaved rounds, ratios to
+``action`` per round).
 """
 
 from __future__ import annotations
@@ -94,15 +95,24 @@ def step_hlo(mesh_name: str, m: int, path: str) -> tuple[str, object]:
     return step.lower(state, batch).compile().as_text(), mesh
 
 
-def time_step(step, state, batch, reps: int = 5) -> float:
-    for _ in range(2):
-        jax.block_until_ready(step(state, batch))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(state, batch))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def time_side_by_side(programs: dict, rounds: int = 7) -> dict:
+    """Step seconds of each ``{path: (step, state, batch)}``, timed in interleaved rounds (one step of each path
+    per round, after 2 warm-up steps each) so that all paths see the same load: per path the median, and per
+    path the median over rounds of its time over the ``action`` path's in the same round."""
+    for step, state, batch in programs.values():
+        for _ in range(2):
+            jax.block_until_ready(step(state, batch))
+    times = {path: [] for path in programs}
+    for _ in range(rounds):
+        for path, (step, state, batch) in programs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, batch))
+            times[path].append(time.perf_counter() - t0)
+    out = {path: {"step_seconds": float(np.median(t))} for path, t in times.items()}
+    if "action" in times:
+        for path, t in times.items():
+            out[path]["over_action"] = float(np.median(np.array(t) / np.array(times["action"])))
+    return out
 
 
 def main() -> None:
@@ -116,16 +126,19 @@ def main() -> None:
            "load": os.getloadavg(), "results": {}}
     for mesh_name in args.meshes:
         for m in args.microbatches:
+            programs = {}
             for path in args.paths:
                 if path == "step-action" and "fsdp" not in MESHES[mesh_name]:
                     continue
                 step, state, batch, mesh = build(mesh_name, m, path)
                 hlo = step.lower(state, batch).compile().as_text()
                 r = summarize(collectives(hlo, mesh))
-                if args.time:
-                    r["step_seconds"] = time_step(step, state, batch)
                 out["results"][f"{mesh_name} m={m} {path}"] = r
+                programs[path] = (step, state, batch)
                 print(f"# {mesh_name} m={m} {path}: grad_in_loop {r['grad_in_loop']}", flush=True)
+            if args.time:
+                for path, r in time_side_by_side(programs).items():
+                    out["results"][f"{mesh_name} m={m} {path}"].update(r)
     out["load_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 

@@ -56,11 +56,13 @@ def test_no_gradient_reduction_inside_tick_loop(mesh_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gather", ["step", "action"])
-def test_fsdp_gather_options(gather, mesh_factory):
-    """data=2 x pipe=2 x fsdp=2: no gradient reduction in the loop (reduce-scatter over fsdp after it; the
-    weights' all-gathers inside the loop only with 'action'), and one step equals the single-device step."""
-    mesh = mesh_factory(data=2, pipe=2, fsdp=2)
+@pytest.mark.parametrize("gather,axes", [("step", {"data": 2}), ("action", {"data": 2}), ("step", {"tensor": 2})],
+                         ids=["step-d2p2f2", "action-d2p2f2", "step-p2f2t2"])
+def test_fsdp_gather_options(gather, axes, mesh_factory):
+    """data=2 x pipe=2 x fsdp=2 (and pipe=2 x fsdp=2 x tensor=2): no gradient reduction in the loop
+    (reduce-scatter over fsdp after it; the weights' all-gathers inside the loop only with 'action'), and one
+    step equals the single-device step."""
+    mesh = mesh_factory(pipe=2, fsdp=2, **axes)
     r = _grad_reductions_in_loop(mesh, 4, fsdp_gather=gather)
     assert r["grad_in_loop"] == 0, r["by_kind"]
     assert any(k.startswith("outside reduce-scatter over fsdp") for k in r["by_kind"]), r["by_kind"]

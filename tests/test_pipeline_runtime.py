@@ -309,3 +309,20 @@ def test_compat_varying_axes_and_16bit_psum(mesh_factory):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(x[2], np.float32))
     assert seen == {"in": frozenset({"pipe"}), "replicated": frozenset(), "cast": frozenset({"pipe"})}, seen
     assert _compat.varying_axes(jnp.ones(3)) == frozenset()
+
+
+@pytest.mark.slow  # five compiles (~20 s); benchmarks/pipeline_memory.py prints the same table
+def test_zero_bubble_v_memory_within_1f1b(devices):
+    """Every schedule at p=4, m=16, the same model and microbatch size: ZB-V's peak stash per device is no more
+    than 1F1B's, in (microbatch x 1/p of the layers) units and in compiled bytes (the stash buffers, and the
+    whole activation part of the compiled temporaries); 1F1B keeps at most 0.36 of GPipe's activation part."""
+    rows = {r["schedule"]: r for r in _benchmark().schedule_table(4, 16)}
+    for name, r in rows.items():
+        print(f"{name:12s} peak stash (layer units) {max(r['peak_stash_layers']):4.1f}  stash "
+              f"{r['stash_bytes'] / 2**20:5.2f} MiB  activation part {r['activation_bytes'] / 2**20:5.2f} MiB  "
+              f"over 1F1B {r['activation_over_1f1b']:.3f}  over GPipe {r['activation_over_gpipe']:.3f}")
+    zbv, ofob = rows["zbv"], rows["1f1b"]
+    assert max(zbv["peak_stash_layers"]) <= max(ofob["peak_stash_layers"])
+    assert zbv["stash_bytes"] <= ofob["stash_bytes"], (zbv["stash_bytes"], ofob["stash_bytes"])
+    assert zbv["activation_bytes"] <= ofob["activation_bytes"], (zbv["activation_bytes"], ofob["activation_bytes"])
+    assert ofob["activation_over_gpipe"] <= 0.36

@@ -108,10 +108,11 @@ def split_figures(stage_fn, params, x):
     w = lambda p, x, res, carry: split_lib.backward_weight(split, p, x, leaves(p, x, res), carry)
     _, fused_flops = _compiled(fused, params, x, res, g)
     b_exe, b_flops = _compiled(b, params, x, res, g)
-    dx, carry = b_exe(params, x, res, g)
+    dx, carry, b_dparams = b_exe(params, x, res, g)
     w_exe, w_flops = _compiled(w, params, x, res, carry)
     ref_dparams, ref_dx = jax.jit(lambda p, x, g: jax.vjp(stage_fn, p, x)[1](g))(params, x, g)   # plain jax
-    assert_tree_close((w_exe(params, x, res, carry), dx), (ref_dparams, ref_dx), rtol=1e-6, what="split backward")
+    dparams = jax.tree.map(jnp.add, b_dparams, w_exe(params, x, res, carry))   # B's part (on g) plus W's
+    assert_tree_close((dparams, dx), (ref_dparams, ref_dx), rtol=1e-6, what="split backward")
     return {"fused": fused_flops, "B": b_flops, "W": w_flops, "carry": [tuple(c.shape) for c in split.carry_structs]}
 
 

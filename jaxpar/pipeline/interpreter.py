@@ -145,9 +145,9 @@ class _Stashes(NamedTuple):
 class _Out(NamedTuple):
     """What one tick's action produces (zeros for the parts an action does not produce)."""
     send: jax.Array        # the message: F's activation (last virtual stage: the loss cotangent), B's d input
-    res: tuple             # F: what it stashes
-    wres: tuple            # split B: what its W needs (empty without split backwards)
-    dparams: Any           # B (fused) or W: this microbatch's chunk-parameter gradient (float32)
+    res: tuple             # one stash slot's values, (held leaves, shared buffers): F's stash, or (split B)
+                           # zeros and, in the shared buffers, what its W needs (SharedSlots: B-only leaves' room)
+    dparams: Any           # B (fused) or W: this microbatch's chunk-parameter gradient (float32); a split B: its part
     dhead: Any             # F on the last virtual stage: head-parameter gradient (float32)
     loss: jax.Array        # F on the last virtual stage: loss / m (float32)
     aux: Any               # F on the last virtual stage: loss_fn's aux
@@ -317,6 +317,7 @@ class _Interpreter:
         stashed = lambda st, sl: _merge(held, read(st.stash, sl.stash),
                                         shared.unpack(read(st.bstash, sl.bstash), False))
         leaves = lambda sf, params, x, res: backward_leaves(sf, self.stash, params, x, res, plan)[1]
+        slot = lambda res: (_part(held, res)[0], shared.pack(_part(held, res)[1], False))
 
         def idle(params, head, x, g, tgt, st, sl, keys):
             return zero
@@ -324,14 +325,14 @@ class _Interpreter:
         def fwd(params, head, x, g, tgt, st, sl, keys):
             params = self._gather(params)
             y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
-            return zero._replace(send=y, res=res)
+            return self._vary(zero._replace(send=y, res=slot(res)))
 
         def fwd_last(params, head, x, g, tgt, st, sl, keys):
             params = self._gather(params)
             y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
                 head, y, tgt, scale)
-            return self._vary(zero._replace(send=dy, res=res, dhead=f32(dhead), loss=loss, aux=aux))
+            return self._vary(zero._replace(send=dy, res=slot(res), dhead=f32(dhead), loss=loss, aux=aux))
 
         def bwd(params, head, x, g, tgt, st, sl, keys):
             params = self._gather(params)
@@ -342,8 +343,9 @@ class _Interpreter:
         def bwd_input(params, head, x, g, tgt, st, sl, keys):
             params = self._gather(params)
             res = leaves(self._bind(keys), params, x, stashed(st, sl))
-            dx, carry = split_lib.backward_input(split, params, x, res, g)
-            return self._vary(zero._replace(send=dx, wres=carry))
+            dx, carry, dparams = split_lib.backward_input(split, params, x, res, g)
+            return self._vary(zero._replace(send=dx, res=(zero.res[0], shared.pack(carry, True)),
+                                            dparams=f32(dparams)))
 
         def bwd_weight(params, head, x, g, tgt, st, sl, keys):
             params = self._gather(params)
@@ -363,18 +365,18 @@ class _Interpreter:
     def _init(self, params, head, x_micro, t_micro, sizes: BufferSizes, plan, split) -> tuple[_Carry, _Out]:
         x0 = x_micro[:, 0]
         res = stashed_structs(self.stash, plan, x0)
-        wres = split.carry_structs if split is not None else ()
         aux = jax.eval_shape(lambda h, y, t: self._scaled_loss(h, y, t, 1.0)[1][1], head, x0,
                              jax.tree.map(lambda t: t[:, 0], t_micro))
         f32 = jnp.float32
         full = self._full(params)
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), full)
-        zero = _Out(jnp.zeros_like(x0), _zeros(res), _zeros(wres), _zeros(one, f32), _zeros(head, f32),
+        held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, x0)
+        one_slot = (_zeros(_part(held, res)[0]), _zeros(shared.buffer_structs()))
+        zero = _Out(jnp.zeros_like(x0), one_slot, _zeros(one, f32), _zeros(head, f32),
                     jnp.zeros((), f32), _zeros(aux))
         buffers = lambda n: jnp.zeros((n, *x0.shape), x0.dtype)
         slots = lambda n, structs: tuple(jnp.zeros((n, *r.shape), r.dtype) for r in structs)
-        kept, _ = _part(held_to_weight(self.stash, plan, split), res)
-        stashes = _Stashes(slots(sizes.stash, kept), self._shared(plan, split, x0).zeros(sizes.bstash), ())
+        stashes = _Stashes(slots(sizes.stash, _part(held, res)[0]), shared.zeros(sizes.bstash), ())
         carry = _Carry(stashes=stashes,
                        act=buffers(sizes.activations), cot=buffers(sizes.cotangents),
                        gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(full, f32), dhead=zero.dhead,
@@ -395,7 +397,6 @@ class _Interpreter:
         split = split_lib.split_plan(sf0, one, x_micro[:, 0]) if self.schedule.split_backward else None
         carry, zero = self._init(stage_params, head, x_micro, t_micro, table.sizes, plan, split)
         branches = self._branches(plan, split, zero, scale)
-        held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, x_micro[:, 0])
 
         def tick(carry: _Carry, row: Actions):
             c = jax.tree.map(lambda a: a[stage], row)
@@ -408,12 +409,10 @@ class _Interpreter:
             out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys)
             act, cot = _route(table, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            kept, freed = _part(held, out.res)
             is_fwd = (kind == FWD) | (kind == FWD_LAST)
             return _Carry(
-                stashes=_Stashes(write_stash(st.stash, kept, c.stash_slot, is_fwd),
-                                 write_stash(write_stash(st.bstash, shared.pack(freed, False), c.bstash_slot, is_fwd),
-                                             shared.pack(out.wres, True), c.wstash_slot, kind == BWD_INPUT), ()),
+                stashes=_Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
+                                 write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | (kind == BWD_INPUT)), ()),
                 act=act, cot=cot,
                 gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == BWD) | (kind == BWD_INPUT)), axis=1),
                 dparams=_add_chunk(carry.dparams, out.dparams, c.chunk, self.v), dhead=add(carry.dhead, out.dhead),

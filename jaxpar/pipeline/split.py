@@ -16,8 +16,18 @@ program itself:
    of the parameters and residuals only, e.g. a transposed weight) are recomputed by ``W`` rather than
    stashed.
 
+4. ``g`` itself is never handed over: the weight-gradient equations that read it (the last layer's, e.g.
+   ``a^T g`` of an output projection) run in ``B``, which adds their part of the parameter gradient to the
+   accumulator at once (:func:`_finish_g`). Handing ``g`` to ``W`` would keep one more activation-sized value per
+   (microbatch, chunk) from its ``B`` to its ``W``, one that no buffer freed at ``B`` has room for; ``B`` has just
+   read ``g`` from the cotangent buffer, so this costs no extra memory and no extra FLOPs. What then joins ``W``'s
+   part of the same gradient (a sum over the layers of a stacked weight) is split by linearity: the equations
+   between such a product and the gradient (sums, pads, reshapes: no matmul) run in both, each on its own part,
+   the other part zero. The residuals only those equations read are freed at ``B``.
+
 So ``FLOPs(B) + FLOPs(W)`` is the fused backward's plus those small recomputations, and ``W`` alone is the
-weight-gradient matmuls (about half of a matmul layer's backward).
+weight-gradient matmuls but the last layer's that read ``g`` (about half of a matmul layer's backward, less that
+product: with one two-matmul layer per chunk, a quarter).
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+
+from jaxpar._compat import varying_axes
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")      # params["jaxpr"]: a ClosedJaxpr (or Jaxpr)
 _REMATS = ("checkpoint", "remat2", "remat")                # params["jaxpr"]: a Jaxpr
@@ -55,6 +67,10 @@ class SplitPlan(NamedTuple):
     dparams_tree: Any
     g: int                            # the key of the output cotangent
     w_leaves: tuple[int, ...]         # indices of the residual leaves W reads (the others only B reads)
+    bw_ops: tuple[_Op, ...] = ()      # weight-gradient equations B runs (those on g, see _finish_g)
+    b_grads: tuple[bool, ...] = ()    # per dparams leaf: B adds a part of it
+    w_grads: tuple[bool, ...] = ()    # per dparams leaf: W adds a part of it
+    zeroable: frozenset = frozenset()  # keys on g: a phase that does not compute one reads it as zero
 
 
 class _Flat:
@@ -123,6 +139,54 @@ def _weight_slice(ops: list[_Op], roots: list[Atom], carried) -> tuple[set[int],
     return live, carry
 
 
+# Equations too costly to run twice (in B on g's part and in W on the rest, see _finish_g): matmuls, and any
+# equation with an inner program (scan, while, cond, custom rules) that _Flat did not inline.
+_COSTLY = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+
+
+def _costly(op: _Op) -> bool:
+    return op.eqn.primitive.name in _COSTLY or any(
+        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in op.eqn.params.values())
+
+
+class _Early(NamedTuple):
+    moved: set[int]       # W's equations that B runs instead (every cotangent they read is g's or B's)
+    tail: set[int]        # W's equations between those and the gradient that also read W's part: run in both
+    recompute: set[int]   # W's equations on neither (functions of params and residuals) the two above read
+
+
+def _finish_g(ops: list[_Op], w_live: set[int], g: int, on_g: set[int], b_side) -> _Early | None:
+    """The weight-gradient equations ``B`` runs so that ``g`` is not handed to ``W`` (module docstring, 4.).
+
+    In order, a W equation that reads g or a value made by such an equation is *moved* to B when every
+    cotangent it reads is available in B (``b_side(k)``: g and B's values) or made so; otherwise (it also reads
+    W's part) it is *tail*, run by both phases with the other's part zero, which is exact as W's equations are
+    linear in the cotangents. ``None`` when a tail equation is a matmul (it would run twice): then g is handed
+    over as before."""
+    made, moved, tail = {g}, set(), set()
+    for i in sorted(w_live):
+        op = ops[i]
+        ct = [a for a in op.ins if isinstance(a, int) and a in on_g]
+        if not any(a in made for a in ct):
+            continue
+        if all(a in made or b_side(a) for a in ct):
+            moved.add(i)
+        elif _costly(op):
+            return None
+        else:
+            tail.add(i)
+        made.update(op.outs)
+    producer, recompute = _producers(ops), set()
+    todo = [a for i in moved | tail for a in ops[i].ins if isinstance(a, int) and a not in on_g]
+    while todo:
+        k = todo.pop()
+        i = producer.get(k)
+        if i is not None and i in w_live and i not in recompute:
+            recompute.add(i)
+            todo.extend(a for a in ops[i].ins if isinstance(a, int))
+    return _Early(moved, tail, recompute)
+
+
 def _depends_on(ops: list[_Op], key: int) -> set[int]:
     dep = {key}
     for op in ops:
@@ -157,22 +221,58 @@ def split_plan(stage_fn: Callable, params: Any, x: Any) -> SplitPlan:
     ops, dx, dparams, g = flat.ops, outs[-1], tuple(outs[:-1]), inputs[-1]
     b_live = _slice(ops, [dx])
     b_keys, on_g = {k for i in b_live for k in ops[i].outs}, _depends_on(ops, g)
-    w_live, carry = _weight_slice(ops, list(dparams), lambda k: k == g or (k in b_keys and k in on_g))
+    b_side = lambda k: k == g or (k in b_keys and k in on_g)
+    w_live, carry = _weight_slice(ops, list(dparams), b_side)
+    early = _finish_g(ops, w_live, g, on_g, b_side)
+    if early is None:   # keep g handed over: B adds nothing, W all
+        bw_live, b_grads, w_grads = set(), (False,) * len(dparams), (True,) * len(dparams)
+    else:
+        made = {g} | {k for i in early.moved | early.tail for k in ops[i].outs}
+        tail_outs = {k for i in early.tail for k in ops[i].outs}
+        b_grads = tuple(isinstance(a, int) and (a in made or b_side(a)) for a in dparams)
+        w_grads = tuple(not b or a in tail_outs for a, b in zip(dparams, b_grads))
+        w_live = w_live - early.moved
+        bw_live = (early.moved | early.tail | early.recompute) - b_live
+        w_roots = [a for a, w in zip(dparams, w_grads) if w and isinstance(a, int)]
+        carry = {a for i in w_live for a in ops[i].ins if isinstance(a, int) and b_side(a) and a != g}
+        carry |= {a for a in w_roots if b_side(a) and a != g}
     carry = tuple(sorted(carry))
     struct = lambda aval: jax.ShapeDtypeStruct(aval.shape, aval.dtype)
     dparams_shape, _ = out_shape
     first_leaf = len(jax.tree.leaves(params)) + 1
-    w_reads = {a for i in w_live for a in ops[i].ins if isinstance(a, int)} | {a for a in dparams if isinstance(a, int)}
+    w_reads = {a for i in w_live for a in ops[i].ins if isinstance(a, int)}
+    w_reads |= {a for a, w in zip(dparams, w_grads) if w and isinstance(a, int)}
     w_leaves = tuple(i for i, k in enumerate(inputs[first_leaf:-1]) if k in w_reads)
     return SplitPlan(tuple(inputs), tuple(flat.consts.items()), tuple(ops[i] for i in sorted(b_live)),
                      tuple(ops[i] for i in sorted(w_live)), dx, dparams, carry,
                      tuple(struct(flat.avals[k]) for k in carry), tuple(jax.tree.leaves(dparams_shape)),
-                     jax.tree.structure(dparams_shape), g, w_leaves)
+                     jax.tree.structure(dparams_shape), g, w_leaves,
+                     tuple(ops[i] for i in sorted(bw_live)), b_grads, w_grads, frozenset(on_g))
 
 
-def _run(ops: tuple[_Op, ...], env: dict[int, Any]) -> None:
+def _zeros(aval, like_axes: frozenset) -> jax.Array:
+    z = jnp.zeros(aval.shape, aval.dtype)
+    return jax.lax.pcast(z, tuple(like_axes), to="varying") if like_axes else z
+
+
+def _run(ops: tuple[_Op, ...], env: dict[int, Any], zeroable: frozenset = frozenset()) -> None:
+    """Binds ``ops`` in order over ``env``. A key in ``zeroable`` (a cotangent the other phase computes) that is
+    not in ``env`` is zero: an equation whose cotangents all are zero makes zeros (left out of ``env``, as the
+    equations are linear in them), ``add_any`` passes its other operand, any other equation reads real zeros."""
     read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
     for op in ops:
+        absent = [isinstance(a, int) and a not in env and a in zeroable for a in op.ins]
+        if any(absent):
+            present = [a for a, z in zip(op.ins, absent) if not z]
+            if not any(isinstance(a, int) and a in zeroable for a in present):
+                continue
+            if op.eqn.primitive.name == "add_any":
+                env[op.outs[0]] = read(present[0])
+                continue
+            axes = frozenset().union(*(varying_axes(read(a)) for a in present))
+            for a, z in zip(op.ins, absent):
+                if z:
+                    env[a] = _zeros(op.eqn.invars[op.ins.index(a)].aval, axes)
         params = op.eqn.primitive.get_bind_params(op.eqn.params)
         if isinstance(params, tuple):                                  # older jax: (subfuns, params)
             subfuns, params = params
@@ -190,19 +290,32 @@ def _env(plan: SplitPlan, flat_inputs: list[Any], skip: int | None = None) -> di
     return env
 
 
-def backward_input(plan: SplitPlan, params: Any, x: Any, leaves: list, g: Any) -> tuple[Any, tuple]:
-    """``B``: ``(d x, carry)`` from the pullback's residual ``leaves`` and the output cotangent ``g``."""
+def _grads(plan: SplitPlan, env: dict[int, Any], mine: tuple[bool, ...]) -> Any:
+    """The parameter gradient's leaves this phase computes (``mine``), zeros for the others."""
+    def leaf(a, s, m):
+        if not m or (isinstance(a, int) and a not in env):
+            return jnp.zeros(s.shape, s.dtype)
+        v = jnp.asarray(a.val) if isinstance(a, jcore.Literal) else env[a]
+        return jnp.broadcast_to(v, s.shape).astype(s.dtype)
+    return jax.tree.unflatten(plan.dparams_tree, [leaf(a, s, m) for a, s, m in
+                                                  zip(plan.dparams, plan.dparams_structs, mine)])
+
+
+def backward_input(plan: SplitPlan, params: Any, x: Any, leaves: list, g: Any) -> tuple[Any, tuple, Any]:
+    """``B``: ``(d x, carry, d params from g)`` from the pullback's residual ``leaves`` and the output cotangent
+    ``g``; the last is the part of the parameter gradient B computes (``params``' structure; zeros where it has
+    none): add it to the gradient, and :func:`backward_weight`'s result later."""
     env = _env(plan, [*jax.tree.leaves(params), x, *leaves, g])
     _run(plan.b_ops, env)
+    _run(plan.bw_ops, env, plan.zeroable)
     read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
-    return read(plan.dx), tuple(env[k] for k in plan.carry)
+    return read(plan.dx), tuple(env[k] for k in plan.carry), _grads(plan, env, plan.b_grads)
 
 
 def backward_weight(plan: SplitPlan, params: Any, x: Any, leaves: list, carry: tuple) -> Any:
-    """``W``: the parameter gradient (``params``' structure) from the residual ``leaves`` and ``B``'s carry."""
+    """``W``: its part of the parameter gradient (``params``' structure) from the residual ``leaves`` and
+    ``B``'s carry; the sum with :func:`backward_input`'s part is the gradient."""
     env = _env(plan, [*jax.tree.leaves(params), x, *leaves, None], skip=plan.g)
     env.update(zip(plan.carry, carry))
-    _run(plan.w_ops, env)
-    read = lambda a: jnp.asarray(a.val) if isinstance(a, jcore.Literal) else env[a]
-    grads = [jnp.broadcast_to(read(a), s.shape).astype(s.dtype) for a, s in zip(plan.dparams, plan.dparams_structs)]
-    return jax.tree.unflatten(plan.dparams_tree, grads)
+    _run(plan.w_ops, env, plan.zeroable)
+    return _grads(plan, env, plan.w_grads)
