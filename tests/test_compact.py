@@ -19,8 +19,8 @@ import pytest
 import jaxpar as jp
 from jaxpar.models import GPT, MLP
 
-from helpers import MLP_FEATURES, gpt_batch, max_rel_err
-from test_structured_pruning import (MLP_GROUPS, MLP_HIDDEN, TINY, gpt_names, np_groups, np_param_mask,
+from helpers import MLP_FEATURES, assert_tree_close, gpt_batch, max_rel_err
+from test_structured_pruning import (MLP_GROUPS, MLP_HIDDEN, TINY, gpt_names, leaf_names, np_groups, np_param_mask,
                                      pruned_leaves, pruned_run, random_params)
 
 MLP_MODEL = MLP(hidden=MLP_HIDDEN, num_classes=10)
@@ -145,11 +145,21 @@ def test_compact_state_keeps_adamw_moments_and_training_continues():
                 got = kept_groups(getattr(new_adam, moment)["blocks"][path[-1]], g2, lay2, new_masks["blocks"][axis])
                 assert all(np.array_equal(a, b) for a, b in zip(got, old)), (moment, path)
     assert new.params["blocks"]["up_kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
-    step2 = jp.train.make_train_step(GPT(cfg).loss, tx, mesh=mesh, donate=False)
+    # The compacted state owns its buffers (also the leaves compaction leaves alone: embeddings, counts), so
+    # donating it leaves the original state readable.
+    pointers = lambda tree: {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+                             for s in x.addressable_shards}
+    assert not pointers(new) & pointers(state)
+    host = lambda st: jax.device_get(jax.tree.map(
+        lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, st))
+    before = host(state)
+    step2 = jp.train.make_train_step(GPT(cfg).loss, tx, mesh=mesh, donate=True)
     for t in range(3, 6):
         state, ref = step(state, batches[t])
-        new, got = step2(new, batches[t])
+        donated, (new, got) = new, step2(new, batches[t])
+        assert all(x.is_deleted() for x in jax.tree.leaves(donated.params))
         assert max_rel_err(got["loss"], ref["loss"]) <= 1e-5, t
+    assert_tree_close(host(run["state"]), before, rtol=0.0, what="the state compacted, after donations")
     params = jax.device_get(new.params)
     for path, off in pruned_leaves(params, new_masks, new_names).items():
         assert np.all(functools.reduce(lambda d, k: d[k], path, params)[off] == 0.0), path
@@ -192,3 +202,120 @@ def test_compact_rejects_bad_input():
     with pytest.raises(ValueError, match="dense_1/mlp, which is no group"):   # dense_1 outputs embed
         mlp_params = random_params(mlp_names(), seed=2)
         jp.pruning.compact(mlp_params, {"dense_1": {"mlp": np.ones(128, bool)}}, MLP_MODEL)
+
+
+# --------------------------------------------------------------------- Adafactor's factored moments
+
+def np_factored_axes(shape):
+    """``(d1, d0)``: the second-largest and largest axes, which optax's factored second moment reduces
+    (optax ``_src/factorized.py``: ``v_row`` lacks ``d0``, ``v_col`` lacks ``d1``)."""
+    order = np.argsort(shape)
+    return int(order[-2]), int(order[-1])
+
+
+def np_adafactor(g, p, v_row, v_col, v, count, lr, min_dim):
+    """One ``optax.adafactor(lr, min_dim_size_to_factor=min_dim)`` update of one leaf, in numpy (float64): the
+    factored RMS scaling (Shazeer & Stern 2018, decay ``1 - (count + 1) ** -0.8``), clipping by block RMS 1,
+    the learning rate times the param's block RMS (at least 1e-3), descent."""
+    g, p = np.asarray(g, np.float64), np.asarray(p, np.float64)
+    decay = 1.0 - (count + 1.0) ** -0.8
+    gsq = g * g + 1e-30
+    d1, d0 = np_factored_axes(p.shape) if p.ndim >= 2 else (None, None)
+    if p.ndim >= 2 and p.shape[d1] >= min_dim:
+        row = decay * np.asarray(v_row, np.float64) + (1 - decay) * gsq.mean(d0)
+        col = decay * np.asarray(v_col, np.float64) + (1 - decay) * gsq.mean(d1)
+        row_factor = (row / row.mean(d1 - 1 if d1 > d0 else d1, keepdims=True)) ** -0.5
+        u = g * np.expand_dims(row_factor, d0) * np.expand_dims(col ** -0.5, d1)
+    else:
+        u = g * (decay * np.asarray(v, np.float64) + (1 - decay) * gsq) ** -0.5
+    u = u / max(1.0, np.sqrt(np.mean(u * u)))
+    return -lr * max(np.sqrt(np.mean(p * p)), 1e-3) * u
+
+
+def restrict(x, cuts, removed=None):
+    """``x`` (a param, or a factored moment of it with the param axis ``removed`` reduced away) at the kept
+    groups only; ``cuts``: ``[(group axis, layers axis or None, bool mask [layers or 1, groups])]`` on the param's
+    axes (every layer keeps the same count: uniform pruning)."""
+    x = np.asarray(x)
+    for g, lay, mask in cuts:
+        if removed is not None:
+            if g == removed:
+                continue   # the moment averages over the group axis: nothing to cut
+            g, lay = g - (g > removed), None if lay is None else lay - (lay > removed)
+        if lay is None:
+            x = np.take(x, np.flatnonzero(mask[0]), axis=g)
+        else:
+            parts = [np.take(np.take(x, l, axis=lay), np.flatnonzero(mask[l]), axis=g - (g > lay))
+                     for l in range(x.shape[lay])]
+            x = np.stack(parts, axis=lay)
+    return x
+
+
+def leaf_cuts(names, masks, chains):
+    """``{param path: cuts}`` (for :func:`restrict`) from the group masks; ``chains``: ``{mask module: modules}``."""
+    out = {}
+    for first, modules in chains.items():
+        for axis, mask in masks[first].items():
+            mask = np.asarray(mask).reshape(-1, np.shape(mask)[-1])
+            for path, g, lay in np_groups(names, modules, axis):
+                out.setdefault(path, []).append((g, lay, mask))
+    return out
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_compacted_adafactor_step_equals_the_restricted_dense_step(model):
+    """Adafactor (factored second moments on every kernel: min_dim_size_to_factor=4) run 2 steps on the dense
+    model, then compacted: its state has tx.init(new_params)'s shapes, and one more step on the compacted model
+    equals numpy's Adafactor step on the dense state restricted to the kept groups (v_row / v_col cut along the
+    param axes they keep; the MLP's square dense_0 kernel swaps them, as its largest axis changes)."""
+    if model == "gpt":
+        names, config, kw, chains = gpt_names(), TINY, {}, {"blocks": {("blocks",)}}
+    else:
+        names, config, kw = mlp_names(), MLP_MODEL, dict(groups=MLP_GROUPS)
+        chains = {"dense_0": {("dense_0",), ("dense_1",)}, "dense_2": {("dense_2",), ("head",)}}
+    params = random_params(names, seed=12)
+    masks = masks_for(params, names, 0.25, "uniform", **kw)
+    tx, min_dim, lr = optax.adafactor(1e-2, min_dim_size_to_factor=4), 4, 1e-2
+    rng = np.random.default_rng(13)
+    noise = lambda tree: jax.tree.map(lambda x: rng.normal(size=np.shape(x)).astype(np.float32), tree)
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = jax.jit(tx.update)(noise(params), state, params)
+    kernels = [x for p, x in jax.tree_util.tree_flatten_with_path(state[0].v_row)[0] if "kernel" in p[-1].key]
+    assert len(kernels) == 4 and all(np.size(x) > 1 for x in kernels)   # every kernel factored
+    new_params, new_config = jp.pruning.compact(params, masks, config)
+    new_state = jp.pruning.compact_opt_state(state, params, masks, config)
+    assert jax.tree.map(jnp.shape, new_state) == jax.tree.map(jnp.shape, tx.init(new_params))
+    grads = noise(new_params)
+    got, _ = jax.jit(tx.update)(grads, new_state, new_params)
+    cuts = leaf_cuts(names, masks, chains)
+    dense = jax.device_get(state[0])
+    count = int(dense.count)
+    at = lambda tree, path: functools.reduce(lambda t, k: t[k], path, tree)
+    for path in leaf_names(names):
+        c = cuts.get(path, [])
+        p = restrict(at(params, path), c)
+        assert np.array_equal(np.asarray(at(new_params, path)), p), path   # uniform: no padding groups
+        v_row, v_col, v = at(dense.v_row, path), at(dense.v_col, path), at(dense.v, path)
+        if np.size(v_row) > 1:   # factored: the moments that lack each param axis, on the new shape's axes
+            d1, d0 = np_factored_axes(np.shape(at(params, path)))
+            lacking = {d0: restrict(v_row, c, removed=d0), d1: restrict(v_col, c, removed=d1)}
+            e1, e0 = np_factored_axes(p.shape)
+            v_row, v_col = lacking[e0], lacking[e1]
+        else:
+            v = restrict(v, c)
+        ref = np_adafactor(at(grads, path), p, v_row, v_col, v, count, lr, min_dim)
+        assert max_rel_err(np.asarray(at(got, path)), ref) <= 1e-5, path
+    if model == "mlp":
+        assert np.shape(dense.v_row["dense_0"]["kernel"]) == (MLP_FEATURES,)   # rows: features (square kernel)
+        assert np.shape(new_state[0].v_row["dense_0"]["kernel"]) == (new_config.hidden[0],)   # now: hidden units
+
+
+def test_compact_opt_state_refuses_factored_moments_it_cannot_carry():
+    """out_kernel [layers, heads, kv, embed] = (2, 8, 4, 32) factors (heads, embed); with 2 heads left its two
+    largest axes are (kv, embed): the statistics do not carry over."""
+    params = random_params(gpt_names(), seed=14)
+    masks = masks_for(params, gpt_names(), 0.75, "uniform")
+    state = optax.adafactor(1e-2, min_dim_size_to_factor=2).init(params)
+    with pytest.raises(ValueError, match=r"out_kernel.*re-initialise"):
+        jp.pruning.compact_opt_state(state, params, masks, TINY)

@@ -67,14 +67,16 @@ def np_norms(params, members):
 
 
 def np_keep(norms, sparsity, distribution):
-    """Top groups by norm (ties to the lower index), per row (uniform, at least 1) or pooled (global)."""
+    """Top groups by norm (ties to the lower index), per row (uniform, at least 1) or pooled (global: every row's
+    top group first, then the others by norm up to ``max(round((1 - sparsity) * size), rows)``)."""
     if distribution == "global":
-        flat = norms.reshape(-1)
-        keep = round((1 - sparsity) * flat.size)
-        order = np.lexsort((np.arange(flat.size), -flat))[:keep]
-        out = np.zeros(flat.size, bool)
-        out[order] = True
-        return out.reshape(norms.shape)
+        rows, size = norms.shape
+        out = np.zeros(norms.shape, bool)
+        out[np.arange(rows), np.argmax(norms, axis=1)] = True   # argmax: the first (lowest) index of ties
+        keep = max(round((1 - sparsity) * norms.size), rows)
+        flat = np.where(out, np.inf, norms).reshape(-1)
+        out.reshape(-1)[np.lexsort((np.arange(flat.size), -flat))[:keep]] = True
+        return out
     keep = max(1, round((1 - sparsity) * norms.shape[1]))
     out = np.zeros(norms.shape, bool)
     for r, row in enumerate(norms):
@@ -122,6 +124,29 @@ def test_gpt_masks_match_numpy_reference(sparsity, distribution):
         assert np.array_equal(masks["blocks"][axis], ref), axis
     if distribution == "global":   # layers keep different counts (what compaction pads)
         assert len(set(masks["blocks"]["mlp"].sum(-1))) > 1
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "global"])
+def test_every_layer_keeps_a_group_at_sparsity_099(distribution):
+    """At sparsity 0.99 every layer keeps at least one head and one MLP unit (its top-scoring one), as
+    Torch-Pruning keeps a layer's last channel; global keeps one per layer, uniform one per layer; the masks
+    equal the numpy reference; the MLP's two chains each keep one unit; compaction then runs."""
+    params = random_params(gpt_names(), seed=15)
+    masks = prune_once(params, gpt_names(), 0.99, distribution)
+    for axis in ("mlp", "heads"):
+        norms = np_norms(params, np_groups(gpt_names(), {("blocks",)}, axis))
+        assert np.array_equal(masks["blocks"][axis].sum(-1), [1] * TINY.num_layers), axis
+        assert np.array_equal(np.argmax(masks["blocks"][axis], -1), np.argmax(norms, -1)), axis
+        assert np.array_equal(masks["blocks"][axis], np_keep(norms, 0.99, distribution)), axis
+    new_params, cfg = jp.pruning.compact(params, masks, TINY)
+    assert (cfg.num_heads, cfg.d_mlp) == (1, 1)
+    init, _ = mlp_parts(MLP_HIDDEN)
+    names = jax.eval_shape(init, jax.random.key(0))
+    params = random_params(names, seed=16)
+    masks = prune_once(params, names, 0.99, distribution, groups=MLP_GROUPS)
+    for first, chain in (("dense_0", {("dense_0",), ("dense_1",)}), ("dense_2", {("dense_2",), ("head",)})):
+        norms = np_norms(params, np_groups(names, chain, "mlp"))[0]
+        assert np.flatnonzero(masks[first]["mlp"]).tolist() == [int(np.argmax(norms))], first
 
 
 def test_mlp_chains_match_numpy_reference():

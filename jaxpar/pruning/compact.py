@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxpar import sharding as shd
 from jaxpar import train
@@ -177,14 +178,34 @@ class Compaction:
     def members(self) -> dict[int, tuple[GroupPlan, Member]]:
         return {m.index: (p, m) for p in self.plans for m in p.members}
 
-    def leaf(self, x: jax.Array, i: int, mask: bool) -> jax.Array:
-        """Leaf ``i`` (or a state leaf shaped like it) gathered along every group axis it holds."""
+    def leaf(self, x: jax.Array, i: int, mask: bool, removed: int | None = None) -> jax.Array:
+        """Leaf ``i`` (or a state leaf shaped like it) gathered along every group axis it holds.
+
+        ``removed``: the state leaf is param ``i`` with this axis reduced away (a factored second moment); a group
+        axis reduced away leaves nothing to cut, a stacked axis reduced away is refused (ValueError).
+        """
         for plan, m in ((p, m) for p in self.plans for m in p.members if m.index == i):
+            if removed is not None:
+                if removed == m.axis:
+                    continue
+                if removed in m.batch_axes:
+                    raise ValueError(f"a state leaf of {path_str(m.path)} averages over its stacked axis {removed}, "
+                                     "whose slices keep different groups; compaction cannot cut it: re-initialise "
+                                     "the optimizer state with tx.init(new_params)")
+                shift = lambda a: a - (a > removed)
+                m = dataclasses.replace(m, axis=shift(m.axis), batch_axes=tuple(map(shift, m.batch_axes)))
             x = _take(x, self.index[plan.key], m)
             if mask:
                 new = dataclasses.replace(m, shape=tuple(x.shape))
                 x = jnp.where(expand(jnp.asarray(self.kept[plan.key]), new), x, jnp.zeros((), x.dtype))
         return x
+
+    def new_shape(self, i: int) -> tuple[int, ...]:
+        """The compacted shape of param ``i``."""
+        shape = list(self.param_shapes[i])
+        for plan, m in ((p, m) for p in self.plans for m in p.members if m.index == i):
+            shape[m.axis] = self.index[plan.key].shape[-1]
+        return tuple(shape)
 
     def params(self, params: Any) -> Any:
         flat, treedef = jax.tree.flatten(params)
@@ -203,29 +224,85 @@ def _check_shapes(params: Any, names: Any) -> None:
                          f"shapes {got} vs the config's {want})")
 
 
+def _factored_axes(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(d1, d0)``: the axes of a param that optax's factored second moment (``optax.adafactor``,
+    ``scale_by_factored_rms``) reduces, the second-largest and the largest axis as ``np.argsort(shape)`` orders
+    them (optax ``_src/factorized.py``, ``_factored_dims``): ``FactoredState.v_row`` is the param's shape without
+    ``d0``, ``v_col`` without ``d1``."""
+    order = np.argsort(shape)
+    return int(order[-2]), int(order[-1])
+
+
+def _without(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return shape[:axis] + shape[axis + 1:]
+
+
 def _compact_opt_state(c: Compaction, opt_state: Any, params: Any) -> Any:
-    paths = {tuple(key_name(k) for k in p): i for i, (p, _) in
-             enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+    names_of = [tuple(key_name(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = {names: i for i, names in enumerate(names_of)}
     touched = c.members()
     changed = {c.param_shapes[i] for i in touched}
-    is_state = lambda x: isinstance(x, StructuredPruningState)
+    special = lambda x: isinstance(x, (StructuredPruningState, optax.FactoredState))
+
+    def param_of(path) -> int | None:   # the param whose path ends the state leaf's path (the longest such)
+        names = tuple(key_name(k) for k in path)
+        return next((paths[names[j:]] for j in range(len(names)) if names[j:] in paths), None)
 
     def one(path, x):
-        if is_state(x):
+        i, shape = param_of(path), tuple(jnp.shape(x))
+        if i is None:
+            if shape in changed:
+                raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} has the shape {shape} of a "
+                                 "compacted param but its path names no param; compaction cannot tell how to cut "
+                                 "it: re-initialise the optimizer state with tx.init(new_params)")
+            return x
+        if i not in touched or math.prod(shape) <= 1:   # untouched param; a scalar or size-1 placeholder
+            return x
+        if shape == c.param_shapes[i]:
+            return c.leaf(x, i, False)
+        raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} follows the compacted param "
+                         f"{path_str(names_of[i])} of shape {c.param_shapes[i]} but has the shape {shape}; compaction "
+                         "cuts leaves of their param's shape and optax's factored moments (FactoredState.v_row/v_col): "
+                         "pass the optimizer state of these params, or re-initialise it with tx.init(new_params)")
+
+    def factored(path, x: optax.FactoredState) -> optax.FactoredState:
+        rows, treedef = jax.tree_util.tree_flatten_with_path(x.v_row)
+        cols = treedef.flatten_up_to(x.v_col)
+        new_rows, new_cols = [], []
+        for (sub, r), col in zip(rows, cols):
+            where = (*path, jax.tree_util.GetAttrKey("v_row"), *sub)
+            i = param_of(where)
+            shape = c.param_shapes[i] if i is not None else None
+            if i not in touched or len(shape) < 2 or math.prod(jnp.shape(r)) <= 1:   # not factored: placeholders
+                new_rows.append(r)
+                new_cols.append(col)
+                continue
+            d1, d0 = _factored_axes(shape)
+            if (tuple(jnp.shape(r)), tuple(jnp.shape(col))) != (_without(shape, d0), _without(shape, d1)):
+                raise ValueError(f"FactoredState leaves {jax.tree_util.keystr(where)} (shapes {jnp.shape(r)}, "
+                                 f"{jnp.shape(col)}) are not the factored moments of the param "
+                                 f"{path_str(names_of[i])} of shape {shape}: pass the optimizer state of these params")
+            stats = {d0: c.leaf(r, i, False, removed=d0), d1: c.leaf(col, i, False, removed=d1)}
+            e1, e0 = _factored_axes(c.new_shape(i))
+            if {e0, e1} != {d0, d1}:
+                raise ValueError(f"after compaction optax's factored second moment of "
+                                 f"{jax.tree_util.keystr(where)} would run over the axes {(e1, e0)} of the new shape "
+                                 f"{c.new_shape(i)} instead of {(d1, d0)}; its statistics cannot be carried over: "
+                                 "re-initialise the optimizer state with tx.init(new_params)")
+            new_rows.append(stats[e0])   # v_row lacks the (new) largest axis, v_col the second largest
+            new_cols.append(stats[e1])
+        v = jax.tree_util.tree_map_with_path(lambda p, y: one((*path, jax.tree_util.GetAttrKey("v"), *p), y), x.v)
+        return x._replace(v_row=treedef.unflatten(new_rows), v_col=treedef.unflatten(new_cols), v=v)
+
+    def walk(path, x):
+        if isinstance(x, StructuredPruningState):
             old = {k: lookup(x.masks, k) for k in _mask_keys(x.masks)}
             kept = [jnp.asarray(c.kept[k]) if k in c.kept else old[k] for k in old]
             return StructuredPruningState(x.count, nest(list(old), kept))
-        names = tuple(key_name(k) for k in path)
-        hit = next((paths[names[j:]] for j in range(len(names)) if names[j:] in paths
-                    and c.param_shapes[paths[names[j:]]] == tuple(jnp.shape(x))), None)
-        if hit is not None and hit in touched:
-            return c.leaf(x, hit, False)
-        if hit is None and tuple(jnp.shape(x)) in changed:
-            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} has the shape {jnp.shape(x)} of a "
-                             "compacted param but its path names no param; compaction cannot tell how to cut it: "
-                             "re-initialise the optimizer state with tx.init(new_params)")
-        return x
-    return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=is_state)
+        if isinstance(x, optax.FactoredState):
+            return factored(path, x)
+        return one(path, x)
+    return jax.tree_util.tree_map_with_path(walk, opt_state, is_leaf=special)
 
 
 # ---------------------------------------------------------------------------------------------- public API
@@ -270,14 +347,24 @@ def compact_opt_state(opt_state: Any, params: Any, masks_or_state: Any, config: 
 
     Every state leaf whose key path ends with a param's path and that has that param's shape (AdamW's ``mu``
     and ``nu``, momentum, accumulated gradients) is gathered like the param (kept moments move with their
-    weights; padding groups keep theirs, which the masks hold at zero effect); the structured pruning state's
-    masks become the compacted masks (padding groups pruned); counts and scalars are kept. So AdamW continues
-    with its moments, bias correction and schedule position intact (rather than re-initialised, which would
-    restart the bias correction and lose the second-moment estimates).
+    weights; padding groups keep theirs, which the masks hold at zero effect). optax's factored second moments
+    (``optax.FactoredState`` of ``optax.adafactor``: ``v_row`` is the param without its largest axis, ``v_col``
+    without its second largest, ties as ``np.argsort`` orders them) are gathered along the param axes they keep;
+    a moment averaged over a group axis stays as it is (its mean still counts the removed groups, which compaction
+    cannot undo); when the compacted shape's two largest axes are another pair, ``v_row`` and ``v_col`` swap as
+    the new order asks. The structured pruning state's masks become the compacted masks (padding groups
+    pruned); counts, scalars and size-1 placeholders are kept. So AdamW and Adafactor continue with their
+    moments, bias correction and schedule position intact (rather than re-initialised, which would restart the
+    bias correction and lose the second-moment estimates). The result is built for ``tx.init(new_params)``'s
+    structure; a compacted param whose axes fall below Adafactor's ``min_dim_size_to_factor`` is not factored by
+    ``tx.init`` any more (:func:`compact_state` checks the structure, this function cannot know the threshold).
 
     Raises:
-      ValueError: as :func:`compact`; a state leaf of a compacted param's shape whose path names no param (it
-        cannot be cut safely: re-initialise the state with ``tx.init(new_params)``).
+      ValueError: as :func:`compact`; a state leaf of a compacted param's shape whose path names no param; a
+        leaf whose path names a compacted param but whose shape is neither the param's, a factored moment's,
+        nor a scalar or size-1 placeholder (an optimizer state of other params); a factored moment averaged over
+        a stacked ``layers`` axis, or whose factored pair of axes changes; each cannot be cut safely:
+        re-initialise the state with ``tx.init(new_params)``.
     """
     return Compaction.build(params, masks_or_state, config, multiple_of).opt_state(opt_state, params)
 
@@ -312,10 +399,12 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
         over (``tensor`` for ``mlp`` and ``heads`` under the default rules).
 
     Returns:
-      ``(new_state, new_config)``.
+      ``(new_state, new_config)``: ``new_state`` owns fresh buffers (no array is shared with ``state``, also for
+      leaves compaction leaves unchanged), so either state can be donated to a jitted step and the other read.
 
     Raises:
-      ValueError: as :func:`compact_opt_state`; a state whose optimizer state does not have ``tx``'s structure.
+      ValueError: as :func:`compact_opt_state`; a compacted state whose structure or leaf shapes and dtypes
+        differ from ``tx.init`` of the compacted model (the leaf path is named).
     """
     multiple_of = _mesh_multiples(mesh, rules) if multiple_of is None else multiple_of
     c = Compaction.build(state.params, state.opt_state, config, multiple_of)
@@ -323,8 +412,16 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
     target = train.abstract_state(_adapter(config, state.params).init_fn(c.config), tx, mesh=mesh, rules=rules,
                                   policy=state.policy)
     new = state.replace(params=params, opt_state=opt_state)
-    shapes = lambda t: jax.tree.map(lambda x: (tuple(x.shape), x.dtype), t)
-    if shapes(new) != shapes(target) or jax.tree.structure(new) != jax.tree.structure(target):
-        raise ValueError("the compacted state does not match tx.init of the compacted model: pass the tx the state "
-                         "was built with")
-    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), new, target), c.config
+    if jax.tree.structure(new) != jax.tree.structure(target):
+        raise ValueError("the compacted state does not have the structure of tx.init of the compacted model: pass "
+                         "the tx the state was built with (an optimizer that factors a param only above a size, "
+                         "as optax.adafactor's min_dim_size_to_factor, may stop factoring a compacted one: "
+                         "re-initialise its state with tx.init)")
+    for (path, x), t in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(target)):
+        if (tuple(jnp.shape(x)), jnp.result_type(x)) != (tuple(t.shape), t.dtype):
+            raise ValueError(f"compacted state leaf {jax.tree_util.keystr(path)} is {jnp.result_type(x)}"
+                             f"{list(jnp.shape(x))} but tx.init of the compacted model makes it {t.dtype}"
+                             f"{list(t.shape)}: pass the tx the state was built with")
+    # may_alias=False: fresh buffers even for leaves compaction leaves alone, so donating either state into a
+    # jitted step never deletes the other's arrays.
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding, may_alias=False), new, target), c.config

@@ -27,8 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pruning.structure import BATCH_AXIS_NAMES, Path, key_name, path_str
-from jaxpar.sharding import leaf_axis_names
+from jaxpar.pruning.structure import BATCH_AXIS_NAMES, Path, checked_axis_names, key_name, path_str
 
 PRUNABLE_AXES = ("mlp", "heads")   # logical axes whose entries can be removed; never "embed"
 Chains = Mapping[str, Sequence[Sequence[str]]]
@@ -181,13 +180,14 @@ def group_plans(params: Any, axis_names: Any, axes: Sequence[str] = PRUNABLE_AXE
     Raises:
       ValueError: no ``axis_names``; an axis outside :data:`PRUNABLE_AXES`; an axis held by several modules with
         no chain for it; a chained module that does not hold the axis or sits in two chains; coupled leaves that
-        disagree (group size, stacked axes); a leaf holding the axis twice.
+        disagree (group size, stacked axes); a leaf holding the axis twice; ``axis_names`` not matching the params
+        (structure, or a boxed leaf's shape along an axis other than ``mlp``/``heads``).
     """
     if axis_names is None:
         raise ValueError(NO_NAMES)
     axes = check_axes(axes)
     chains = _check_chains(groups, axes)
-    holders = _holders(params, leaf_axis_names(params, axis_names), axes)
+    holders = _holders(params, checked_axis_names(params, axis_names), axes)
     plans = []
     for axis in axes:
         modules = holders[axis]

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -32,6 +33,7 @@ from jaxpar.sharding import leaf_axis_names
 
 BATCH_AXIS_NAMES = frozenset({"layers", "stage"})
 _NEVER_PRUNED = ("bias", "scale", "norm", "embedding")
+_RESIZED = ("mlp", "heads")   # the axes structured pruning's compaction shrinks (groups.PRUNABLE_AXES)
 _MAX_SIZE = 2 ** 31 - 2  # int32 counts and flat indices (plus one) must fit
 
 Path = tuple[str, ...]
@@ -105,6 +107,33 @@ def path_str(path: Path) -> str:
     return "/".join(path)
 
 
+def checked_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...] | None]:
+    """``jp.sharding.leaf_axis_names(params, axis_names)``, after checking that Flax-boxed ``axis_names``
+    (``jax.eval_shape(init_fn, rng)``) describe arrays of the params' shapes, except along the structurally
+    prunable axes ``mlp`` and ``heads`` (whose sizes compaction changes: a compacted model keeps training with
+    the transformation built from the original model's names).
+
+    Raises:
+      ValueError: a structure mismatch (``leaf_axis_names``), or a leaf whose boxed rank or size along another
+        axis differs from the param's (names of another model or config), naming the leaf path.
+    """
+    names = leaf_axis_names(params, axis_names)
+    box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    if axis_names is not None and any(box(x) for x in jax.tree.leaves(axis_names, is_leaf=box)):
+        boxes = jax.tree.structure(params).flatten_up_to(axis_names)   # one box (or bare shape) per param
+        for (kpath, leaf), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], boxes):
+            value = nn.meta.unbox(b)
+            if not hasattr(value, "shape"):
+                continue
+            want, got, axes = tuple(value.shape), tuple(jnp.shape(leaf)), tuple(b.names) if box(b) else ()
+            resized = lambda a: a < len(axes) and axes[a] in _RESIZED
+            if len(want) != len(got) or any(w != g and not resized(a) for a, (w, g) in enumerate(zip(want, got))):
+                raise ValueError(f"axis_names describe {path_str(tuple(key_name(k) for k in kpath))} with shape "
+                                 f"{want}, but the param has shape {got}: pass the axis_names of these params "
+                                 "(jax.eval_shape(init_fn, rng) of their model)")
+    return names
+
+
 def default_prunable(path: Path, shape: tuple[int, ...], names: tuple | None) -> bool:
     """Weight kernels: at least two non-``layers`` axes, and not a bias, norm scale or embedding by name."""
     batch = sum(1 for n in (names or ()) if n in BATCH_AXIS_NAMES)
@@ -145,12 +174,13 @@ def make_plans(params: Any, axis_names: Any = None, prunable: Callable[[Path], b
     """One :class:`LeafPlan` per leaf of ``params`` (flattening order), None for leaves not pruned.
 
     Raises:
-      ValueError: with ``n_m``, a kernel whose reduction axes cannot be told (unnamed, more than 2-D: pass
+      ValueError: ``axis_names`` not matching the params (:func:`checked_axis_names`); with ``n_m``, a
+        kernel whose reduction axes cannot be told (unnamed, more than 2-D: pass
         ``axis_names`` or ``reduction_axes``), include a stacked-layer axis, or whose reduction size is not
         divisible by M; a tensor of 2**31 or more elements.
     """
     plans = []
-    names_list = leaf_axis_names(params, axis_names)
+    names_list = checked_axis_names(params, axis_names)
     for (kpath, leaf), names in zip(jax.tree_util.tree_flatten_with_path(params)[0], names_list):
         path = tuple(key_name(k) for k in kpath)
         shape = tuple(jnp.shape(leaf))

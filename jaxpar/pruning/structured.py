@@ -89,6 +89,11 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         layers may keep different numbers (:func:`jaxpar.pruning.compact` pads them to one count).
         ERK is refused: it sets per-tensor densities from a layer's fan-in and fan-out, while all groups of
         a kind in a layer have one shape, so there is nothing for it to weigh.
+        Both keep **at least one group** (head, hidden unit) in every stacked slice (layer) of every group
+        plan, so no layer is cut off: global pruning first keeps each slice's highest-scoring group (ties to
+        the lower index), then ranks the rest globally; its count is ``max(round((1 - sparsity) * groups),
+        number of slices)``, so at high sparsity (e.g. 0.99) it keeps more than asked. Torch-Pruning likewise
+        never removes a layer's last channel.
       axis_names: the params' logical names, ``jax.eval_shape(init_fn, rng)`` (Flax-boxed) or
         ``jp.sharding.logical_specs`` of it. Required (the groups are read from them): ``init`` raises without.
       axes: the pruned axes, a subset of ``("mlp", "heads")`` (default both); ignored with a dict ``sparsity``.
@@ -104,7 +109,9 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         ``mlp``/``heads`` (``embed`` included); (at ``init``) no ``axis_names``; an axis name held by several
         modules without a chain in ``groups``; a chain naming a module that lacks the axis or sits in two
         chains; coupled leaves whose group sizes or stacked axes differ; a leaf holding the axis twice; no
-        group found; names not matching the params; (at ``update``) ``params`` missing.
+        group found; names not matching the params (structure, or a boxed leaf's shape along an axis other than
+        ``mlp``/``heads``: the names of another model); (at ``update``) ``params`` missing; a state whose masks do not fit these params' groups
+        (another model's state), naming the mask.
       TypeError: a sparsity that is neither a number nor a schedule; ``groups`` not a dict of chains.
     """
     if distribution == "erk":
@@ -134,7 +141,7 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         plans = plans_of(params)
         flat_u, treedef = jax.tree.flatten(updates)
         flat_p = treedef.flatten_up_to(params)
-        masks = {p.key: lookup(state.masks, p.key) for p in plans}
+        masks = _check_state(state, plans)
         for kind in kinds:
             of_kind = [p for p in plans if p.axis_name == kind]
             if of_kind:   # a kind the model lacks (the MLP has no heads) has nothing to refresh
@@ -150,6 +157,21 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         return treedef.unflatten(out), StructuredPruningState(optax.safe_increment(state.count), new_masks)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_state(state: Any, plans: list[GroupPlan]) -> dict:
+    """The state's masks by plan key; ValueError naming the mask when the state is not this model's."""
+    if not isinstance(state, StructuredPruningState):
+        raise ValueError(f"structured_pruning's update got a state of type {type(state).__name__}; pass the state "
+                         "its init returned (tx.init(params))")
+    want = {p.key: p.mask_shape for p in plans}
+    got = {tuple(k): jnp.shape(m) for k in _mask_keys(state.masks) if (m := lookup(state.masks, k)) is not None}
+    for key in sorted(set(want) | set(got)):
+        if got.get(key) != want.get(key):
+            raise ValueError(f"structured_pruning state mask {'/'.join(key)} has shape {got.get(key)} but these "
+                             f"params' groups need {want.get(key)} (None: absent): the state belongs to other params "
+                             "or axis_names; build it with tx.init(params) for these params")
+    return {key: lookup(state.masks, key) for key in want}
 
 
 def _refresh_kind(schedule, distribution, count, plans, flat_p, flat_u, masks) -> dict:
@@ -180,9 +202,12 @@ def _select(candidates: dict[int, jax.Array], sparsity: jax.Array, *, plans: tup
             distribution: str) -> list[jax.Array]:
     """Keep masks ``[*stacked, groups]`` for one kind's plans, from the candidates (params + updates)."""
     bits = [select.magnitude_bits(scores(candidates, p)) for p in plans]
-    if distribution == "global":
-        total = sum(b.size for b in bits)
-        return select.top_k_pooled(bits, jnp.round((1.0 - sparsity) * total).astype(jnp.int32))
+    if distribution == "global":   # every stacked slice's top group is kept first (a layer never empties)
+        total, slices = sum(b.size for b in bits), sum(b.size // b.shape[-1] for b in bits)
+        top = select.top_k_per_slice(bits, [(b.ndim - 1,) for b in bits], [jnp.ones((), jnp.int32)] * len(bits))
+        bits = [jnp.where(t, select.SENTINEL, b) for t, b in zip(top, bits)]
+        keep = jnp.maximum(jnp.round((1.0 - sparsity) * total).astype(jnp.int32), slices)
+        return select.top_k_pooled(bits, keep)
     keep = [jnp.maximum(1, jnp.round((1.0 - sparsity) * p.size)).astype(jnp.int32) for p in plans]
     return select.top_k_per_slice(bits, [(b.ndim - 1,) for b in bits], keep)
 
@@ -212,7 +237,11 @@ def group_masks(opt_state: Any) -> dict:
 
 def param_masks(params: Any, masks: Any, axis_names: Any, groups: Chains | None = None) -> Any:
     """Group masks broadcast to the params: a tree with the params' structure, bool arrays where a leaf belongs
-    to a pruned group (True = kept), None elsewhere. ``masks`` is :func:`group_masks`' dict (or a state)."""
+    to a pruned group (True = kept), None elsewhere. ``masks`` is :func:`group_masks`' dict (or a state).
+
+    Raises:
+      ValueError: as :func:`jaxpar.pruning.group_plans`; a mask whose shape differs from its group's.
+    """
     if _find(masks):
         masks = group_masks(masks)
     keys = _mask_keys(masks)
@@ -221,6 +250,9 @@ def param_masks(params: Any, masks: Any, axis_names: Any, groups: Chains | None 
     flat, treedef = jax.tree.flatten(params)
     out: list[Any] = [None] * len(flat)
     for plan in plans:
+        if jnp.shape(lookup(masks, plan.key)) != plan.mask_shape:
+            raise ValueError(f"mask {plan.name} has shape {jnp.shape(lookup(masks, plan.key))}; these params' groups "
+                             f"have {plan.mask_shape}: pass the masks of these params")
         for m in plan.members:
             e = expand(jnp.asarray(lookup(masks, plan.key)), m)
             out[m.index] = e if out[m.index] is None else out[m.index] & e

@@ -121,7 +121,8 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
       ValueError: (here) a sparsity outside [0, 1), an unknown distribution, bad ``n_m``, ``n_m`` with a
         sparsity other than ``1 - N/M`` or with global/ERK, no sparsity without ``n_m``; (at ``init``) no
         prunable parameter, ``axis_names`` not matching the params, a reduction size not divisible by M, an
-        N:M kernel whose reduction axes are unknown; (at ``update``) ``params`` missing.
+        N:M kernel whose reduction axes are unknown; (at ``update``) ``params`` missing, a state whose masks
+        do not fit these params (another model's state), naming the leaf.
       TypeError: ``sparsity`` neither a number nor a schedule; ``prunable`` not callable.
     """
     if distribution not in DISTRIBUTIONS:
@@ -154,7 +155,7 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
         plans = plans_of(params)
         flat_u, treedef = jax.tree.flatten(updates)
         flat_p = treedef.flatten_up_to(params)
-        flat_m = treedef.flatten_up_to(state.masks)
+        flat_m = _check_state(state, params, plans)
         chosen = [i for i, plan in enumerate(plans) if plan]
         old = [flat_m[i] for i in chosen]
 
@@ -178,6 +179,26 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
                                                                treedef.unflatten(out_m))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_state(state: Any, params: Any, plans: list[LeafPlan | None]) -> list:
+    """The state's masks in the params' flattening order; ValueError naming the leaf when the state is not for
+    these params (another model's state: other structure, or a mask of another shape or where none belongs)."""
+    fix = "the state belongs to other params or another prunable=/axis_names: build it with tx.init(params)"
+    if not isinstance(state, MagnitudePruningState):
+        raise ValueError(f"magnitude_pruning's update got a state of type {type(state).__name__}; pass the state its "
+                         "init returned (tx.init(params))")
+    try:   # flattened up to the params' structure, a None mask (a leaf not pruned) comes out as None
+        flat_m = jax.tree.structure(params).flatten_up_to(state.masks)
+    except (ValueError, TypeError):
+        raise ValueError(f"magnitude_pruning state masks do not have the params' tree structure: {fix}") from None
+    for (kpath, p), m, plan in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_m, plans):
+        want = tuple(jnp.shape(p)) if plan else None
+        got = None if m is None else tuple(jnp.shape(m))
+        if got != want:
+            raise ValueError(f"magnitude_pruning state mask of {path_str(tuple(key_name(k) for k in kpath))} has shape "
+                             f"{got} but this param needs {want} (None: not pruned): {fix}")
+    return flat_m
 
 
 @functools.partial(jax.jit, static_argnames=("plans", "distribution", "n_m"))
