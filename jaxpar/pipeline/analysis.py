@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxpar.pipeline.checks import check_costs, check_schedule, check_schedule_list
 from jaxpar.pipeline.schedules import Schedule, dependencies
 
 
@@ -46,13 +47,22 @@ def timing(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timi
     An action starts when its stage has finished its previous action and every dependency (the module
     docstring of :mod:`jaxpar.pipeline.schedules`) has finished.
 
+    Args:
+      schedule: a :class:`Schedule`.
+      costs: ``{kind: cost}`` for kinds among ``'F'``, ``'B'``, ``'W'``: finite positive numbers (time units);
+        every kind the table runs needs one.
+
     Raises:
-      ValueError: ``costs`` missing a kind the table uses, or a cost that is not positive.
+      TypeError: ``schedule`` not a :class:`Schedule` (e.g. a builder's name), or ``costs`` not a mapping.
+      ValueError: ``costs`` with a key that is not an action kind, a cost that is not a finite positive
+        number (NaN, inf, 0, negative), or missing a kind the table uses.
     """
+    check_schedule(schedule, "timing")
+    costs = check_costs(costs)
     costs = dict(default_costs(schedule) if costs is None else costs)
     used = {a.kind for row in schedule.table for a in row if a is not None}
     for kind in sorted(used):
-        if not isinstance(costs.get(kind), (int, float)) or costs[kind] <= 0:
+        if kind not in costs:
             raise ValueError(f"costs={costs}: the table runs {kind} actions; give {kind!r} a positive cost")
     free, end, start = [0.0] * schedule.num_stages, {}, {}
     num_v = schedule.num_virtual_stages
@@ -76,10 +86,11 @@ def lockstep_time(schedule: Schedule, costs: Mapping[str, float] | None = None) 
     ``makespan``, the time when each action lasts its own cost: the ratio is what lockstep costs the table.
 
     Raises:
-      ValueError: as :func:`timing`.
+      TypeError, ValueError: as :func:`timing`.
     """
-    costs = dict(default_costs(schedule) if costs is None else costs)
+    check_schedule(schedule, "lockstep_time")
     timing(schedule, costs)                                  # validates the costs
+    costs = dict(default_costs(schedule) if costs is None else check_costs(costs))
     return float(sum(max([costs[a.kind] for a in row if a is not None], default=0.0) for row in schedule.table))
 
 
@@ -110,9 +121,11 @@ def compiled_temp_bytes(schedule: Schedule, stage_fn: Callable, loss_fn: Callabl
     size must be ``schedule.num_stages``.
 
     Raises:
+      TypeError: ``schedule`` not a :class:`Schedule`.
       ValueError: a ``layers`` leaf whose leading axis is not a multiple of ``p v``; and what
         ``value_and_grad`` raises (a mesh whose ``pipe`` size is not ``num_stages``, ...).
     """
+    check_schedule(schedule, "compiled_temp_bytes")
     from jaxpar.pipeline.runtime import value_and_grad
     zeros = lambda t: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), t)
     f = value_and_grad(stage_fn, loss_fn, schedule, mesh=mesh, stash=stash)
@@ -143,10 +156,14 @@ def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = N
       device, bytes).
 
     Raises:
-      TypeError: an entry that is not a Schedule.
-      ValueError: a bad cost (:func:`timing`); ``stage_fn`` given without one of the shapes (named), or an
-        unknown keyword; what :func:`compiled_temp_bytes` raises.
+      TypeError: ``schedules`` one Schedule or a string rather than a list, an entry that is not a Schedule, or
+        ``costs`` not a mapping.
+      ValueError: a bad cost (:func:`timing`: an unknown key, a value that is not finite and positive, a kind
+        a table runs missing); ``stage_fn`` given without one of the shapes (named), or an unknown keyword;
+        what :func:`compiled_temp_bytes` raises.
     """
+    schedules = check_schedule_list(schedules, "compare")
+    check_costs(costs)
     if stage_fn is not None or memory:
         missing = [k for k in _MEMORY_ARGS if k not in memory] + (["stage_fn"] if stage_fn is None else [])
         unknown = sorted(set(memory) - set(_MEMORY_ARGS) - {"stash"})
@@ -155,8 +172,6 @@ def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = N
                              f"missing {missing}, unknown {unknown}")
     rows = []
     for s in schedules:
-        if not isinstance(s, Schedule):
-            raise TypeError(f"compare takes jp.pipeline.Schedule objects, got {type(s).__name__}")
         t = timing(s, costs)
         rows.append({"name": s.name, "stages": s.num_stages, "microbatches": s.num_microbatches,
                      "chunks": s.num_chunks, "ticks": s.num_ticks, "time": t.makespan, "bubble": t.bubble,

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jaxpar.pipeline.checks import builder_sizes
 from jaxpar.pipeline.schedules import (Action, B, F, Placement, Schedule, W, dependencies, place_in_order,
                                        round_robin, v_shape)
 
 
-def _check_sizes(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
-
-
 def _check_at_least_one_per_stage(name: str, p: int, m: int) -> tuple[int, int]:
-    """Checks the sizes and ``m >= p`` (a zero-bubble table needs a microbatch per stage); returns ``(p, m)``."""
-    _check_sizes(num_stages=p, num_microbatches=m)
+    """Checks ``m >= p`` (a zero-bubble table needs a microbatch per stage); returns ``(p, m)``."""
     if m < p:
         raise ValueError(f"{name} needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; use "
                          f"num_microbatches >= {p}")
@@ -39,9 +33,10 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
       num_microbatches: ``m >= 1``.
 
     Raises:
-      ValueError: a size that is not a positive int.
+      ValueError: a size that is not a positive integer (any integral type, numpy's too; not a bool), or a
+        table over :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` (``num_ticks * num_stages``).
     """
-    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
+    num_stages, num_microbatches, _ = builder_sizes("gpipe", num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     fwd = m + p - 1
     table = [[None] * p for _ in range(2 * fwd)]
@@ -74,10 +69,11 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
       num_microbatches: ``m >= p``.
 
     Raises:
-      ValueError: a size that is not a positive int; ``num_microbatches < num_stages`` (the warm-up alone
+      ValueError: a size that is not a positive integer, or a table over
+        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`; ``num_microbatches < num_stages`` (the warm-up alone
         needs ``p - 1`` microbatches in flight, so the steady state never forms: use :func:`gpipe`).
     """
-    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches)
+    num_stages, num_microbatches, _ = builder_sizes("one_f_one_b", num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     if m < p:
         raise ValueError(f"1F1B needs num_microbatches >= num_stages, got {m} microbatches for {p} stages: the "
@@ -118,9 +114,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
       num_chunks: ``v >= 1``.
 
     Raises:
-      ValueError: a size that is not a positive int, or ``m`` not a multiple of ``p``.
+      ValueError: a size that is not a positive integer, a table over
+        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m`` not a multiple of ``p``.
     """
-    _check_sizes(num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    num_stages, num_microbatches, num_chunks = builder_sizes("interleaved_1f1b", num_stages, num_microbatches,
+                                                             num_chunks)
     p, m, v = num_stages, num_microbatches, num_chunks
     if m % p:
         raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of num_stages (Megatron's "
@@ -196,8 +194,10 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
       num_microbatches: ``m >= p``.
 
     Raises:
-      ValueError: a size that is not a positive int, or ``m < p``.
+      ValueError: a size that is not a positive integer, a table over
+        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m < p``.
     """
+    num_stages, num_microbatches, _ = builder_sizes("zero_bubble", num_stages, num_microbatches, actions=3)
     p, m = _check_at_least_one_per_stage("zero_bubble", num_stages, num_microbatches)
     return place_in_order("zb-h1", m, [_zb_h1_order(p, m, s) for s in range(p)])
 
@@ -219,8 +219,10 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
       num_microbatches: ``m >= p``.
 
     Raises:
-      ValueError: a size that is not a positive int, or ``m < p``.
+      ValueError: a size that is not a positive integer, a table over
+        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m < p``.
     """
+    num_stages, num_microbatches, _ = builder_sizes("zero_bubble_v", num_stages, num_microbatches, actions=6)
     p, m = _check_at_least_one_per_stage("zero_bubble_v", num_stages, num_microbatches)
     rank = {"B": 0, "F": 1, "W": 2}
     return _list_schedule("zb-v", p, m, v_shape(p), [2 * p] * p,

@@ -3,12 +3,16 @@ ValueError/TypeError naming the value and the fix, never an XLA error from insid
 
 Batch divisibility is :func:`jaxpar.grads.check_batch_size` (the one batch-size check of jaxpar); here only
 what is particular to a pipeline: the mesh against the schedule, the stacked stage parameters, the stage
-function keeping the activation's shape, and the loss returning a scalar.
+function keeping the activation's shape, and the loss returning a scalar; and the plain-Python checks of the
+schedule API (builder sizes, the table-size bound :data:`MAX_TABLE_ENTRIES`, a Schedule where one is needed,
+per-action costs, placements, and the entries of a user's action lists).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -19,7 +23,7 @@ from jax.sharding import Mesh
 from jaxpar import grads
 from jaxpar import sharding as shd
 from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
-from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule
 from jaxpar.pipeline.stash import STASH_MODES
 
 
@@ -27,6 +31,158 @@ def struct(a: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct
     """The ``ShapeDtypeStruct`` of ``a`` (an array or scalar), with ``shape`` in place of its own if given."""
     return jax.ShapeDtypeStruct(np.shape(a) if shape is None else shape, jnp.result_type(a))
 
+
+# --------------------------------------------------------------------------------- the schedule API
+
+MAX_TABLE_ENTRIES = 10 ** 7
+"""The most ``num_ticks * num_stages`` entries a schedule table may hold. Plain Python builds, validates and
+analyses a table at about 5 microseconds an entry on one CPU core (a minute at the bound), and the control
+table the runtime scans holds eleven ``[ticks, stages]`` int32 arrays (440 MB at the bound). Real runs sit far
+below it: interleaved 1F1B at ``p = 128, m = 4096, v = 2`` is 2.1 million entries."""
+
+
+def positive_int(name: str, value: Any, hint: str = "") -> int:
+    """``int(value)`` for a positive integer of any integral type (numpy's too, never a bool); else ValueError
+    (``'<name>=<value> must be a positive int'`` and the ``hint``)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int{hint}")
+    return int(value)
+
+
+def check_table_size(what: str, num_ticks: int, num_stages: int, at_least: bool = False) -> None:
+    """Raises ValueError when ``num_ticks * num_stages`` exceeds :data:`MAX_TABLE_ENTRIES`, naming the sizes."""
+    if num_ticks * num_stages > MAX_TABLE_ENTRIES:
+        raise ValueError(f"{what}: a table of {'at least ' if at_least else ''}{num_ticks} ticks x {num_stages} "
+                         f"stages = {num_ticks * num_stages:,} entries exceeds the bound of {MAX_TABLE_ENTRIES:,} "
+                         "(jp.pipeline.checks.MAX_TABLE_ENTRIES); use fewer stages or fewer, larger microbatches")
+
+
+_NO_CHUNKS = object()   # a builder without a num_chunks argument
+
+
+def builder_sizes(name: str, num_stages: Any, num_microbatches: Any, num_chunks: Any = _NO_CHUNKS, *,
+                  actions: int = 2) -> tuple[int, int, int]:
+    """A builder's sizes as ints ``(p, m, v)`` (``v = 1`` for a builder without ``num_chunks``), checked: positive
+    integers, and a table within :data:`MAX_TABLE_ENTRIES`. Every stage runs ``actions`` actions per microbatch
+    and chunk (2: ``F``, ``B``; 3 with ``W``; ZB-V's two chunks: 6), the last stage's first at tick ``p - 1`` at
+    the earliest, so the table has at least ``actions * v * m + p - 1`` ticks.
+
+    Raises:
+      ValueError: a size that is not a positive integer, or a table over the bound (naming the sizes).
+    """
+    p, m = positive_int("num_stages", num_stages), positive_int("num_microbatches", num_microbatches)
+    v = 1 if num_chunks is _NO_CHUNKS else positive_int("num_chunks", num_chunks)
+    call = f"{name}(num_stages={p}, num_microbatches={m}" + (")" if num_chunks is _NO_CHUNKS else f", num_chunks={v})")
+    check_table_size(call, actions * v * m + p - 1, p, at_least=True)
+    return p, m, v
+
+
+def check_schedule(value: Any, what: str) -> None:
+    """Raises TypeError unless ``value`` is a :class:`Schedule`, naming what ``what`` got and how to build one."""
+    if not isinstance(value, Schedule):
+        hint = " (a list of schedules goes to jp.pipeline.compare)" if isinstance(value, (list, tuple)) else ""
+        raise TypeError(f"{what} takes a jp.pipeline.Schedule, got {type(value).__name__} {value!r:.60}{hint}; build "
+                        "one with a builder (e.g. jp.pipeline.one_f_one_b(num_stages, num_microbatches)) or "
+                        "jp.pipeline.from_actions")
+
+
+def check_schedule_list(schedules: Any, what: str = "compare") -> list[Schedule]:
+    """``schedules`` as a list, each a :class:`Schedule`; TypeError for one Schedule, a string or a non-list."""
+    if isinstance(schedules, Schedule):
+        raise TypeError(f"{what} takes a list of jp.pipeline.Schedule objects, got one Schedule "
+                        f"({schedules.name!r}); pass [schedule]")
+    if isinstance(schedules, (str, bytes)) or not isinstance(schedules, Iterable):
+        raise TypeError(f"{what} takes a list of jp.pipeline.Schedule objects, got {type(schedules).__name__} "
+                        f"{schedules!r:.60}; build them with the builders (e.g. [jp.pipeline.one_f_one_b(4, 8)])")
+    out = list(schedules)
+    for i, s in enumerate(out):
+        if not isinstance(s, Schedule):
+            raise TypeError(f"{what} takes jp.pipeline.Schedule objects, got {type(s).__name__} {s!r:.60} at index "
+                            f"{i}; build it with a builder (e.g. jp.pipeline.one_f_one_b(4, 8))")
+    return out
+
+
+def check_costs(costs: Any) -> dict[str, float] | None:
+    """Per-action costs as ``{kind: float}`` (``None`` stays ``None``: the defaults).
+
+    Raises:
+      TypeError: ``costs`` not a mapping.
+      ValueError: a key that is not an action kind (``'F'``, ``'B'``, ``'W'``), or a cost that is not a
+        finite positive number (NaN, inf, 0, negative, a bool or a string), naming the key and value.
+    """
+    if costs is None:
+        return None
+    if not isinstance(costs, Mapping):
+        raise TypeError(f"costs must be a dict of per-action costs like {{'F': 1, 'B': 2, 'W': 1}}, got "
+                        f"{type(costs).__name__} {costs!r:.60}")
+    for key, value in costs.items():
+        if key not in KINDS:
+            raise ValueError(f"costs has unknown key {key!r}; the keys are the action kinds {KINDS} "
+                             "(F forward, B backward, W weight gradient)")
+        if (not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value)
+                or value <= 0):
+            raise ValueError(f"costs[{key!r}]={value!r}: a cost must be a finite positive number (time units of "
+                             "one action)")
+    return {k: float(v) for k, v in costs.items()}
+
+
+def check_placement(placement: Any, num_stages: int) -> Placement:
+    """``placement`` as a tuple of tuples of ints: ``num_stages`` rows of ``v`` virtual-stage indices holding
+    ``0 .. num_stages * v - 1`` once each; else ValueError naming it and the fix."""
+    fix = (f"give {num_stages} rows (one per stage) of num_chunks virtual-stage indices holding 0..{num_stages}*"
+           f"num_chunks-1 once each, e.g. jp.pipeline.round_robin({num_stages}, 2) or jp.pipeline.v_shape("
+           f"{num_stages})")
+    try:
+        rows = tuple(tuple(row) for row in placement)
+    except TypeError:
+        raise ValueError(f"placement={placement!r:.80} is not a table of virtual stages; {fix}") from None
+    v = len(rows[0]) if rows else 0
+    flat = [x for row in rows for x in row]
+    if (len(rows) != num_stages or v == 0 or any(len(row) != v for row in rows)
+            or any(not isinstance(x, numbers.Integral) or isinstance(x, bool) for x in flat)
+            or sorted(flat) != list(range(num_stages * v))):
+        raise ValueError(f"placement={placement!r:.80} does not place each virtual stage 0..{num_stages}*num_chunks-1 "
+                         f"exactly once over the {num_stages} stages; {fix}")
+    return tuple(tuple(int(x) for x in row) for row in rows)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def check_action(entry: Any, where: str) -> Action:
+    """An :class:`Action` with a known kind and int microbatch and chunk ``>= 0`` (numpy ints become ints);
+    else ValueError naming ``where`` (e.g. ``'stage 0, entry 3'``) and the entry."""
+    if entry.kind not in KINDS:
+        raise ValueError(f"{where}: {entry!r} has kind {entry.kind!r}; the kinds are {KINDS} (jp.pipeline.F, B, W)")
+    for field in ("microbatch", "chunk"):
+        if not _is_index(getattr(entry, field)):
+            raise ValueError(f"{where}: {entry!r} has {field}={getattr(entry, field)!r}; it must be an int >= 0")
+    return Action(entry.kind, int(entry.microbatch), int(entry.chunk))
+
+
+def schedule_sizes(schedule: Schedule) -> None:
+    """Makes ``schedule``'s integral sizes (numpy's too) plain ints, in place; leaves the rest for validation."""
+    for name in ("num_stages", "num_microbatches", "num_chunks"):
+        value = getattr(schedule, name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            object.__setattr__(schedule, name, int(value))
+
+
+def check_table(schedule: Schedule) -> None:
+    """Raises ValueError for a table over :data:`MAX_TABLE_ENTRIES` or an action whose microbatch or chunk is
+    not an int ``>= 0`` (naming the tick, stage and action); the rest is
+    :func:`~jaxpar.pipeline.schedules.validate`'s."""
+    if isinstance(schedule.num_stages, int):
+        check_table_size(f"schedule {schedule.name!r}", len(schedule.table), schedule.num_stages)
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if isinstance(a, Action) and not (_is_index(a.microbatch) and _is_index(a.chunk)):
+                raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s} holds {a!r}; its microbatch and "
+                                 "chunk must be ints >= 0")
+
+
+# ------------------------------------------------------------------------------------- the runtime
 
 def check_mesh_and_schedule(schedule: Schedule, mesh: Mesh, stash: str = "residuals") -> None:
     """Raises TypeError/ValueError unless ``mesh`` has a ``pipe`` axis of the schedule's size and ``stash`` is a

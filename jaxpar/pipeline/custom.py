@@ -9,7 +9,8 @@ is an :class:`~jaxpar.pipeline.schedules.Action`, ``None`` (idle), or a string i
 * torch's (``torch.distributed.pipelining``'s ``_Action`` strings, e.g. a row of its CSV schedules):
   ``"<virtual stage><kind><microbatch>"``, e.g. ``"4F0"``, with kind ``F`` (forward), ``B`` (full backward),
   ``I`` (input-gradient backward) or ``W`` (weight gradient). The virtual stages a stage's list names are its
-  chunks, in increasing order; that gives the placement (round-robin, V, or any other).
+  chunks, in increasing order; that gives the placement (round-robin, V, or any other). A table's backwards
+  are either all full (``B``) or all split: an ``I`` and a ``W`` for every microbatch and virtual stage.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from jaxpar.pipeline.checks import check_action, check_placement, check_table_size, positive_int
 from jaxpar.pipeline.schedules import Action, Placement, Schedule, place_in_order, round_robin
 
 _OURS = re.compile(r"^([FBW])(\d+)(?:\.(\d+))?$")
@@ -28,7 +30,7 @@ def _parse(entry, s: int, i: int):
     if entry is None or (isinstance(entry, str) and entry.strip() in ("", "None")):
         return "idle", None
     if isinstance(entry, Action):
-        return "ours", entry
+        return "ours", check_action(entry, f"stage {s}, entry {i}")
     if isinstance(entry, str):
         text = entry.strip()
         if (m := _OURS.match(text)):
@@ -50,6 +52,10 @@ def _from_torch(parsed: list[list], split: bool) -> tuple[list[list], Placement]
     if len(set(flat)) != len(flat):
         raise ValueError(f"a virtual stage appears in the lists of two stages (stages hold {held}); each virtual "
                          "stage runs on one stage")
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError(f"the lists name virtual stages {sorted(flat)[:8]}{' ...' if len(flat) > 8 else ''}; "
+                         f"with {len(held)} stages of {len(held[0])} chunks they must be 0..{len(flat) - 1}, "
+                         "each on one stage")
     out = []
     for s, row in enumerate(parsed):
         acts = []
@@ -58,12 +64,30 @@ def _from_torch(parsed: list[list], split: bool) -> tuple[list[list], Placement]
                 acts.append(None)
                 continue
             vs, kind, mb = e
-            if (kind == "B" and split) or (kind == "I" and not split):
+            if kind == "B" and split:
                 raise ValueError(f"stage {s}, entry {i}: {vs}{kind}{mb}: a table with W actions writes its input-"
-                                 "gradient backwards as I, one without as B (full backward)")
+                                 "gradient backwards as I, one without as B (full backward); these lists mix full "
+                                 "backwards (B) with split ones (I and W): use one kind for the whole table")
             acts.append(Action("B" if kind == "I" else kind, mb, held[s].index(vs)))
         out.append(acts)
+    if split:
+        _check_split_pairs(parsed)
     return out, tuple(tuple(h) for h in held)
+
+
+def _check_split_pairs(parsed: list[list]) -> None:
+    """Raises ValueError unless every torch ``I`` has its ``W`` (same virtual stage and microbatch) and back."""
+    listed = {(e[1], e[0], e[2]) for row in parsed for e in row if e is not None}
+    for s, row in enumerate(parsed):
+        for i, e in enumerate(row):
+            if e is not None and e[1] in "IW":
+                vs, kind, mb = e
+                other = "W" if kind == "I" else "I"
+                if (other, vs, mb) not in listed:
+                    raise ValueError(f"stage {s}, entry {i}: {vs}{kind}{mb} has no matching {vs}{other}{mb}: a split "
+                                     "backward needs both I (input gradient) and W (weight gradient) for every "
+                                     f"microbatch and virtual stage; add {vs}{other}{mb}, or write full backwards "
+                                     f"as B ({vs}B{mb}) throughout")
 
 
 def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = None, name: str = "custom",
@@ -86,13 +110,23 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
       :func:`jaxpar.pipeline.value_and_grad` or ``jp.pipeline.Pipeline``.
 
     Raises:
-      ValueError: an entry that is not an action (naming stage and entry), both string forms in one table,
-        an inconsistent placement, orders that deadlock, or a table the validator rejects (a dependency at
-        a later tick, an action missing or repeated: naming tick, stage, chunk and action).
+      ValueError: an entry that is not an action (naming stage and entry: an unknown kind, a microbatch or
+        chunk that is not an int >= 0), both string forms in one table, torch's ``B`` beside ``I``/``W``, or an
+        ``I`` without its ``W`` (or a ``W`` without its ``I``), ``num_microbatches`` not a positive integer, an
+        inconsistent placement, a microbatch id beyond the forwards a stage lists (ids count 0..m-1), a table
+        over :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` entries, orders that deadlock, or a table the
+        validator rejects (a dependency at a later tick, an action missing or repeated: naming tick, stage,
+        chunk and action).
     """
-    if isinstance(actions, (str, bytes)) or not all(isinstance(row, Sequence) and not isinstance(row, str)
-                                                     for row in actions) or not actions:
+    if isinstance(actions, (str, bytes)) or not isinstance(actions, Sequence) or not actions or not all(
+            isinstance(row, Sequence) and not isinstance(row, str) for row in actions):
         raise ValueError("actions must be one list of actions per stage, e.g. [['F0', 'B0'], ['F0', 'B0']]")
+    if num_microbatches is not None:
+        num_microbatches = positive_int("num_microbatches", num_microbatches,
+                                        ", or None (the largest microbatch the lists name, plus one)")
+    longest = max(len(row) for row in actions)
+    check_table_size(f"from_actions ({len(actions)} lists, the longest of {longest} entries)",
+                     longest if timed else max(longest, len(actions)), len(actions), at_least=not timed)
     parsed = [[_parse(e, s, i) for i, e in enumerate(row)] for s, row in enumerate(actions)]
     forms = {form for row in parsed for form, _ in row} - {"idle"}
     if len(forms) > 1:
@@ -104,9 +138,12 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
         split = any(e is not None and e[1] in "IW" for row in rows for e in row)
         rows, placement = _from_torch(rows, split)
     p = len(rows)
+    if placement is not None:
+        placement = check_placement(placement, p)
     num_chunks = len(placement[0]) if placement is not None else 1 + max(
         [a.chunk for row in rows for a in row if a is not None], default=0)
     placement = placement if placement is not None else round_robin(p, num_chunks)
+    _check_microbatch_ids(rows)
     m = num_microbatches if num_microbatches is not None else 1 + max(
         [a.microbatch for row in rows for a in row if a is not None], default=0)
     if timed:
@@ -120,6 +157,23 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
                 raise ValueError(f"stage {s}: {a} is out of range (microbatches 0..{m - 1}, chunks "
                                  f"0..{num_chunks - 1})")
     return place_in_order(name, m, orders, num_chunks, placement)
+
+
+def _check_microbatch_ids(rows: list[list[Action | None]]) -> None:
+    """Raises ValueError for a microbatch id that cannot be in a valid table: microbatches count ``0..m-1`` and
+    each has one ``F`` on every stage and chunk, so an id is below the number of ``F``\\ s its stage lists for
+    that chunk (this bounds ``m`` by the lists' length, however large an id is written)."""
+    for s, row in enumerate(rows):
+        forwards: dict[int, int] = {}
+        for a in row:
+            if a is not None and a.kind == "F":
+                forwards[a.chunk] = forwards.get(a.chunk, 0) + 1
+        for i, a in enumerate(row):
+            if a is not None and a.microbatch >= forwards.get(a.chunk, 0):
+                n = forwards.get(a.chunk, 0)
+                raise ValueError(f"stage {s}, entry {i}: {a} names microbatch {a.microbatch}, but stage {s} lists "
+                                 f"{n} forward{'' if n == 1 else 's'} of chunk {a.chunk}: number the microbatches "
+                                 "0..m-1, each with one F (and B, W) on every stage and chunk")
 
 
 __all__ = ["from_actions"]

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.pipeline.checks import check_schedule
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.sharding import _update_origins   # the dependence walk that places optimizer state
 
@@ -65,8 +66,10 @@ def to_stage_layout(params: Any, schedule: Schedule) -> Any:
       the layout is the model order (GPipe, 1F1B).
 
     Raises:
+      TypeError: ``schedule`` is not a Schedule.
       ValueError: a leaf whose leading axis is not divisible by ``V``.
     """
+    check_schedule(schedule, "to_stage_layout")
     return _permute(params, stage_order(schedule), "params")
 
 
@@ -74,8 +77,10 @@ def from_stage_layout(tree: Any, schedule: Schedule) -> Any:
     """The inverse of :func:`to_stage_layout`: stage layout -> model order (for gradients, checkpoints, export).
 
     Raises:
+      TypeError: ``schedule`` is not a Schedule.
       ValueError: a leaf whose leading axis is not divisible by ``num_stages * num_chunks``.
     """
+    check_schedule(schedule, "from_stage_layout")
     order = stage_order(schedule)
     return _permute(tree, tuple(int(i) for i in np.argsort(order)), "tree")
 

@@ -134,7 +134,9 @@ class Schedule:
 
     Raises:
       ValueError: (from construction) a malformed table or placement, or a table that breaks a dependency,
-        misses an action or repeats one; the message names the tick, stage, chunk and action.
+        misses an action or repeats one; the message names the tick, stage, chunk and action. Sizes may be
+        any integral type (numpy's too); a table holds at most
+        :data:`jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` entries.
     """
     name: str
     num_stages: int
@@ -144,6 +146,8 @@ class Schedule:
     placement: Placement | None = None
 
     def __post_init__(self):
+        from jaxpar.pipeline import checks   # here, not at the top: checks imports this module
+        checks.schedule_sizes(self)          # numpy integer sizes become ints
         object.__setattr__(self, "table", tuple(tuple(row) for row in self.table))
         if self.placement is None and _positive_int(self.num_stages) and _positive_int(self.num_chunks):
             object.__setattr__(self, "placement", round_robin(self.num_stages, self.num_chunks))
@@ -209,12 +213,12 @@ class Schedule:
         ``wstash`` are empty without ``W``\\ s.
         """
         when, last = _tick_index(self), self.num_virtual_stages - 1
-        split = self.split_backward
+        split, backward = self.split_backward, self.has_backward     # each a pass over the table: once
         out: dict[str, list[Interval]] = {"stash": [], "bstash": [], "wstash": [], "activations": [],
                                           "cotangents": []}
         for (kind, j, v), t in when.items():
             s, c = self.location(v)
-            if kind == "F" and self.has_backward:
+            if kind == "F" and backward:
                 out["stash"].append(Interval(s, t, when[("W" if split else "B", j, v)], j, c))
             if kind == "F" and split:
                 out["bstash"].append(Interval(s, t, when[("B", j, v)], j, c))
@@ -369,8 +373,11 @@ def validate(schedule: Schedule) -> None:
     ``W(j)`` after ``B(j)`` of the same ``v``. A table without ``B``\\ s is a forward-only (inference) table.
 
     Raises:
-      ValueError: naming the first offending tick, stage (chunk and virtual stage) and action.
+      ValueError: naming the first offending tick, stage (chunk and virtual stage) and action; or a table of
+        more than :data:`jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` ``(tick, stage)`` entries.
     """
+    from jaxpar.pipeline import checks   # here, not at the top: checks imports this module
+    checks.check_table(schedule)
     _check_shape(schedule)
     _check_order(schedule, _check_once(schedule))
 
