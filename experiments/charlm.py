@@ -38,10 +38,12 @@ from typing import Annotated, Literal
 
 import jax
 import optax
-import tyro
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
+
+jp.run.require_extra("experiments/charlm.py")  # a core-only install stops here, told which extra to install
+import tyro  # noqa: E402  (after the check above)
 
 Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --fsdp, --precision, --sparsity
 
@@ -51,8 +53,13 @@ class Config:
     """Main job configuration. Mesh axes multiply to the device count (one may be -1 to fill)."""
     mesh: Annotated[jp.run.MeshConfig, Flat] = jp.run.MeshConfig()
     pipe: int = 1                  # pipeline stages (layers split over them); > 1 trains through jp.pipeline
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv"] = "1f1b"  # pipeline schedule (pipe > 1): GPipe,
-                                   # 1F1B, interleaved 1F1B (--chunks per device), ZB-H1, ZB-V (2 chunks per device)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv"] = "1f1b"
+    """pipeline schedule (pipe > 1):
+    gpipe: all forwards, then all backwards;
+    1f1b: forwards and backwards alternate (less memory);
+    interleaved: 1F1B over --chunks stages per device;
+    zb: ZB-H1, weight grads fill the bubble (Qi et al.);
+    zbv: ZB-V, 2 chunks per device in a V (least bubble)"""
     chunks: int = 2                # virtual stages per device of --schedule interleaved
     microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
     num_layers: int = 4            # transformer blocks
@@ -160,7 +167,8 @@ def main(cfg: Config) -> float | None:
         (out / "config.json").write_text(json.dumps(jp.run.flat_config(cfg), indent=2))
     print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size} "
           f"(padded {model.cfg.padded_vocab}); model: {model.cfg.num_params():,} params"
-          + (f"; resumed from step {step0}" if step0 else ""), flush=True)
+          + (f"; {pipeline_header(cfg)}" if cfg.pipe > 1 else "") + (f"; resumed from step {step0}" if step0 else ""),
+          flush=True)
     result, val = train(cfg, model, corpus, mesh, tx, state, step0, ckpt, writer)
     ckpt.close()
     writer.close()
@@ -173,6 +181,13 @@ def main(cfg: Config) -> float | None:
     if cfg.pruning.structured:
         compaction_report(cfg, model, corpus, mesh, tx, final, writer.active)
     return val
+
+
+def pipeline_header(cfg: Config) -> str:
+    """The run header's pipeline part (pipe > 1), e.g. ``pipeline: schedule 1f1b, pipe 2, microbatches 4``."""
+    chunks = cfg.pipeline_schedule().num_chunks
+    return (f"pipeline: schedule {cfg.schedule}, pipe {cfg.pipe}, microbatches {cfg.microbatches}"
+            + (f", {chunks} chunks per device" if chunks > 1 else ""))
 
 
 def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):

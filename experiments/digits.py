@@ -18,10 +18,12 @@ from typing import Annotated
 
 import jax
 import optax
-import tyro
 
 import jaxpar as jp
 from jaxpar.models import MLP, classification_loss
+
+jp.run.require_extra("experiments/digits.py")  # a core-only install stops here, told which extra to install
+import tyro  # noqa: E402  (after the check above)
 
 Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --fsdp, --sparsity
 

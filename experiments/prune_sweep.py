@@ -21,10 +21,11 @@ import statistics
 from pathlib import Path
 from typing import Annotated
 
-import tyro
-
-import digits  # experiments/digits.py: Python puts the script's directory first on sys.path
 import jaxpar as jp
+
+jp.run.require_extra("experiments/prune_sweep.py")  # a core-only install stops here, told which extra to install
+import digits  # noqa: E402  experiments/digits.py: Python puts the script's directory first on sys.path
+import tyro  # noqa: E402
 
 DISTRIBUTIONS = ("uniform", "global", "erk")
 

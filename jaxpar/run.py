@@ -1,6 +1,7 @@
 """Run tooling for entry points (``experiments/*.py``): what every script shares.
 
-* start-up: :func:`simulate_cpu_devices`, :func:`log_devices`, :func:`check_resumed_config`;
+* start-up: :func:`require_extra` (a script's optional libraries, checked before it imports them),
+  :func:`simulate_cpu_devices`, :func:`log_devices`, :func:`check_resumed_config`;
 * config pieces shared by the scripts, frozen dataclasses whose flags stay flat on the command line
   (``Annotated[MeshConfig, tyro.conf.OmitArgPrefixes]`` gives ``--fsdp``, not ``--mesh.fsdp``):
   :class:`MeshConfig`, :class:`PrecisionConfig`, :class:`PruningConfig`, and :func:`flat_config`, the one
@@ -29,7 +30,7 @@ from jaxpar.loop import Hook
 from jaxpar.mesh import describe, make_mesh
 from jaxpar.metrics import MetricsWriter, Throughput
 from jaxpar.precision import DynamicLossScale, Policy, loss_scaling
-from jaxpar._optional import require
+from jaxpar._optional import require, require_extra
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
 
@@ -252,4 +253,5 @@ def say(text: str) -> None:
 
 
 __all__ = ["MeshConfig", "PrecisionConfig", "PruningConfig", "check_resumed_config", "flat_config",
-           "log_devices", "progress_bar", "say", "simulate_cpu_devices", "throughput", "write_metrics"]
+           "log_devices", "progress_bar", "require_extra", "say", "simulate_cpu_devices", "throughput",
+           "write_metrics"]

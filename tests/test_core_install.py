@@ -75,3 +75,57 @@ assert matplotlib.rcParams._get_backend_or_none() == backend, (backend, matplotl
 print("ok")
 """, tmp_path)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALL = "pip install 'jaxpar[experiments]' (from a checkout: pip install -e '.[experiments]')"
+
+
+def test_experiments_extra_lists_pyproject_libraries():
+    """jaxpar._optional.EXTRAS names, by import name, exactly the libraries of pyproject.toml's extra."""
+    import re
+    import tomllib
+
+    from jaxpar._optional import EXTRAS
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        wanted = tomllib.load(f)["project"]["optional-dependencies"]["experiments"]
+    import_names = {"scikit-learn": "sklearn"}  # pip name -> import name
+    names = {import_names.get(n, n) for n in (re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] for r in wanted)}
+    assert set(EXTRAS["experiments"]) == names
+    assert len(EXTRAS["experiments"]) == len(names)
+
+
+def test_require_extra_rejects_an_unknown_extra():
+    import jaxpar as jp
+    with pytest.raises(ValueError, match="extra='bench'"):
+        jp.run.require_extra("x", extra="bench")
+
+
+def run_script(name: str, block: str) -> subprocess.CompletedProcess:
+    """``python experiments/<name>.py --help`` from the repository root, after ``block`` ran."""
+    return run(block + f"""
+import runpy
+sys.path.insert(0, "experiments")   # as `python experiments/{name}.py` puts the script's directory first
+sys.argv = ["experiments/{name}.py", "--help"]
+runpy.run_path("experiments/{name}.py", run_name="__main__")
+""", ROOT)
+
+
+@pytest.mark.parametrize("name", ["charlm", "digits", "prune_sweep"])
+def test_entry_point_without_the_extra_names_it(name):
+    """On a core-only install every experiment fails at start with one ImportError naming the script, every
+    missing library of the extra, and the pip command; no bare ModuleNotFoundError."""
+    out = run_script(name, _BLOCK)
+    assert out.returncode == 1, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (f"ImportError: experiments/{name}.py needs the 'experiments' extra, and tyro, tqdm, "
+                    f"tensorboardX, matplotlib, scikit-learn are not installed: {INSTALL}"), out.stderr[-3000:]
+    assert "ModuleNotFoundError" not in out.stderr and "usage" not in out.stdout
+
+
+def test_entry_point_names_only_the_missing_library():
+    """Only tyro missing (``sys.modules['tyro'] = None``, as Python marks a failed import): only tyro named."""
+    out = run_script("digits", "import sys\nsys.modules['tyro'] = None\n")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"ImportError: experiments/digits.py needs the 'experiments' extra, and tyro is not installed: {INSTALL}")

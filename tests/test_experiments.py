@@ -64,3 +64,28 @@ def test_charlm_with_pruning_and_fp16(tmp_path):
     final = [r for r in rows if r["split"] == "val"][-1]
     assert abs(final["sparsity"] - 0.5) < 0.01
     assert all("loss_scale" in r for r in rows if r["split"] == "train")
+
+
+def test_charlm_help_explains_every_schedule(capsys):
+    """--help gives each --schedule choice its own line with its meaning (tyro reads the field's docstring)."""
+    import tyro
+    charlm = load("charlm")
+    with pytest.raises(SystemExit):
+        tyro.cli(charlm.Config, args=["--help"])
+    text = " ".join(line.strip(" │") for line in capsys.readouterr().out.splitlines())  # undo rich's wrapping
+    text = " ".join(text.split())
+    assert "--schedule {gpipe,1f1b,interleaved,zb,zbv}" in text
+    for line in ("gpipe: all forwards, then all backwards;", "1f1b: forwards and backwards alternate",
+                 "interleaved: 1F1B over --chunks stages per device;", "zb: ZB-H1, weight grads fill the bubble",
+                 "zbv: ZB-V, 2 chunks per device in a V"):
+        assert line in text, (line, text[:3000])
+
+
+def test_charlm_header_names_the_pipeline():
+    charlm = load("charlm")
+    head = lambda **kw: charlm.pipeline_header(charlm.Config(**kw))
+    assert head(pipe=2, schedule="1f1b", microbatches=4) == "pipeline: schedule 1f1b, pipe 2, microbatches 4"
+    assert head(pipe=2, schedule="interleaved", chunks=2, microbatches=4) == (
+        "pipeline: schedule interleaved, pipe 2, microbatches 4, 2 chunks per device")
+    assert head(pipe=2, schedule="zbv", microbatches=4) == (
+        "pipeline: schedule zbv, pipe 2, microbatches 4, 2 chunks per device")
