@@ -3,53 +3,75 @@
 Command::
 
     python experiments/plan.py --model 7b --devices 64 --global-batch 256 --out-dir runs/plan7b
-    python experiments/plan.py --model 1b --devices 8 --global-batch 16 --remat full none
+    python experiments/plan.py --model 1b --devices 16 --global-batch 64 --remat full none \\
+        --schedules 1f1b interleaved zbv --microbatches 8
 
-Every ``data x fsdp x tensor x pipe`` multiplying to ``--devices`` (``tensor`` dividing ``--gpus-per-host``;
-``pipe`` only when ``--schedules`` are given), times every ``--remat`` choice and schedule, is compiled by
-``jp.plan.plan`` (one process: jax starts with ``--devices`` simulated CPU devices). Prints the table ranked by
-the roofline step time, layouts that do not fit last; writes ``plan.json`` and ``plan.png`` (memory and
-estimated step time per layout) to ``--out-dir``. Expected: a few seconds per layout on a 2-core CPU (65B on
-1,024 devices: about 8 s); figures are XLA:CPU compilations (see ``jaxpar.plan``).
+Every ``data x pipe x fsdp x tensor`` multiplying to ``--devices`` (``tensor`` dividing ``--gpus-per-host``;
+``pipe > 1`` only with ``--schedules``), times every ``--remat`` choice and schedule, is checked by
+``jp.plan.check_layout`` (layouts the model or batch cannot split, or schedules the pipeline cannot run, are
+skipped and counted); each remaining one gets the analytic estimate ``jp.plan.estimate`` (no compilation);
+the best ``--max-layouts`` of them by that estimate (fitting in memory first, then the shortest analytic step
+time) are compiled by ``jp.plan.plan`` (one process: jax starts with ``--devices`` simulated CPU devices, in
+hosts of ``--gpus-per-host``). Prints each plan, then the table ranked by the compiled roofline step time,
+layouts that do not fit last, with their "does not fit: ..." advice; writes ``plan.json`` and ``plan.png``
+(memory and estimated step time per layout) to ``--out-dir``. Expected: a few seconds per layout on a 2-core
+CPU (65B on 1,024 devices: about 8 s); figures are XLA:CPU compilations (see ``jaxpar.plan``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
-MODELS = {   # GPT sizes (GELU MLP 4 d, rotary positions, 32k vocabulary)
-    "1b": dict(d_model=2048, num_layers=24, num_heads=16),
-    "7b": dict(d_model=4096, num_layers=32, num_heads=32),
-    "65b": dict(d_model=8192, num_layers=80, num_heads=64),
+MODELS = {   # GPT sizes (GELU MLP 4 d, rotary positions, 32k vocabulary; tiny: a 61-symbol test model)
+    "tiny": dict(d_model=64, num_layers=4, num_heads=4, vocab_size=61),
+    "1b": dict(d_model=2048, num_layers=24, num_heads=16, vocab_size=32000),
+    "7b": dict(d_model=4096, num_layers=32, num_heads=32, vocab_size=32000),
+    "65b": dict(d_model=8192, num_layers=80, num_heads=64, vocab_size=32000),
 }
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=list(MODELS) + ["tiny"], default="1b")
-    ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--model", choices=list(MODELS), default="1b")
+    ap.add_argument("--devices", type=int, default=8, help="GPUs of the run (simulated CPU devices here)")
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--remat", nargs="+", default=["full"], choices=["none", "full", "dots"])
-    ap.add_argument("--schedules", nargs="*", default=[], choices=["gpipe", "1f1b"],
-                    help="pipeline schedules for layouts with pipe > 1 (none: pipe stays 1)")
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--device", default="h100-80gb")
-    ap.add_argument("--gpus-per-host", type=int, default=8)
-    ap.add_argument("--max-layouts", type=int, default=12, help="plan at most this many layouts")
+    ap.add_argument("--schedules", nargs="*", default=[], choices=SCHEDULES,
+                    help="pipeline schedules for layouts with pipe > 1 (none: pipe stays 1); interleaved uses "
+                         "--chunks, zbv 2 chunks; a schedule the pipe size, microbatches or layers cannot run is "
+                         "skipped for that layout")
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches of a pipeline schedule")
+    ap.add_argument("--chunks", type=int, default=2, help="virtual stages per device of --schedules interleaved")
+    ap.add_argument("--device", default="h100-80gb", help="GPU datasheet: h100-80gb, h200 or a100-80gb")
+    ap.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per node (NVLink domain)")
+    ap.add_argument("--memory-fraction", type=float, default=0.9, help="part of GPU memory the run may use")
+    ap.add_argument("--max-layouts", type=int, default=12,
+                    help="compile at most this many layouts: the best by the analytic estimate (jp.plan.estimate, "
+                         "no compilation): those that fit in memory first, then by the analytic step time "
+                         "(compute with remat and bubble, plus tensor/fsdp/data/pipe traffic over NVLink or "
+                         "InfiniBand)")
     ap.add_argument("--out-dir", default="runs/plan")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("devices", "global_batch", "seq_len", "microbatches", "chunks", "gpus_per_host", "max_layouts"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.devices > args.gpus_per_host and args.devices % args.gpus_per_host:
+        ap.error(f"--devices {args.devices} are not whole hosts of --gpus-per-host {args.gpus_per_host}; use a "
+                 f"multiple of {args.gpus_per_host}")
+    if not 0 < args.memory_fraction <= 1:
+        ap.error(f"--memory-fraction must lie in (0, 1], got {args.memory_fraction}")
+    return args, ap
 
 
-def layouts(n: int, gpus_per_host: int, pipes: bool):
-    """Mesh sizes multiplying to ``n``, tensor dividing ``gpus_per_host``, fewest tensor/pipe first."""
+def layouts(n: int, gpus_per_host: int, pipes: bool) -> list[dict[str, int]]:
+    """Mesh sizes multiplying to ``n``, tensor dividing ``gpus_per_host``."""
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     out = []
     for t, p in itertools.product(divisors, divisors if pipes else [1]):
@@ -61,23 +83,44 @@ def layouts(n: int, gpus_per_host: int, pipes: bool):
     return out
 
 
-def candidates(args, jp, GPTConfig):
+def schedule(jp, name: str, p: int, m: int, chunks: int):
+    """The ``name`` schedule for ``p`` stages and ``m`` microbatches (ValueError where the builder refuses)."""
+    return {"gpipe": lambda: jp.pipeline.gpipe(p, m), "1f1b": lambda: jp.pipeline.one_f_one_b(p, m),
+            "interleaved": lambda: jp.pipeline.interleaved_1f1b(p, m, chunks),
+            "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m)}[name]()
+
+
+def candidates(args, jp, GPTConfig) -> tuple[list[tuple], dict[str, int]]:
+    """``([(cfg, sizes, schedule)], {reason: layouts skipped})`` of every layout ``check_layout`` accepts."""
     import jax.numpy as jnp
-    base = MODELS.get(args.model, dict(d_model=64, num_layers=4, num_heads=4))
-    vocab = 32000 if args.model != "tiny" else 61
+    base = dict(MODELS[args.model])
+    out, skipped = [], {}
+    cfgs = {remat: GPTConfig(max_seq_len=args.seq_len, positions="rotary", scan_layers=True, remat=remat,
+                             dtype=jnp.bfloat16, **base) for remat in args.remat}
     for sizes in layouts(args.devices, args.gpus_per_host, bool(args.schedules)):
-        for remat in args.remat:
-            cfg = GPTConfig(vocab_size=vocab, max_seq_len=args.seq_len, positions="rotary", scan_layers=True,
-                            remat=remat, dtype=jnp.bfloat16, **base)
-            scheds = [None] if sizes["pipe"] == 1 else [
-                {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}[s](sizes["pipe"], args.microbatches)
-                for s in args.schedules]
-            for sched in scheds:
+        for cfg in cfgs.values():
+            for name in [None] if sizes["pipe"] == 1 else args.schedules:
                 try:
+                    sched = None if name is None else schedule(jp, name, sizes["pipe"], args.microbatches, args.chunks)
                     jp.plan.check_layout(cfg, sizes, args.global_batch, args.seq_len, sched, 1, args.gpus_per_host)
-                except ValueError:
+                except ValueError as e:
+                    reason = str(e)
+                    skipped[reason] = skipped.get(reason, 0) + 1
                     continue
-                yield cfg, sizes, sched
+                out.append((cfg, sizes, sched))
+    return out, skipped
+
+
+def prune(args, jp, cands: list[tuple]) -> list[tuple]:
+    """The best ``--max-layouts`` candidates by ``jp.plan.estimate``: fitting first, then analytic step time."""
+    scored = []
+    for cfg, sizes, sched in cands:
+        est = jp.plan.estimate(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
+                               device=args.device, num_devices=args.devices, gpus_per_host=args.gpus_per_host,
+                               memory_fraction=args.memory_fraction)
+        scored.append(((not est["fits"], est["time"]["step_s"]), (cfg, sizes, sched), est))
+    scored.sort(key=lambda s: s[0])
+    return [(*c, est) for _, c, est in scored[:args.max_layouts]]
 
 
 def rank(plans):
@@ -85,49 +128,75 @@ def rank(plans):
 
 
 def table(plans) -> str:
-    head = f"{'rank':>4} {'data':>4} {'pipe':>4} {'fsdp':>4} {'tens':>4} {'remat':>5} {'sched':>8} {'GiB/dev':>8} " \
-           f"{'fits':>4} {'step ms':>9} {'MFU':>6}"
+    head = (f"{'rank':>4} {'data':>4} {'pipe':>4} {'fsdp':>4} {'tens':>4} {'remat':>5} {'sched':>11} {'est GiB':>8} "
+            f"{'GiB/dev':>8} {'fits':>4} {'est ms':>9} {'step ms':>9} {'MFU':>6}")
     rows = [head]
     for i, p in enumerate(plans, 1):
         m = p.mesh
         rows.append(f"{i:>4} {m['data']:>4} {m['pipe']:>4} {m['fsdp']:>4} {m['tensor']:>4} {p.model['remat']:>5} "
-                    f"{p.schedule or '-':>8} {p.needed_bytes / 2**30:>8.2f} {'yes' if p.fits else 'no':>4} "
-                    f"{p.time['step_s'] * 1e3:>9.1f} {p.time['mfu']:>6.1%}")
+                    f"{p.schedule or '-':>11} {p.memory['analytic_bytes'] / 2**30:>8.3g} "
+                    f"{p.needed_bytes / 2**30:>8.3g} {'yes' if p.fits else 'no':>4} "
+                    f"{p.analytic_time['step_s'] * 1e3:>9.3g} {p.time['step_s'] * 1e3:>9.3g} {p.time['mfu']:>6.1%}")
+    for i, p in enumerate(plans, 1):
+        if not p.fits:
+            rows.append(f"rank {i}: {p.advice}")
     return "\n".join(rows)
 
 
 def plot(plans, path):
     from jaxpar.plot import _figure  # matplotlib, imported only here
     fig, ax = _figure((max(6, len(plans) * 0.7), 4))
-    names = [f"d{p.mesh['data']}p{p.mesh['pipe']}f{p.mesh['fsdp']}t{p.mesh['tensor']} {p.model['remat']}" for p in plans]
-    x = range(len(plans))
+    names = [f"d{p.mesh['data']}p{p.mesh['pipe']}f{p.mesh['fsdp']}t{p.mesh['tensor']} {p.model['remat']}"
+             + (f" {p.schedule}" if p.schedule else "") for p in plans]
+    x = list(range(len(plans)))
     ax.bar(x, [p.needed_bytes / 2**30 for p in plans], color=["C0" if p.fits else "C3" for p in plans])
+    ax.plot(x, [p.memory["analytic_bytes"] / 2**30 for p in plans], "k_", ms=14, label="analytic")
     ax.axhline(plans[0].available_bytes / 2**30, color="k", ls="--", lw=1, label="available")
     ax.set_ylabel("compiled GiB / device (XLA:CPU)")
-    ax.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     ax2 = ax.twinx()
-    ax2.plot(list(x), [p.time["step_s"] * 1e3 for p in plans], "o-", color="C1")
-    ax2.set_ylabel("estimated step time (ms)", color="C1")
-    ax.set_title("layouts ranked by estimated step time (red: does not fit)")
+    ax2.plot(x, [p.time["step_s"] * 1e3 for p in plans], "o-", color="C1")
+    ax2.set_ylabel("roofline step time (ms)", color="C1")
+    ax.set_title("layouts ranked by roofline step time (red: does not fit)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
 
 
 def main(argv=None) -> list:
-    args = parse(argv)
+    args, ap = parse(argv)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "jax" in sys.modules and len(sys.modules["jax"].devices("cpu")) < args.devices:
-        print(f"note: jax is already running with fewer than {args.devices} CPU devices; each plan runs in a "
-              "subprocess", flush=True)
+        ap.error(f"jax is already running with fewer than {args.devices} CPU devices; run this script in a fresh "
+                 "process")
     import jaxpar as jp
     from jaxpar.models import GPTConfig
+    try:
+        jp.plan.gpu(args.device)
+    except ValueError as e:
+        ap.error(f"--device: {e}")
+    cands, skipped = candidates(args, jp, GPTConfig)
+    for reason, count in skipped.items():
+        print(f"skipped {count} layout(s): {reason}")
+    if not cands:
+        ap.error(f"no layout of {args.devices} devices passes the checks (see the reasons above); change "
+                 "--devices, --global-batch, --microbatches or --schedules")
+    chosen = prune(args, jp, cands)
+    print(f"compiling {len(chosen)} of {len(cands)} layouts (best by the analytic estimate: fitting first, then "
+          "analytic step time)", flush=True)
     plans = []
-    for cfg, sizes, sched in itertools.islice(candidates(args, jp, GPTConfig), args.max_layouts):
-        p = jp.plan.plan(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
-                         device=args.device, num_devices=args.devices, gpus_per_host=args.gpus_per_host)
+    for cfg, sizes, sched, _ in chosen:
+        try:
+            p = jp.plan.plan(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
+                             device=args.device, num_devices=args.devices, gpus_per_host=args.gpus_per_host,
+                             memory_fraction=args.memory_fraction)
+        except Exception as e:  # noqa: BLE001  one layout's compiler failure must not end the sweep
+            print(f"layout {sizes} remat={cfg.remat} schedule={getattr(sched, 'name', None)} failed to compile: "
+                  f"{type(e).__name__}: {str(e)[:500]}", flush=True)
+            continue
         print(p.report(), flush=True)
         plans.append(p)
     plans = rank(plans)

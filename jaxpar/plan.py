@@ -16,11 +16,22 @@ that trains: ``step.lower(jp.train.abstract_state(...), batch).compile()``; a pi
 * a roofline step time from :data:`jaxpar.metrics.GPU_DATASHEETS`: compute ``t_c = FLOPs / peak``, memory
   ``t_m = bytes accessed / HBM bandwidth``, communication ``t_x = sum over collectives of f * bytes / link``
   with ring factors ``f`` (all-reduce ``2 (g - 1) / g``, all-gather / reduce-scatter / all-to-all
-  ``(g - 1) / g``, permute 1; ``g`` the group size) and the link NVLink when the group lies inside one host
-  (``gpus_per_host`` consecutive devices of the mesh, tensor innermost: ``tensor`` and by default ``fsdp``),
-  InfiniBand otherwise. ``step_s = max(t_c, t_m) + t_x`` (no overlap: the ranking's figure) and
-  ``step_overlap_s = max(t_c, t_m, t_x)`` (perfect overlap); ``mfu = 6 N B L / (step_s * devices * peak)``
-  with ``N`` the parameter count, ``B L`` the tokens of a step and ``peak`` the dense bf16 FLOP/s per GPU.
+  ``(g - 1) / g``, permute 1; ``g`` the group size; ``f * bytes`` is what one device sends) and the link
+  NVLink when the group lies inside one host, InfiniBand otherwise. The mesh is the one a run on hosts of
+  ``gpus_per_host`` GPUs builds: ``jp.make_mesh(..., hosts=, devices_per_host=gpus_per_host)``, whose default
+  split (:func:`jaxpar.mesh.split_axes`) keeps ``tensor`` and as much of ``fsdp`` as fits inside a host and
+  puts the rest (``pipe``, ``data``, a large ``fsdp``) across hosts; a collective whose mesh axes include one
+  with an across-host part is an InfiniBand one. ``step_s = max(t_c, t_m) + t_x`` and
+  ``step_overlap_s = max(t_c, t_m, t_x)``. The ranking uses ``step_s``, the sum: XLA overlaps compute with
+  memory traffic inside a kernel (hence their max), but whether a collective hides behind compute depends on
+  the latency-hiding scheduler and on data dependencies (a tensor-parallel all-reduce sits between two
+  matmuls of the same layer and cannot hide), so the no-overlap figure is the conservative one and
+  ``step_overlap_s`` the best case. ``mfu = 6 N B L / (step_s * devices * peak)`` with ``N`` the parameter
+  count (embeddings included; attention's ``L^2`` FLOPs and remat's recompute are not model FLOPs), ``B L``
+  the tokens of a step and ``peak`` the dense bf16 FLOP/s per GPU.
+
+:func:`estimate` gives the analytic memory and step time of a layout without compiling (a sweep ranks and
+prunes its layouts by it before compiling the best).
 
 All figures are those of an **XLA:CPU compilation**: XLA:CPU computes bf16 work in float32 and keeps float32
 copies of some bf16 buffers, and its collectives are not rewritten as a GPU's are (gradients stay all-reduces,
@@ -55,9 +66,10 @@ import numpy as np
 
 from jaxpar import metrics as _metrics
 from jaxpar import plan_hlo, plan_memory
-from jaxpar.mesh import AXES
+from jaxpar.mesh import AXES, split_axes
 
 GiB = 2 ** 30
+MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
 _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
          "reduce-scatter": lambda g: (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
          "collective-permute": lambda g: 1.0}
@@ -114,20 +126,55 @@ def mesh_sizes(mesh_shape: Any, num_devices: int | None = None) -> dict[str, int
     return {a: int(s) for a, s in sizes.items()}
 
 
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
+def host_split(sizes: dict[str, int], gpus_per_host: int) -> tuple[dict[str, int], dict[str, int]]:
+    """``(per_host, across_hosts)`` sizes of the mesh on hosts of ``gpus_per_host`` GPUs: the default split of
+    :func:`jaxpar.mesh.split_axes` (what ``jp.make_mesh(..., devices_per_host=gpus_per_host)`` builds); a mesh
+    of at most one host is all within it.
+
+    Raises:
+      ValueError: more devices than one host that are not whole hosts, or the errors of ``split_axes`` (a
+        tensor axis larger than a host).
+    """
+    gpus_per_host = _positive_int("gpus_per_host", gpus_per_host)
+    n = math.prod(sizes.values())
+    if n <= gpus_per_host:
+        return dict(sizes), {a: 1 for a in AXES}
+    if n % gpus_per_host:
+        raise ValueError(f"{n} devices are not whole hosts of gpus_per_host={gpus_per_host} GPUs; plan a multiple "
+                         f"of {gpus_per_host} devices, or set gpus_per_host to the GPUs of one node")
+    return split_axes(sizes, n // gpus_per_host)
+
+
 def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: int, schedule: Any,
                  grad_accum_steps: int, gpus_per_host: int) -> None:
-    """Raises ValueError for a layout that cannot be compiled or cannot be built on hosts of ``gpus_per_host``."""
+    """Raises ValueError for a layout that cannot be compiled or cannot be built on hosts of ``gpus_per_host``:
+    a tensor axis spanning hosts, model sizes the axes do not divide, a bad ``seq_len`` / ``global_batch``, a
+    schedule that is not a ``jp.pipeline.Schedule`` matching ``pipe``, a mesh that is not whole hosts."""
+    from jaxpar.pipeline import Schedule
+    gpus_per_host = _positive_int("gpus_per_host", gpus_per_host)
     t, f, p = sizes["tensor"], sizes["fsdp"], sizes["pipe"]
     if t > gpus_per_host or gpus_per_host % t:
         raise ValueError(f"tensor={t} would span hosts of {gpus_per_host} GPUs (tensor parallelism all-reduces "
                          f"inside every layer and needs NVLink): use a tensor size that divides {gpus_per_host}, "
                          "and more fsdp or data for the rest")
+    host_split(sizes, gpus_per_host)
     for what, size, axis, n in (("num_heads", cfg.num_heads, "tensor", t), ("mlp_dim", cfg.mlp_dim, "tensor", t),
                                 ("padded vocab", cfg.padded_vocab, "tensor", t), ("d_model", cfg.d_model, "fsdp", f)):
         if size % n:
             raise ValueError(f"{what} {size} is not divisible by {axis}={n}; choose a {axis} size dividing it")
+    _positive_int("seq_len", seq_len)
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds GPTConfig.max_seq_len {cfg.max_seq_len}; raise max_seq_len")
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule={schedule!r} is not a jp.pipeline.Schedule; build the table, e.g. "
+                         f"jp.pipeline.one_f_one_b({p}, 8) (also gpipe, interleaved_1f1b, zero_bubble, "
+                         "zero_bubble_v), or pass None for pipe=1")
     if (schedule is None) != (p == 1):
         raise ValueError(f"pipe={p} needs a pipeline schedule (e.g. jp.pipeline.one_f_one_b({p}, 8)); pipe=1 takes "
                          f"none; got schedule={getattr(schedule, 'name', schedule)!r}")
@@ -139,8 +186,8 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
                              f"num_stages = pipe = {p} and num_layers ({cfg.num_layers}) divisible by {stages}")
     rows = grad_accum_steps * m * sizes["data"] * f
     if not isinstance(global_batch, (int, np.integer)) or global_batch < 1 or global_batch % rows:
-        raise ValueError(f"global_batch {global_batch!r} must be a multiple of grad_accum_steps x microbatches x "
-                         f"data x fsdp = {grad_accum_steps} x {m} x {sizes['data']} x {f} = {rows}")
+        raise ValueError(f"global_batch {global_batch!r} must be a positive int multiple of grad_accum_steps x "
+                         f"microbatches x data x fsdp = {grad_accum_steps} x {m} x {sizes['data']} x {f} = {rows}")
 
 
 # ------------------------------------------------------------------------------------------------ result
@@ -155,11 +202,13 @@ class Plan:
     ``cpu_upcast_bytes`` (the largest float32 copy of a bf16 buffer in the program). ``flops``: ``hlo`` (matmul
     FLOPs, loops by trip count), ``cost_analysis`` (XLA's, loop bodies once), ``model`` (``6 N`` per token times
     the device's tokens). ``collectives``: ``{kind: {axes: bytes}}`` per step. ``time``: the roofline terms
-    and ``step_s``, ``step_overlap_s``, ``mfu``.
+    and ``step_s``, ``step_overlap_s``, ``mfu``. ``hosts``: ``per_host`` and ``across_hosts`` sizes of the
+    mesh (:func:`host_split`). ``analytic_time``: :func:`analytic_time` of the layout (no compilation).
     """
     label: str
     model: dict
     mesh: dict
+    hosts: dict
     device: str
     global_batch: int
     seq_len: int
@@ -174,30 +223,42 @@ class Plan:
     available_bytes: float
     advice: str
     compile_s: float
+    analytic_time: dict
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def report(self) -> str:
         """A few lines: layout, memory (compiled beside analytic), FLOPs, collectives, time, fit."""
-        mem, gib = self.memory, lambda b: f"{b / GiB:.2f} GiB"
+        mem, gib = self.memory, _bytes
+        across = [f"{a}={s}" for a, s in self.hosts["across_hosts"].items() if s > 1]
         lines = [f"{self.label}: {self.model['name']} on {' x '.join(f'{a}={s}' for a, s in self.mesh.items())}"
-                 f" ({self.device}), batch {self.global_batch} x {self.seq_len}"
+                 f" ({self.device}; across hosts: {' x '.join(across) or 'none'}), batch {self.global_batch} x "
+                 f"{self.seq_len}"
                  + (f", schedule {self.schedule}" if self.schedule else "") + f"; compiled in {self.compile_s:.1f} s",
                  f"  memory/device: compiled {gib(mem['compiled_bytes'])} (args {gib(mem['argument_bytes'])}, temp "
                  f"{gib(mem['temp_bytes'])}); analytic {gib(mem['analytic_bytes'])} = "
                  + ", ".join(f"{k} {gib(v)}" for k, v in mem["analytic"].items() if v) + f"; ratio {mem['ratio']:.2f}"
-                 + (f"; largest XLA:CPU f32 upcast copy {gib(mem['cpu_upcast_bytes'])}" if mem["cpu_upcast_bytes"] else ""),
+                 + (f"; largest XLA:CPU f32 upcast copy {gib(mem['cpu_upcast_bytes'])}" if mem["cpu_upcast_bytes"]
+                    else ""),
                  f"  FLOPs/device: HLO {self.flops['hlo']:.3e} (cost_analysis {self.flops['cost_analysis']:.3e}, "
                  f"model 6N {self.flops['model']:.3e})",
-                 "  collectives/step: " + (", ".join(f"{k} over {a} {b / GiB:.2f} GiB" for k, d in self.collectives.items()
+                 "  collectives/step: " + (", ".join(f"{k} over {a} {_bytes(b)}" for k, d in self.collectives.items()
                                                      for a, b in d.items()) or "none"),
-                 f"  time: compute {self.time['compute_s'] * 1e3:.1f} ms, HBM {self.time['hbm_s'] * 1e3:.1f} ms, comm "
-                 f"{self.time['comm_s'] * 1e3:.1f} ms -> step {self.time['step_s'] * 1e3:.1f} ms (overlapped "
-                 f"{self.time['step_overlap_s'] * 1e3:.1f} ms), MFU {self.time['mfu']:.1%}",
-                 f"  {'fits' if self.fits else 'DOES NOT FIT'}: {gib(self.needed_bytes)} needed, "
-                 f"{gib(self.available_bytes)} available" + ("" if self.fits else f"; {self.advice}")]
+                 f"  time: compute {self.time['compute_s'] * 1e3:.3g} ms, HBM {self.time['hbm_s'] * 1e3:.3g} ms, comm "
+                 f"{self.time['comm_s'] * 1e3:.3g} ms -> step {self.time['step_s'] * 1e3:.3g} ms (overlapped "
+                 f"{self.time['step_overlap_s'] * 1e3:.3g} ms), MFU {self.time['mfu']:.1%}; analytic step "
+                 f"{self.analytic_time['step_s'] * 1e3:.3g} ms",
+                 f"  fits: {gib(self.needed_bytes)} needed, {gib(self.available_bytes)} available" if self.fits
+                 else f"  {self.advice}"]
         return "\n".join(lines)
+
+
+def _bytes(b: float) -> str:
+    """``b`` bytes as GiB, MiB or KiB (binary units), three significant digits."""
+    for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= size or unit == "KiB":
+            return f"{b / size:.3g} {unit}"
 
 
 def does_not_fit_message(needed: float, available: float, suggestions: list[str]) -> str:
@@ -206,48 +267,109 @@ def does_not_fit_message(needed: float, available: float, suggestions: list[str]
 
 
 def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_accum_steps: int,
-                global_batch: int, gpus_per_host: int) -> list[str]:
-    """Concrete changes that lower per-device memory, the largest part's remedy first."""
-    out = []
-    state = parts["params"] + parts["grads"] + parts["opt_state"] + parts["compute_params"]
-    if cfg.remat == "none":
-        out.append("remat='full' (GPTConfig.remat: saves only each block's input)")
-    if sizes["data"] >= 2:
-        out.append(f"fsdp={sizes['fsdp'] * 2}, data={sizes['data'] // 2} (shards params, gradients and optimizer "
-                   "state twice as finely)")
-    rows = grad_accum_steps * 2 * sizes["data"] * sizes["fsdp"]
-    if global_batch % rows == 0:
-        out.append(f"grad_accum_steps={grad_accum_steps * 2} (half the microbatch, half the activations)")
-    if cfg.num_layers % (sizes["pipe"] * 2) == 0 and (sizes["data"] >= 2 or sizes["fsdp"] >= 2):
-        out.append(f"pipe={sizes['pipe'] * 2} (half the layers per device)")
-    if state > parts["activations"] and sizes["tensor"] * 2 <= gpus_per_host:
-        out.append(f"tensor={sizes['tensor'] * 2}")
+                global_batch: int, seq_len: int, schedule: Any, gpus_per_host: int, available: float) -> list[str]:
+    """Concrete changes that lower per-device memory, each keeping the device count and, but for a deeper
+    pipeline (which needs its own schedule), passing :func:`check_layout`: remat, moving a factor of ``data``
+    to ``fsdp`` (the smallest that fits ``available`` bytes by the analytic ``parts``, else all of it), twice
+    the accumulation steps, doubling ``pipe`` or ``tensor`` (the factor taken from ``data``, else ``fsdp``)."""
+    out = [] if cfg.remat == "full" else ["remat='full' (GPTConfig.remat: saves only each block's input)"]
+
+    def valid(new_sizes: dict[str, int], accum: int = grad_accum_steps) -> bool:
+        try:
+            check_layout(cfg, new_sizes, global_batch, seq_len, schedule, accum, gpus_per_host)
+        except ValueError:
+            return False
+        return True
+
+    def moved(axis: str, source: str) -> dict[str, int] | None:
+        return None if sizes[source] % 2 else {**sizes, axis: sizes[axis] * 2, source: sizes[source] // 2}
+
+    state = parts["params"] + parts["grads"] + parts["opt_state"] + parts["compute_params"] + parts["grad_accumulator"]
+    d = sizes["data"]
+    moves = [{**sizes, "fsdp": sizes["fsdp"] * k, "data": d // k} for k in range(2, d + 1) if d % k == 0]
+    moves = [m for m in moves if valid(m)]
+    if moves:
+        new = next((m for m in moves if state * sizes["fsdp"] / m["fsdp"] + parts["activations"] <= available),
+                   moves[-1])
+        out.append(f"fsdp={new['fsdp']}, data={new['data']} (params, gradients and optimizer state sharded "
+                   f"{new['fsdp'] // sizes['fsdp']} times as finely)")
+    if valid(sizes, accum=grad_accum_steps * 2):
+        out.append(f"grad_accum_steps={grad_accum_steps * 2} (half the activations)")
+    for axis, why in (("pipe", " (half the layers per device)"), ("tensor", "")):
+        if axis == "tensor" and state <= parts["activations"]:
+            continue
+        for source in ("data", "fsdp"):
+            new = moved(axis, source)
+            if new and (axis == "pipe" and cfg.num_layers % new["pipe"] == 0 or axis == "tensor" and valid(new)):
+                out.append(f"{axis}={new[axis]}, {source}={new[source]}{why}")
+                break
+    n = math.prod(sizes.values())
+    whole = state * n / sizes["data"]        # the state once, over all shards
+    if whole / n + parts["activations"] > available:
+        room = available - parts["activations"]
+        least = math.ceil(whole / room / gpus_per_host) * gpus_per_host if room > 0 else None
+        out.append(f"more devices (the state alone is {whole / GiB:.0f} GiB: at least {least} GPUs sharding it)"
+                   if least else "fewer tokens per device (the activations alone exceed the memory)")
     return out or ["more devices"]
 
 
 # ------------------------------------------------------------------------------------------------ costs
 
-def _spans_hosts(axes: tuple[str, ...], sizes: dict[str, int], gpus_per_host: int) -> bool:
-    """Whether a group along ``axes`` (from device 0, mesh order row-major) holds devices of several hosts."""
-    grids = np.meshgrid(*[np.arange(sizes[a]) if a in axes else np.zeros(1, int) for a in AXES], indexing="ij")
-    flat = np.ravel_multi_index([g.ravel() for g in grids], [sizes[a] for a in AXES])
-    return len(set((flat // gpus_per_host).tolist())) > 1
+def _link(axes: tuple[str, ...], across: dict[str, int], spec: GPU) -> float:
+    """Bytes/s per GPU of a collective over ``axes``: InfiniBand when one of them has an across-host part."""
+    return spec.infiniband_bytes_per_s if any(across[a] > 1 for a in axes) else spec.nvlink_bytes_per_s
 
 
-def roofline(stats: plan_hlo.HloStats, sizes: dict[str, int], spec: GPU, gpus_per_host: int,
+def roofline(stats: plan_hlo.HloStats, sizes: dict[str, int], spec: GPU, across: dict[str, int],
              model_flops_total: float) -> dict:
-    """The step-time terms of the module docstring (seconds) and the MFU they imply."""
+    """The step-time terms of the module docstring (seconds) and the MFU they imply; ``across`` the mesh's
+    across-host sizes (:func:`host_split`)."""
     comm: dict[str, float] = {}
     for c in stats.collectives:
-        link = spec.infiniband_bytes_per_s if _spans_hosts(c.axes, sizes, gpus_per_host) else spec.nvlink_bytes_per_s
         label = "+".join(c.axes)
-        comm[label] = comm.get(label, 0.0) + _RING[c.kind](c.group_size) * c.bytes * c.count / link
+        comm[label] = comm.get(label, 0.0) + _RING[c.kind](c.group_size) * c.bytes * c.count / _link(c.axes, across,
+                                                                                                      spec)
     t_c, t_m, t_x = stats.flops / spec.peak_flops, stats.bytes_accessed / spec.hbm_bytes_per_s, sum(comm.values())
     step = max(t_c, t_m) + t_x
     n = math.prod(sizes.values())
     return {"compute_s": t_c, "hbm_s": t_m, "comm_s": t_x, "comm_s_by_axes": comm, "step_s": step,
             "step_overlap_s": max(t_c, t_m, t_x), "mfu": model_flops_total / (step * n * spec.peak_flops),
             "mfu_formula": "6 * num_params * global_batch * seq_len / (step_s * num_devices * peak_bf16_flops)"}
+
+
+def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], global_batch: int, seq_len: int,
+                  schedule: Any, spec: GPU, grad_accum_steps: int = 1) -> dict:
+    """A step time from the model's sizes alone (seconds, per device; no compilation), to rank layouts.
+
+    Compute: ``k N T / (devices * peak) / (1 - bubble)`` with ``T = B L`` the step's tokens, ``k = 8`` under
+    ``remat="full"`` (the forward runs twice), else 6, and the schedule's unit-tick bubble fraction. Traffic
+    per device (ring factors and links as in :func:`roofline`; ``c``/``b`` the compute/param dtype bytes,
+    ``T_d = T / (data fsdp)`` the tokens through a device's layers, ``N_s = N / (pipe tensor)`` a stage's
+    parameters on one tensor shard): tensor, 4 all-reduces of ``T_d D c`` per layer (2 forward, 2 backward;
+    Megatron's column/row split, Shoeybi et al. 2019, sec. 3); fsdp, the compute params gathered twice per
+    accumulation step (forward, backward) and the gradients reduce-scattered once, ``(2 k_acc c + b) N_s``;
+    data, an all-reduce of the ``N_s b / fsdp`` gradient shard; pipe, each chunk boundary's activations and
+    their gradients, ``2 v T_d D c``. ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
+    """
+    n, t, f, d, p = (math.prod(sizes.values()), sizes["tensor"], sizes["fsdp"], sizes["data"], sizes["pipe"])
+    c, b = (np.dtype(x or jnp.float32).itemsize for x in (cfg.dtype, cfg.param_dtype))
+    N, tokens = float(cfg.num_params()), float(global_batch * seq_len)
+    bubble = 0.0 if schedule is None else schedule.bubble_fraction
+    compute = (8 if cfg.remat == "full" else 6) * N * tokens / (n * spec.peak_flops) / (1 - bubble)
+    t_d, n_s, ring = tokens / (d * f), N / (p * t), lambda g: (g - 1) / g
+    link = lambda axis: _link((axis,), across, spec)
+    comm = {}
+    if t > 1:
+        comm["tensor"] = 4 * cfg.num_layers / p * t_d * cfg.d_model * c * 2 * ring(t) / link("tensor")
+    if f > 1:
+        comm["fsdp"] = (2 * grad_accum_steps * c + b) * n_s * ring(f) / link("fsdp")
+    if d > 1:
+        comm["data"] = n_s / f * b * 2 * ring(d) / link("data")
+    if p > 1:
+        comm["pipe"] = 2 * schedule.num_chunks * t_d * cfg.d_model * c / link("pipe")
+    step = compute + sum(comm.values())
+    return {"compute_s": compute, "comm_s_by_axis": comm, "step_s": step,
+            "mfu": 6 * N * tokens / (step * n * spec.peak_flops)}
 
 
 def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> dict:
@@ -274,16 +396,17 @@ def policy_of(cfg: Any):
 
 
 def build_step(cfg: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True):
-    """``(model, tx, step, abstract_state)`` of the GPT train step on ``mesh``: the same step a run builds."""
+    """``(model, tx, step, abstract_state)`` of the GPT train step on ``mesh``: the same step a run builds (a
+    pipeline's state in its schedule's stage layout, as ``experiments/charlm.py`` trains it)."""
     from jaxpar import optim, pipeline, train
     from jaxpar.models import GPT
     model = GPT(cfg)
     tx = optim.adamw(3e-4, total_steps=10_000, warmup_steps=100,
                      axis_names=jax.eval_shape(model.init, jax.random.key(0)))
-    grad_fn = model.loss if schedule is None else pipeline.Pipeline(model.embed, model.stage, model.head_loss,
-                                                                    schedule)
-    step = train.make_train_step(grad_fn, tx, mesh=mesh, grad_accum_steps=grad_accum_steps, donate=donate)
-    state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy_of(cfg))
+    pipe = None if schedule is None else pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule)
+    step = train.make_train_step(model.loss if pipe is None else pipe, tx, mesh=mesh,
+                                 grad_accum_steps=grad_accum_steps, donate=donate)
+    state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy_of(cfg), pipeline=pipe)
     return model, tx, step, state
 
 
@@ -298,12 +421,34 @@ def _cpu_devices() -> list:
         return []
 
 
+def planning_mesh(sizes: dict[str, int], gpus_per_host: int):
+    """The mesh a run on hosts of ``gpus_per_host`` GPUs builds, over the first ``prod(sizes)`` CPU devices:
+    ``jp.make_mesh(**sizes, hosts=, devices_per_host=gpus_per_host)`` (simulated hosts of consecutive devices),
+    flat when it is one host. Raises ValueError when this process has fewer CPU devices."""
+    from jaxpar.mesh import make_mesh
+    n, devices = math.prod(sizes.values()), _cpu_devices()
+    if len(devices) < n:
+        raise ValueError(f"this process has {len(devices)} CPU devices, the mesh needs {n}: start it with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (jp.plan.plan does so in a subprocess)")
+    if n <= gpus_per_host:
+        return make_mesh(**sizes, devices=devices[:n])
+    return make_mesh(**sizes, devices=devices[:n], hosts=n // gpus_per_host, devices_per_host=gpus_per_host)
+
+
+def _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len, schedule, grad_accum_steps,
+         gpus_per_host) -> tuple[bool, float, str]:
+    available = spec.memory_bytes * memory_fraction
+    fits = needed <= available
+    advice = "" if fits else does_not_fit_message(needed, available, suggestions(
+        cfg, sizes, parts, grad_accum_steps, global_batch, seq_len, schedule, gpus_per_host, available))
+    return fits, available, advice
+
+
 def _plan_here(cfg, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
                memory_fraction) -> Plan:
-    from jaxpar.mesh import make_mesh
-    n = math.prod(sizes.values())
     start = time.perf_counter()
-    mesh = make_mesh(**sizes, devices=_cpu_devices()[:n])
+    per_host, across = host_split(sizes, gpus_per_host)
+    mesh = planning_mesh(sizes, gpus_per_host)
     _, _, step, state = build_step(cfg, mesh, schedule, grad_accum_steps)
     compiled = step.lower(state, batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
@@ -313,24 +458,25 @@ def _plan_here(cfg, sizes, global_batch, seq_len, schedule, spec, grad_accum_ste
     memory = _memory(compiled, state, parts, text)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    tokens = global_batch * seq_len
-    model_flops = 6.0 * cfg.num_params() * tokens
+    n = math.prod(sizes.values())
+    model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
     collectives: dict[str, dict[str, float]] = {}
     for c in stats.collectives:
         by_axes = collectives.setdefault(c.kind, {})
         by_axes["+".join(c.axes)] = by_axes.get("+".join(c.axes), 0.0) + c.bytes * c.count
-    available = spec.memory_bytes * memory_fraction
     needed = memory["compiled_bytes"]
-    fits = needed <= available
-    advice = "" if fits else does_not_fit_message(needed, available, suggestions(
-        cfg, sizes, parts, grad_accum_steps, global_batch, gpus_per_host))
-    return Plan(label="XLA:CPU compilation", model=_model_summary(cfg), mesh=sizes, device=spec.name,
+    fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
+                                   schedule, grad_accum_steps, gpus_per_host)
+    return Plan(label="XLA:CPU compilation", model=_model_summary(cfg), mesh=sizes,
+                hosts={"per_host": per_host, "across_hosts": across}, device=spec.name,
                 global_batch=global_batch, seq_len=seq_len, schedule=None if schedule is None else schedule.name,
                 grad_accum_steps=grad_accum_steps, memory=memory,
                 flops={"hlo": stats.flops, "cost_analysis": float(cost.get("flops", 0.0)), "model": model_flops / n,
                        "hlo_bytes_accessed": stats.bytes_accessed, "unknown_trip_counts": stats.unknown_trip_counts},
-                collectives=collectives, time=roofline(stats, sizes, spec, gpus_per_host, model_flops), fits=fits,
-                needed_bytes=needed, available_bytes=available, advice=advice, compile_s=compile_s)
+                collectives=collectives, time=roofline(stats, sizes, spec, across, model_flops), fits=fits,
+                needed_bytes=needed, available_bytes=available, advice=advice, compile_s=compile_s,
+                analytic_time=analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec,
+                                            grad_accum_steps))
 
 
 def _model_summary(cfg: Any) -> dict:
@@ -359,6 +505,54 @@ def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
             return pickle.load(f)
 
 
+def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices, grad_accum_steps,
+              gpus_per_host, memory_fraction) -> tuple[GPU, dict[str, int]]:
+    """The checks of :func:`plan` (all before anything is traced); returns ``(gpu spec, mesh sizes)``."""
+    from jaxpar.models import GPTConfig
+    if not isinstance(model_config, GPTConfig):
+        raise TypeError(f"model_config must be a jaxpar.models.GPTConfig, got {type(model_config).__name__}")
+    spec = gpu(device)
+    if num_devices is not None:
+        _positive_int("num_devices", num_devices)
+    sizes = mesh_sizes(mesh_shape, num_devices)
+    if math.prod(sizes.values()) > MAX_DEVICES:
+        raise ValueError(f"a mesh of {math.prod(sizes.values())} devices: the planner simulates every device on this "
+                         f"machine's CPU and plans at most {MAX_DEVICES}; plan a smaller mesh with the same "
+                         "per-device shapes (e.g. fewer data replicas: only their gradient all-reduce grows)")
+    _positive_int("grad_accum_steps", grad_accum_steps)
+    if (isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float))
+            or not 0 < memory_fraction <= 1):
+        raise ValueError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")
+    check_layout(model_config, sizes, global_batch, seq_len, schedule, grad_accum_steps, gpus_per_host)
+    return spec, sizes
+
+
+def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
+             device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
+             gpus_per_host: int = 8, memory_fraction: float = 0.9) -> dict:
+    """The analytic side of :func:`plan` without compiling (a fraction of a second): the state's exact sharded
+    bytes and the :mod:`jaxpar.plan_memory` estimate, per device, and :func:`analytic_time`.
+
+    Arguments and errors as for :func:`plan`; the process must hold ``prod(mesh_shape)`` CPU devices (the
+    state's shardings are built on the planning mesh), else ValueError.
+
+    Returns:
+      ``{"memory": {part: bytes}, "needed_bytes", "available_bytes", "fits", "advice", "time": {...}}``.
+    """
+    spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
+                            grad_accum_steps, gpus_per_host, memory_fraction)
+    _, across = host_split(sizes, gpus_per_host)
+    mesh = planning_mesh(sizes, gpus_per_host)
+    *_, state = build_step(model_config, mesh, schedule, grad_accum_steps)
+    parts = plan_memory.estimate(model_config, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
+    needed = sum(parts.values())
+    fits, available, advice = _fit(model_config, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
+                                   schedule, grad_accum_steps, gpus_per_host)
+    return {"memory": parts, "needed_bytes": needed, "available_bytes": available, "fits": fits, "advice": advice,
+            "time": analytic_time(model_config, sizes, across, global_batch, seq_len, schedule, spec,
+                                  grad_accum_steps)}
+
+
 def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
          device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
          gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0) -> Plan:
@@ -367,13 +561,15 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
     Args:
       model_config: a ``jaxpar.models.GPTConfig``; its ``dtype`` / ``param_dtype`` give the precision policy and
         its ``remat`` the activation checkpointing (use ``scan_layers=True`` for deep models: compile time).
-      mesh_shape: ``dict(data=, pipe=, fsdp=, tensor=)`` (missing axes 1) or a 4-tuple in that order.
-      global_batch, seq_len: sequences per step and tokens per sequence.
+      mesh_shape: ``dict(data=, pipe=, fsdp=, tensor=)`` (missing axes 1) or a 4-tuple in that order; the
+        whole mesh's sizes (the host split follows from ``gpus_per_host``).
+      global_batch, seq_len: sequences per step and tokens per sequence (positive ints).
       schedule: a ``jp.pipeline.Schedule`` with ``num_stages == pipe`` when ``pipe > 1``; None otherwise.
       device: a key of :data:`jaxpar.metrics.GPU_DATASHEETS` (``"h100-80gb"``, ``"h200"``, ``"a100-80gb"``).
       num_devices: if given, the mesh must multiply to it.
       grad_accum_steps: accumulation steps per update (``make_train_step``'s).
-      gpus_per_host: GPUs per host (NVLink domain); ``tensor`` must divide it.
+      gpus_per_host: GPUs per host (NVLink domain); ``tensor`` must divide it, and a mesh of more devices must
+        be whole hosts; the mesh is ``jp.make_mesh(..., hosts=, devices_per_host=gpus_per_host)``'s.
       memory_fraction: the part of the GPU's memory the run may use (jax preallocates 75% unless
         ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is raised; 0.9 assumes it is).
       timeout: seconds allowed for the planning subprocess (when one is needed).
@@ -383,22 +579,19 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
       fit: X GiB needed per device, Y available; try ...", not an exception.
 
     Raises:
-      ValueError (before anything compiles): a mesh that does not multiply to ``num_devices``, a ``tensor``
-        axis that would span hosts, sizes the model does not divide, a batch the layout cannot split, a
-        schedule that does not match ``pipe``, an unknown ``device``.
+      TypeError: ``model_config`` is not a ``GPTConfig``.
+      ValueError (before anything is traced): a mesh size that is not a positive int, sizes that do not
+        multiply to ``num_devices`` or exceed :data:`MAX_DEVICES`; a ``tensor`` axis that would span hosts; a mesh that is not whole hosts;
+        sizes the model does not divide; a ``seq_len`` that is not a positive int or exceeds
+        ``max_seq_len``; a batch the layout cannot split; a schedule that is not a ``Schedule`` or does not
+        match ``pipe``; an unknown ``device``; a bad ``grad_accum_steps``, ``gpus_per_host`` or
+        ``memory_fraction``.
+      RuntimeError: the planning subprocess failed (its stderr attached).
     """
-    from jaxpar.models import GPTConfig
-    if not isinstance(model_config, GPTConfig):
-        raise TypeError(f"model_config must be a jaxpar.models.GPTConfig, got {type(model_config).__name__}")
-    spec = gpu(device)
-    sizes = mesh_sizes(mesh_shape, num_devices)
-    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be a positive int")
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction={memory_fraction!r} must lie in (0, 1]")
-    check_layout(model_config, sizes, global_batch, seq_len, schedule, grad_accum_steps, gpus_per_host)
-    args = (model_config, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
-            memory_fraction)
+    spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
+                            grad_accum_steps, gpus_per_host, memory_fraction)
+    args = (model_config, sizes, int(global_batch), int(seq_len), schedule, spec, int(grad_accum_steps),
+            int(gpus_per_host), float(memory_fraction))
     n = math.prod(sizes.values())
     if len(_cpu_devices()) >= n:
         return _plan_here(*args)
@@ -411,4 +604,3 @@ def _subprocess_main(argv: list[str]) -> None:
     result = _plan_here(*args)
     with open(argv[1], "wb") as f:
         pickle.dump(result, f)
-

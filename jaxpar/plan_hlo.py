@@ -39,6 +39,9 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "iota", "copy-start", "copy-done"}
+# Elementwise ops :meth:`_Walker._traffic` looks through from a fusion parameter to a slice or in-place update: XLA:CPU
+# wraps a bf16 buffer's update in converts to f32 and back (its bf16 work is f32), which a GPU program does not.
+_LOOK_THROUGH = {"convert", "bitcast", "copy"}
 _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -284,7 +287,9 @@ class _Walker:
 
     def _traffic(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Output plus operand bytes; slices read only what they output and in-place updates touch only the
-        update, also when a fusion slices or updates its parameters."""
+        update, also when a fusion slices or updates its parameters (through converts, bitcasts and copies:
+        ``convert(dynamic-update-slice(convert(buffer), update))`` is XLA:CPU's form of an in-place bf16
+        update)."""
         if instr.opcode == "dynamic-slice":
             return 2 * shape_bytes(instr.shape)
         if instr.opcode == "dynamic-update-slice":
@@ -299,8 +304,11 @@ class _Walker:
                     users[o].append(i)
             local = {i.name: i.shape for i in body}
             for p in (i for i in body if i.opcode == "parameter"):
-                k, us = int(p.args or 0), users.get(p.name, [])
-                if k >= len(operand) or not us or any(u.operands[0] != p.name for u in us):
+                k, cur = int(p.args or 0), p.name
+                while len(users.get(cur, [])) == 1 and users[cur][0].opcode in _LOOK_THROUGH:
+                    cur = users[cur][0].name
+                us = users.get(cur, [])
+                if k >= len(operand) or not us or any(u.operands[0] != cur for u in us):
                     continue
                 if all(u.opcode == "dynamic-slice" for u in us):
                     operand[k] = sum(shape_bytes(u.shape) for u in us)

@@ -7,11 +7,15 @@ the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its
   gradients ``P`` (the params' dtype); optimizer state: its leaves' bytes the same way (AdamW: ``2 P``);
   with gradient accumulation a float32 accumulator ``P`` more;
 * a compute copy of the params when the compute dtype is narrower: ``P c / b`` (``P / 2`` for bf16 over f32);
-* activations ``A = T * (N_d * r_saved + r_live + h)``. ``T`` is the tokens a device holds at once:
-  ``B L / (data * fsdp * k)`` for ``k`` accumulation steps, or under a pipeline ``B L / (data * m * k)`` per
-  microbatch times the schedule's peak stash slots (``max(schedule.peak_stash)``); ``N_d`` the layers on the
-  device (``N / pipe``); ``h = c D + 2 * 4 V / t`` the head's (final LayerNorm input, float32 logits and their
-  softmax). ``r`` is what one block keeps per token for its backward without remat:
+* activations ``A = T (S N_d r_saved + r_live + h)``. ``T`` is the tokens of one (micro)batch on a device:
+  ``B L / (data * fsdp * k)`` for ``k`` accumulation steps, under a pipeline of ``m`` microbatches
+  ``B L / (data * fsdp * m * k)`` (a microbatch is split over ``data`` and ``fsdp`` like a batch); ``S`` the
+  stashed (micro)batches: 1 without a pipeline, else the schedule's peak stash ``max(schedule.peak_stash)``,
+  counted in chunk-microbatches; ``N_d`` the layers of one stash slot: ``N`` without a pipeline, else those of
+  one chunk, ``N / (pipe * num_chunks)``. ``r_live`` (the block being recomputed) and the head's
+  ``h = c D + 2 * 4 V / t`` (final LayerNorm input, float32 logits and their softmax) are live for one
+  microbatch at a time, so they are not multiplied by ``S``. ``r`` is what one block keeps per token for its
+  backward without remat:
   ``r = c (2 D + 3 H K / t + H K / t + 2 F / t) + 4 H Lk / t (+ c H Lk / t when c < 4)`` (block input and the
   residual after attention, q, k, v and the attention output, the MLP pre-activation and GELU output, the
   float32 softmax probabilities over ``Lk`` visible keys on average and their cast). By ``GPTConfig.remat``:
@@ -105,13 +109,12 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
     t, k = mesh.shape["tensor"], grad_accum_steps
     r_saved, r_live = block_bytes_per_token(cfg, seq_len, c, t)
     h = c * cfg.d_model + 2 * 4 * cfg.padded_vocab / t
-    if schedule is None:
-        tokens, layers = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * k), cfg.num_layers
-    else:
-        m = schedule.num_microbatches
-        tokens = global_batch * seq_len / (mesh.shape["data"] * m * k) * max(schedule.peak_stash)
-        layers = cfg.num_layers / mesh.shape["pipe"]
+    tokens = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * k)
+    stash, layers = 1, cfg.num_layers
+    if schedule is not None:
+        tokens /= schedule.num_microbatches
+        stash, layers = max(schedule.peak_stash), cfg.num_layers / (mesh.shape["pipe"] * schedule.num_chunks)
     return {"params": P, "grads": P, "opt_state": sharded_bytes(state.opt_state),
             "grad_accumulator": P * 4 / param_bytes if k > 1 else 0.0,
             "compute_params": P * c / param_bytes if c < param_bytes else 0.0,
-            "activations": tokens * (layers * r_saved + r_live + h)}
+            "activations": tokens * (stash * layers * r_saved + r_live + h)}

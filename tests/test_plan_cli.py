@@ -1,0 +1,85 @@
+"""experiments/plan.py: the layout sweep runs end to end (subprocess) and refuses bad flags before compiling."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("experiments_plan", ROOT / "experiments" / "plan.py")
+plan_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_cli)
+
+TINY_SWEEP = ["--model", "tiny", "--devices", "4", "--global-batch", "8", "--seq-len", "16", "--remat", "full"]
+
+
+def _run(args: list[str], tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "plan.py"), *args, "--out-dir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def _rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "data"])
+    return [line.split() for line in lines[start + 1:] if re.match(r"^\s+\d+\s", line)]
+
+
+def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
+    proc = _run([*TINY_SWEEP, "--max-layouts", "3"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 4 devices: (data, fsdp, tensor) with tensor 1 (3 ways), 2 (2 ways) or 4 (1 way); the model and batch 8 split all
+    assert "compiling 3 of 6 layouts" in proc.stdout
+    rows = _rows(proc.stdout)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert all(int(r[1]) * int(r[2]) * int(r[3]) * int(r[4]) == 4 and r[9] == "yes" for r in rows)
+    steps = [float(r[11]) for r in rows]
+    assert steps == sorted(steps)
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert [p["mesh"] for p in saved] == [dict(data=int(r[1]), pipe=int(r[2]), fsdp=int(r[3]), tensor=int(r[4]))
+                                         for r in rows]
+    png = (tmp_path / "plan.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_sweep_reports_a_layout_that_does_not_fit(tmp_path):
+    proc = _run([*TINY_SWEEP, "--max-layouts", "1", "--memory-fraction", "1e-9"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _rows(proc.stdout)[0][9] == "no"
+    assert re.search(r"rank 1: does not fit: [\d.]+ GiB needed per device, 0\.0 available; try ", proc.stdout)
+    assert (tmp_path / "plan.png").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--global-batch", "-8"], "--global-batch must be >= 1, got -8"),
+    (["--devices", "12"], "--devices 12 are not whole hosts of --gpus-per-host 8"),
+    (["--memory-fraction", "0"], r"--memory-fraction must lie in \(0, 1\]"),
+    (["--schedules", "pipedream"], "invalid choice: 'pipedream'"),
+    (["--model", "300b"], "invalid choice: '300b'"),
+])
+def test_bad_flags_are_refused_by_the_parser(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan_cli.parse([*TINY_SWEEP, *flags])
+    assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "tpu-v5"], "--device: device='tpu-v5' is not in the datasheet table"),
+    # one GPU a host keeps tensor at 1, so data x fsdp = 4 rows never split a batch of 3
+    (["--global-batch", "3", "--gpus-per-host", "1"], "no layout of 4 devices passes the checks"),
+])
+def test_bad_sweeps_are_refused_before_compiling(flags, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # main() sets it: restored after the test
+    monkeypatch.setattr("jaxpar.plan.plan", lambda *a, **k: pytest.fail("compiled a layout"))
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main([*TINY_SWEEP, *flags, "--out-dir", str(tmp_path)])
+    assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
