@@ -285,11 +285,12 @@ def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_a
         return None if sizes[source] % 2 else {**sizes, axis: sizes[axis] * 2, source: sizes[source] // 2}
 
     state = parts["params"] + parts["grads"] + parts["opt_state"] + parts["compute_params"] + parts["grad_accumulator"]
+    fixed = parts["activations"] + parts.get("pipeline_buffers", 0.0)   # not divided by a larger fsdp
     d = sizes["data"]
     moves = [{**sizes, "fsdp": sizes["fsdp"] * k, "data": d // k} for k in range(2, d + 1) if d % k == 0]
     moves = [m for m in moves if valid(m)]
     if moves:
-        new = next((m for m in moves if state * sizes["fsdp"] / m["fsdp"] + parts["activations"] <= available),
+        new = next((m for m in moves if state * sizes["fsdp"] / m["fsdp"] + fixed <= available),
                    moves[-1])
         out.append(f"fsdp={new['fsdp']}, data={new['data']} (params, gradients and optimizer state sharded "
                    f"{new['fsdp'] // sizes['fsdp']} times as finely)")
@@ -305,8 +306,8 @@ def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_a
                 break
     n = math.prod(sizes.values())
     whole = state * n / sizes["data"]        # the state once, over all shards
-    if whole / n + parts["activations"] > available:
-        room = available - parts["activations"]
+    if whole / n + fixed > available:
+        room = available - fixed
         least = math.ceil(whole / room / gpus_per_host) * gpus_per_host if room > 0 else None
         out.append(f"more devices (the state alone is {whole / GiB:.0f} GiB: at least {least} GPUs sharding it)"
                    if least else "fewer tokens per device (the activations alone exceed the memory)")

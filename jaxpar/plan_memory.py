@@ -29,9 +29,17 @@ the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its
   ``c`` is the compute dtype's bytes, ``t`` the tensor-parallel size, ``D, H, K, F, V`` the model's width,
   heads, head dim, MLP width and padded vocabulary.
 
+* under a pipeline (``pipe > 1``), ``pipeline_buffers``: the stage's float32 gradient accumulator, which is
+  not sharded over ``fsdp`` (the runtime accumulates each device's rows unreduced and reduce-scatters once
+  after the tick loop): ``P_b 4 / b * fsdp`` with ``P_b`` the per-device bytes of the stacked blocks; the
+  gradient one action returns before it is added (one chunk's: ``P_b 4 / b * fsdp / num_chunks``); with
+  ``fsdp > 1`` the stage weights gathered once per step in the compute dtype (``fsdp_gather="step"``, the
+  default): ``P_b c / b * fsdp``; and the input cotangent of every microbatch the first stage writes
+  (``B L / (data * fsdp)`` tokens of ``c D`` bytes).
+
 Left out (so a compiled figure may exceed it): XLA's transient buffers (the gradient of one activation while
-the next is computed; the attention gradients), the batch and metrics, the pipeline's receive buffers and
-gradient accumulators, and on XLA:CPU the float32 copies it makes of bfloat16 buffers it computes in float32.
+the next is computed; the attention gradients), the batch and metrics, the pipeline's receive buffers, and on
+XLA:CPU the float32 copies it makes of bfloat16 buffers it computes in float32.
 """
 
 from __future__ import annotations
@@ -89,7 +97,7 @@ def block_bytes_per_token(cfg: Any, seq_len: int, c: int, t: int) -> tuple[float
 def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, schedule: Any = None,
              grad_accum_steps: int = 1) -> dict[str, float]:
     """The estimate of the module docstring, per device, in bytes: ``{"params", "grads", "opt_state",
-    "grad_accumulator", "compute_params", "activations"}``.
+    "grad_accumulator", "compute_params", "activations", "pipeline_buffers"}``.
 
     Args:
       cfg: the ``GPTConfig``.
@@ -114,7 +122,13 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
     if schedule is not None:
         tokens /= schedule.num_microbatches
         stash, layers = max(schedule.peak_stash), cfg.num_layers / (mesh.shape["pipe"] * schedule.num_chunks)
+    pipeline = 0.0
+    if schedule is not None and mesh.shape["pipe"] > 1:
+        blocks, fsdp = sharded_bytes(state.params["blocks"]), mesh.shape["fsdp"]
+        grad = blocks * 4 / param_bytes * fsdp
+        pipeline = grad + grad / schedule.num_chunks + (blocks * c / param_bytes * fsdp if fsdp > 1 else 0.0)
+        pipeline += global_batch * seq_len / (mesh.shape["data"] * fsdp) * c * cfg.d_model
     return {"params": P, "grads": P, "opt_state": sharded_bytes(state.opt_state),
             "grad_accumulator": P * 4 / param_bytes if k > 1 else 0.0,
             "compute_params": P * c / param_bytes if c < param_bytes else 0.0,
-            "activations": tokens * (stash * layers * r_saved + r_live + h)}
+            "activations": tokens * (stash * layers * r_saved + r_live + h), "pipeline_buffers": pipeline}
