@@ -132,6 +132,50 @@ def test_split_backward_is_real_on_a_user_stage():
     _check_split("mlp stage", split_figures(wide_mlp, params, rng.normal(size=(8, 16, 64)).astype(np.float32)))
 
 
+@jax.custom_vjp
+def _clip_grad(w):
+    return w
+
+
+_clip_grad.defvjp(lambda w: (w, None), lambda _, g: (jnp.clip(g, -0.05, 0.05),))
+
+
+def _clipped_weight_stage(params, x_BSD):
+    """A weight used twice whose gradient passes a nonlinear custom_vjp rule (a clip of its cotangent)."""
+    w = _clip_grad(params["w"])
+    return jnp.tanh(x_BSD @ w) @ w
+
+
+def _reshaped_output_stage(params, x_BSD):
+    """The output is a reshape of a matmul (as the GPT's blocks): g reaches the weight gradient as a view."""
+    h = jnp.tanh(x_BSD @ params["w1"])
+    return (h.reshape(-1, h.shape[-1]) @ params["w2"]).reshape(x_BSD.shape)
+
+
+@pytest.mark.parametrize("stage_fn,finished", [(_clipped_weight_stage, False), (_reshaped_output_stage, True)],
+                         ids=["nonlinear-custom-vjp", "reshaped-output"])
+def test_split_keeps_g_off_w_only_where_exact(stage_fn, finished):
+    """B's part (the products on g) plus W's is jax.vjp's gradient. Where the equations after the products are
+    not linear in the cotangents (a clip in a custom_vjp rule), g is handed to W instead; where the output is a
+    view of a matmul, neither g nor its view is."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4, 8, 16)).astype(np.float32)
+    g = rng.normal(size=x.shape).astype(np.float32)
+    params = {"w": (0.3 * rng.normal(size=(16, 16))).astype(np.float32)} if stage_fn is _clipped_weight_stage else {
+        "w1": (0.3 * rng.normal(size=(16, 32))).astype(np.float32),
+        "w2": (0.3 * rng.normal(size=(32, 16))).astype(np.float32)}
+    split = split_lib.split_plan(stage_fn, params, x)
+    leaves = jax.tree.leaves(jax.vjp(stage_fn, params, x)[1])
+    dx, carry, b_part = split_lib.backward_input(split, params, x, leaves, g)
+    w_part = split_lib.backward_weight(split, params, x, leaves, carry)
+    ref_dparams, ref_dx = jax.vjp(stage_fn, params, x)[1](g)     # plain jax
+    assert_tree_close((jax.tree.map(jnp.add, b_part, w_part), dx), (ref_dparams, ref_dx), rtol=1e-6,
+                      what="B part + W part")
+    carried = [tuple(c.shape) for c in split.carry_structs]
+    assert any(split.b_grads) == finished, split.b_grads
+    assert ((x.shape in carried or (32, 16) in carried) != finished), carried
+
+
 @pytest.mark.slow   # five compiles of two GPT blocks (~20 s)
 def test_split_backward_is_real_on_the_gpt_stage(mesh_factory):
     """Two GPT blocks (attention, MLP, LayerNorms under jax.checkpoint): random parameters of the init's shapes."""
@@ -193,3 +237,13 @@ GPT_CASES = [pytest.param("zb", 2, 4, "d2p2t2", id="zb-p2-m4-d2p2t2", marks=pyte
 @pytest.mark.parametrize("name,p,m,mesh_name", GPT_CASES)
 def test_zero_bubble_gpt_train_step_matches_single_device(name, p, m, mesh_name, mesh_factory):
     gpt_step_parity(BUILD[name](p, m), mesh_factory(**MESHES[mesh_name]), SEED + 5 * p)
+
+
+def test_split_warns_when_layers_run_in_a_scan():
+    """A lax.scan over layers is one equation computing dx and dW together: the split says W gets none of it."""
+    def scanned(params, x_BSD):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x_BSD, params["w"])[0]
+    rng = np.random.default_rng(6)
+    params = {"w": (0.3 * rng.normal(size=(2, 16, 16))).astype(np.float32)}
+    with pytest.warns(UserWarning, match=r"runs scan, which the B/W split cannot look inside.*scan_layers=False"):
+        split_lib.split_plan(scanned, params, rng.normal(size=(4, 8, 16)).astype(np.float32))

@@ -25,6 +25,11 @@ program itself:
    between such a product and the gradient (sums, pads, reshapes: no matmul) run in both, each on its own part,
    the other part zero. The residuals only those equations read are freed at ``B``.
 
+Limits: an inner loop (``lax.scan`` over layers, ``fori_loop``) is one equation that computes both ``dx`` and
+the weight gradients, so it runs in ``B`` whole (a warning says so). Under ``jax.checkpoint`` inside the stage,
+``W`` recomputes the forward values it needs rather than receiving them (``B + W`` is then about one forward
+more than the fused backward). Correct in every case; the split only moves work.
+
 So ``FLOPs(B) + FLOPs(W)`` is the fused backward's plus those small recomputations, and ``W`` alone is the
 weight-gradient matmuls but the last layer's that read ``g`` (about half of a matmul layer's backward, less that
 product: with one two-matmul layer per chunk, a quarter).
@@ -32,6 +37,7 @@ product: with one two-matmul layer per chunk, a quarter).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -139,14 +145,39 @@ def _weight_slice(ops: list[_Op], roots: list[Atom], carried) -> tuple[set[int],
     return live, carry
 
 
-# Equations too costly to run twice (in B on g's part and in W on the rest, see _finish_g): matmuls, and any
-# equation with an inner program (scan, while, cond, custom rules) that _Flat did not inline.
-_COSTLY = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+# Equations that are linear in their cotangent operands whatever the others are, so that one may run twice, in B
+# on g's part and in W on the rest, each with the other part zero (see _finish_g): sums and layout changes.
+# Matmuls are linear too but left out: running one twice would cost its FLOPs twice.
+_RELAYOUT = frozenset(("reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p",
+                       "sharding_constraint", "pvary", "pcast", "mesh_cast", "reshard"))
+_LINEAR = _RELAYOUT | frozenset(("add_any", "add", "sub", "neg", "broadcast_in_dim", "pad", "slice", "dynamic_slice",
+                                 "dynamic_update_slice", "concatenate", "reduce_sum", "rev", "gather", "scatter-add",
+                                 "scatter_add"))
+# _RELAYOUT: layout changes of one operand; a B value made from g by these is g by another name (_g_aliases).
 
 
-def _costly(op: _Op) -> bool:
-    return op.eqn.primitive.name in _COSTLY or any(
-        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in op.eqn.params.values())
+def _linear(op: _Op, on_g: set[int]) -> bool:
+    """Whether ``op`` is linear in its cotangent operands (those in ``on_g``), so that it may split by parts."""
+    name, ct = op.eqn.primitive.name, [isinstance(a, int) and a in on_g for a in op.ins]
+    if name in ("mul", "div", "dot_general"):                  # linear in one cotangent factor (a numerator)
+        return sum(ct) == 1 and (name != "div" or ct[0])
+    if name == "select_n":                                      # the predicate must not be a cotangent
+        return not ct[0]
+    if name in ("dynamic_slice", "dynamic_update_slice", "gather", "scatter-add", "scatter_add", "pad"):
+        return not any(ct[1:]) if name in ("dynamic_slice", "gather") else True
+    return name in _LINEAR
+
+
+def _g_aliases(ops: list[_Op], b_live: set[int], g: int, on_g: set[int]) -> set[int]:
+    """``g`` and the values B makes from it by layout changes alone (e.g. the 2-D view of a 3-D output a
+    matmul's backward reads): handing any of them to W would hand g over."""
+    alias = {g}
+    for i in sorted(b_live):
+        op = ops[i]
+        ct = [a for a in op.ins if isinstance(a, int) and a in on_g]
+        if op.eqn.primitive.name in _RELAYOUT and len(ct) == 1 and ct[0] in alias:
+            alias.update(op.outs)
+    return alias
 
 
 class _Early(NamedTuple):
@@ -155,27 +186,31 @@ class _Early(NamedTuple):
     recompute: set[int]   # W's equations on neither (functions of params and residuals) the two above read
 
 
-def _finish_g(ops: list[_Op], w_live: set[int], g: int, on_g: set[int], b_side) -> _Early | None:
-    """The weight-gradient equations ``B`` runs so that ``g`` is not handed to ``W`` (module docstring, 4.).
+def _finish_g(ops: list[_Op], w_live: set[int], aliases: set[int], on_g: set[int], b_side) -> _Early | None:
+    """The weight-gradient equations ``B`` runs so that ``g`` (or a view of it, ``aliases``) is not handed to
+    ``W`` (module docstring, 4.).
 
     In order, a W equation that reads g or a value made by such an equation is *moved* to B when every
-    cotangent it reads is available in B (``b_side(k)``: g and B's values) or made so; otherwise (it also reads
-    W's part) it is *tail*, run by both phases with the other's part zero, which is exact as W's equations are
-    linear in the cotangents. ``None`` when a tail equation is a matmul (it would run twice): then g is handed
-    over as before."""
-    made, moved, tail = {g}, set(), set()
+    cotangent it reads is whole in B (``b_side(k)``: g and B's values, or made whole by a moved equation): it
+    runs once, on whole values. Otherwise (it also reads W's part, or a value B has only g's part of) it is
+    *tail*, run by both phases with the other's part zero,
+    which is exact only for an equation linear in the cotangents (:func:`_linear`: sums, layout changes; not
+    a user's ``custom_vjp`` rule such as a clip). ``None`` when a tail equation is not such an equation:
+    then g is handed over as before."""
+    whole, part, moved, tail = set(aliases), set(), set(), set()   # values B has whole / only g's part of
     for i in sorted(w_live):
         op = ops[i]
         ct = [a for a in op.ins if isinstance(a, int) and a in on_g]
-        if not any(a in made for a in ct):
+        if not any(a in whole or a in part for a in ct):
             continue
-        if all(a in made or b_side(a) for a in ct):
+        if all(a in whole or (b_side(a) and a not in part) for a in ct):
             moved.add(i)
-        elif _costly(op):
-            return None
-        else:
+            whole.update(op.outs)
+        elif _linear(op, on_g) and op.eqn.primitive.name != "dot_general":
             tail.add(i)
-        made.update(op.outs)
+            part.update(op.outs)
+        else:
+            return None
     producer, recompute = _producers(ops), set()
     todo = [a for i in moved | tail for a in ops[i].ins if isinstance(a, int) and a not in on_g]
     while todo:
@@ -220,22 +255,30 @@ def split_plan(stage_fn: Callable, params: Any, x: Any) -> SplitPlan:
     outs = flat.add(closed.jaxpr, inputs, closed.consts)
     ops, dx, dparams, g = flat.ops, outs[-1], tuple(outs[:-1]), inputs[-1]
     b_live = _slice(ops, [dx])
+    loops = sorted({ops[i].eqn.primitive.name for i in b_live if any(
+        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in ops[i].eqn.params.values())})
+    if loops:
+        warnings.warn(f"the stage's backward runs {', '.join(loops)}, which the B/W split cannot look inside: B "
+                      f"computes the weight gradients of what runs in it and W gets none of them, so a zero-bubble "
+                      f"schedule has little W to fill its bubbles with (unroll the layers, e.g. "
+                      f"GPTConfig(scan_layers=False))", stacklevel=3)
     b_keys, on_g = {k for i in b_live for k in ops[i].outs}, _depends_on(ops, g)
     b_side = lambda k: k == g or (k in b_keys and k in on_g)
     w_live, carry = _weight_slice(ops, list(dparams), b_side)
-    early = _finish_g(ops, w_live, g, on_g, b_side)
+    aliases = _g_aliases(ops, b_live, g, on_g)
+    early = _finish_g(ops, w_live, aliases, on_g, b_side)
     if early is None:   # keep g handed over: B adds nothing, W all
         bw_live, b_grads, w_grads = set(), (False,) * len(dparams), (True,) * len(dparams)
     else:
-        made = {g} | {k for i in early.moved | early.tail for k in ops[i].outs}
+        made = aliases | {k for i in early.moved | early.tail for k in ops[i].outs}
         tail_outs = {k for i in early.tail for k in ops[i].outs}
         b_grads = tuple(isinstance(a, int) and (a in made or b_side(a)) for a in dparams)
         w_grads = tuple(not b or a in tail_outs for a, b in zip(dparams, b_grads))
         w_live = w_live - early.moved
         bw_live = (early.moved | early.tail | early.recompute) - b_live
         w_roots = [a for a, w in zip(dparams, w_grads) if w and isinstance(a, int)]
-        carry = {a for i in w_live for a in ops[i].ins if isinstance(a, int) and b_side(a) and a != g}
-        carry |= {a for a in w_roots if b_side(a) and a != g}
+        carry = {a for i in w_live for a in ops[i].ins if isinstance(a, int) and b_side(a) and a not in aliases}
+        carry |= {a for a in w_roots if b_side(a) and a not in aliases}
     carry = tuple(sorted(carry))
     struct = lambda aval: jax.ShapeDtypeStruct(aval.shape, aval.dtype)
     dparams_shape, _ = out_shape
