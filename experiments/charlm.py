@@ -71,7 +71,9 @@ class Config:
     scan_layers: bool = False      # lax.scan over layers (faster compile) instead of unrolling
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing per block
     precision: Annotated[jp.run.PrecisionConfig, Flat] = jp.run.PrecisionConfig()
-    steps: int = 800               # optimizer steps
+    steps: int = 800
+    """optimizer steps; the warm-up, cosine decay and default pruning window are computed from it, so a run
+    resumed with another --steps continues on the new length's schedule from the step it resumed at"""
     batch_size: int = 32           # global batch (sequences per step), independent of the mesh
     grad_accum_steps: int = 1      # microbatches per step
     learning_rate: float = 3e-3    # peak AdamW learning rate
@@ -89,9 +91,19 @@ class Config:
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end and on SIGTERM)
 
     def __post_init__(self):
-        for name in ("eval_interval", "eval_batches"):
+        for name in ("eval_interval", "eval_batches", "num_layers", "num_heads", "d_model", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:   # each head is d_model / num_heads wide
+            near = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
+            lower = max(h for h in near if h < self.num_heads)
+            upper = min((h for h in near if h > self.num_heads), default=None)
+            raise ValueError(f"--num-heads {self.num_heads} must divide --d-model {self.d_model} (each head is "
+                             f"d_model / num_heads wide): use --num-heads {lower}"
+                             + (f" or {upper}" if upper else "") + f", or a --d-model divisible by {self.num_heads}")
+        if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"--positions rotary needs an even head width --d-model / --num-heads, got "
+                             f"{self.d_model} / {self.num_heads} = {self.d_model // self.num_heads}")
         if self.pipe >= 1 and self.num_layers % self.pipe:
             raise ValueError(f"--num-layers {self.num_layers} is not divisible by --pipe {self.pipe}: each stage "
                              "runs num_layers / pipe layers")
@@ -153,6 +165,10 @@ def main(cfg: Config) -> float | None:
     tx = cfg.optimizer(jax.eval_shape(model.init, jax.random.key(0)))  # logical names: what each leaf is
     out, policy = Path(cfg.out_dir), cfg.precision.policy()
     jp.run.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
+    if cfg.resume and not (out / "checkpoints").is_dir():  # fail before the manager creates the directory
+        raise jp.checkpoint.CheckpointError(f"asked to resume (--resume), but {str(out / 'checkpoints')!r} does not "
+                                            "exist, so it holds no checkpoint; drop --resume to start fresh, or pass "
+                                            "the --out-dir of the earlier run")
     ckpt = jp.checkpoint.CheckpointManager(out / "checkpoints", save_interval_steps=cfg.checkpoint_interval)
     # with --pipe > 1 the state holds the schedule's stage layout (interleaved, zbv: no weight crosses pipe in a
     # step); checkpoints are written in model order, so a run resumes under any --schedule / --pipe

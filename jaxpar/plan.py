@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import pickle
 import subprocess
@@ -175,9 +176,14 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
         raise ValueError(f"schedule={schedule!r} is not a jp.pipeline.Schedule; build the table, e.g. "
                          f"jp.pipeline.one_f_one_b({p}, 8) (also gpipe, interleaved_1f1b, zero_bubble, "
                          "zero_bubble_v), or pass None for pipe=1")
-    if (schedule is None) != (p == 1):
-        raise ValueError(f"pipe={p} needs a pipeline schedule (e.g. jp.pipeline.one_f_one_b({p}, 8)); pipe=1 takes "
-                         f"none; got schedule={getattr(schedule, 'name', schedule)!r}")
+    if schedule is None and p > 1:
+        raise ValueError(f"pipe={p} needs a pipeline schedule (e.g. jp.pipeline.one_f_one_b({p}, 8)); got "
+                         "schedule=None")
+    if schedule is not None and p == 1:
+        other = (f"a mesh with pipe={schedule.num_stages} (the schedule's num_stages)" if schedule.num_stages > 1
+                 else "a mesh with pipe > 1 and a schedule of that many stages")
+        raise ValueError(f"schedule={schedule.name!r} was given but the mesh has pipe=1 (planned without a "
+                         f"pipeline): pass schedule=None, or {other}")
     m = 1
     if schedule is not None:
         m, stages = schedule.num_microbatches, schedule.num_stages * schedule.num_chunks
@@ -185,7 +191,8 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
             raise ValueError(f"the schedule has {schedule.num_stages} stages x {schedule.num_chunks} chunks; it needs "
                              f"num_stages = pipe = {p} and num_layers ({cfg.num_layers}) divisible by {stages}")
     rows = grad_accum_steps * m * sizes["data"] * f
-    if not isinstance(global_batch, (int, np.integer)) or global_batch < 1 or global_batch % rows:
+    if (isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1
+            or global_batch % rows):
         raise ValueError(f"global_batch {global_batch!r} must be a positive int multiple of grad_accum_steps x "
                          f"microbatches x data x fsdp = {grad_accum_steps} x {m} x {sizes['data']} x {f} = {rows}")
 
@@ -498,8 +505,13 @@ def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         code = "import sys; from jaxpar.plan import _subprocess_main; _subprocess_main(sys.argv[1:])"
-        proc = subprocess.run([sys.executable, "-c", code, inp, out], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, inp, out], env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"planning on {n} simulated devices did not finish within timeout={timeout:g} s; "
+                               "raise timeout= (compiling a large mesh on CPU can take many minutes), or plan a "
+                               "smaller mesh with the same per-device shapes") from None
         if proc.returncode != 0:
             raise RuntimeError(f"planning on {n} simulated devices failed in its subprocess:\n{proc.stderr[-3000:]}")
         with open(out, "rb") as f:
@@ -521,8 +533,8 @@ def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device,
                          f"machine's CPU and plans at most {MAX_DEVICES}; plan a smaller mesh with the same "
                          "per-device shapes (e.g. fewer data replicas: only their gradient all-reduce grows)")
     _positive_int("grad_accum_steps", grad_accum_steps)
-    if (isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float))
-            or not 0 < memory_fraction <= 1):
+    if (isinstance(memory_fraction, bool) or not isinstance(memory_fraction, numbers.Real)
+            or not 0 < float(memory_fraction) <= 1):
         raise ValueError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")
     check_layout(model_config, sizes, global_batch, seq_len, schedule, grad_accum_steps, gpus_per_host)
     return spec, sizes
@@ -542,6 +554,7 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
     """
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
                             grad_accum_steps, gpus_per_host, memory_fraction)
+    memory_fraction = float(memory_fraction)
     _, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
     *_, state = build_step(model_config, mesh, schedule, grad_accum_steps)
@@ -586,9 +599,13 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         sizes the model does not divide; a ``seq_len`` that is not a positive int or exceeds
         ``max_seq_len``; a batch the layout cannot split; a schedule that is not a ``Schedule`` or does not
         match ``pipe``; an unknown ``device``; a bad ``grad_accum_steps``, ``gpus_per_host`` or
-        ``memory_fraction``.
-      RuntimeError: the planning subprocess failed (its stderr attached).
+        ``memory_fraction`` (any real number type, numpy's included); a ``timeout`` that is not a positive
+        finite number.
+      RuntimeError: the planning subprocess failed (its stderr attached) or ran past ``timeout``.
     """
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(float(timeout))
+            or float(timeout) <= 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive finite number of seconds, e.g. timeout=1800")
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
                             grad_accum_steps, gpus_per_host, memory_fraction)
     args = (model_config, sizes, int(global_batch), int(seq_len), schedule, spec, int(grad_accum_steps),
@@ -596,7 +613,7 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
     n = math.prod(sizes.values())
     if len(_cpu_devices()) >= n:
         return _plan_here(*args)
-    return _plan_in_subprocess(args, n, timeout)
+    return _plan_in_subprocess(args, n, float(timeout))
 
 
 def _subprocess_main(argv: list[str]) -> None:

@@ -118,15 +118,24 @@ def _build(spec: Spec, mesh=None):
     data, fsdp, tensor = spec.mesh
     mesh = mesh or jp.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:data * fsdp * tensor])
     init_fn, loss_fn = gpt_parts()
+    policy = jp.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
+    return mesh, init_fn, loss_fn, make_tx(spec, init_fn), policy
+
+
+def make_tx(spec: Spec, init_fn):
+    """The job's optimizer for the model ``init_fn`` initialises (the pruning reads its axis names)."""
+    import jax
+    import optax
+
+    import jaxpar as jp
     tx = {"adamw": lambda: optax.adamw(3e-3), "sgd": lambda: optax.sgd(0.5)}[spec.optimizer]()
     if spec.pruning:  # the one line that adds magnitude pruning (its state is checkpointed like any other)
         tx = optax.chain(tx, jp.pruning.magnitude_pruning(
             jp.pruning.polynomial_sparsity(0.5, begin_step=0, end_step=6, frequency=2), distribution="global",
             axis_names=jax.eval_shape(init_fn, jax.random.key(0))))
-    policy = jp.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
     if spec.loss_scale:
         tx = jp.precision.loss_scaling(tx, jp.precision.DynamicLossScale(initial_scale=2.0 ** 15, growth_interval=3))
-    return mesh, init_fn, loss_fn, tx, policy
+    return tx
 
 
 def batch(spec: Spec, step: int, mesh) -> dict:

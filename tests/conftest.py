@@ -73,3 +73,14 @@ def mesh_factory():
 @pytest.fixture
 def np_rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def no_compiling(monkeypatch):
+    """Fails the test if the planner gets as far as building (tracing) a step or starting a subprocess."""
+    import jaxpar as jp
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner started building a step: the error should have come first")
+    monkeypatch.setattr(jp.plan, "build_step", refuse)
+    monkeypatch.setattr(jp.plan, "_plan_in_subprocess", refuse)

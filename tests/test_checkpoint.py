@@ -171,7 +171,7 @@ def test_restore_into_another_model_names_the_path(saved):
     mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
     with pytest.raises(ValueError, match=r"\.params\['blocks'\]\['down_bias'\].*saved shape \(2, 64\) float32, "
                                          r"target shape \(2, 32\) float32"):
-        ckpt.restore(target=jp.train.abstract_state(init_fn, saved["tx"], mesh=mesh))
+        ckpt.restore(target=jp.train.abstract_state(init_fn, worker.make_tx(saved["spec"], init_fn), mesh=mesh))
     with pytest.raises(ValueError, match=r"has no leaf \.opt_state\[0\]\.count \(the target's is \(\) int32\)"):
         ckpt.restore(target=jp.train.abstract_state(saved["init_fn"], optax.adamw(1e-3), mesh=mesh))
 

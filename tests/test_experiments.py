@@ -53,6 +53,28 @@ def test_charlm_rejects_bad_config():
         charlm.Config(steps=10, warmup_steps=20)
 
 
+def test_charlm_names_its_own_flags_when_heads_do_not_divide_the_width():
+    charlm = load("charlm")
+    with pytest.raises(ValueError, match=r"--num-heads 3 must divide --d-model 128.*--num-heads 2 or 4"):
+        charlm.Config(num_heads=3)
+    with pytest.raises(ValueError, match="--num-heads must be >= 1"):
+        charlm.Config(num_heads=0)
+    with pytest.raises(ValueError, match="--positions rotary needs an even head width"):
+        charlm.Config(d_model=96, num_heads=32, positions="rotary")   # 96 / 32 = 3
+    assert charlm.Config(d_model=96, num_heads=3).num_heads == 3
+
+
+def test_charlm_failed_resume_leaves_no_directory(tmp_path):
+    charlm = load("charlm")
+    small = dict(steps=4, batch_size=8, seq_len=16, d_model=32, num_layers=2, resume=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (empty, tmp_path / "missing"):
+        with pytest.raises(jp.checkpoint.CheckpointError, match=r"asked to resume \(--resume\)"):
+            charlm.main(charlm.Config(out_dir=str(out), **small))
+    assert list(empty.iterdir()) == [] and not (tmp_path / "missing").exists()
+
+
 @pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_charlm_with_pruning_and_fp16(tmp_path):
     charlm = load("charlm")

@@ -477,3 +477,32 @@ def test_bad_input_raises_clear_errors():
     params = {"w": jnp.ones((4, 8))}
     with pytest.raises(ValueError, match="needs the params"):
         tx.update(params, tx.init(params))
+
+
+def test_sparsity_report_counts_only_pruned_leaves_fresh_and_after_pruning():
+    """Sparsity is measured over the leaves the pruning prunes: 0.0 on a fresh GPT (whose zero-initialised biases
+    the "all" summary still counts), the target after one pruning update; references are numpy counts."""
+    params = nn.meta.unbox(jax.jit(init_fn)(jax.random.key(3)))
+    pruned_paths = {f"blocks/{k}" for k in KERNELS} | {"extra/kernel"}   # what the default rules prune
+    by_name = lambda tree: {"/".join(jax.tree_util.keystr((k,), simple=True) for k in path): np.asarray(x)
+                            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    flat = by_name(params)
+    zeros = {name: int(np.sum(x == 0)) for name, x in flat.items()}
+    assert sum(zeros[n] for n in flat if n not in pruned_paths) > 0   # zero biases exist before any pruning
+
+    fresh = jp.pruning.sparsity_report(params, axis_names=names())
+    assert {n for n, t in fresh["tensors"].items() if t["prunable"]} == pruned_paths
+    assert fresh["prunable"] == {"size": sum(flat[n].size for n in pruned_paths), "zeros": 0, "sparsity": 0.0}
+    assert fresh["all"]["zeros"] == sum(zeros.values()) and fresh["all"]["sparsity"] > 0
+    assert fresh["tensors"]["blocks/up_bias"]["sparsity"] == 1.0   # per-leaf entries are kept
+
+    tx = jp.pruning.magnitude_pruning(0.5, distribution="uniform", axis_names=names())
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    after = optax.apply_updates(params, updates)
+    report = jp.pruning.sparsity_report(after, axis_names=names())
+    flat_after = by_name(after)
+    ref_zeros = sum(int(np.sum(flat_after[n] == 0)) for n in pruned_paths)
+    ref_size = sum(flat_after[n].size for n in pruned_paths)
+    assert report["prunable"]["zeros"] == ref_zeros and report["prunable"]["size"] == ref_size
+    assert report["prunable"]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert report["all"]["zeros"] == ref_zeros + sum(zeros[n] for n in flat if n not in pruned_paths)

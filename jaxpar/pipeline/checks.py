@@ -231,10 +231,20 @@ def check_stage_params(stage_params: Any, schedule: Schedule) -> None:
                              f"leading axis of exactly {where}")
 
 
-def check_batch(x: Any, targets: Any, num_microbatches: int, mesh: Mesh, rules: shd.Rules) -> None:
-    """Raises ValueError unless ``x`` and ``targets`` share a leading batch axis that splits into
-    ``num_microbatches`` microbatches that split over the batch mesh axes of ``rules``
-    (:func:`jaxpar.grads.check_batch_size`)."""
+def check_batch(x: Any, targets: Any, num_microbatches: int, mesh: Mesh, rules: shd.Rules,
+                differentiable: bool = False) -> None:
+    """Raises TypeError unless ``x`` is one array (a pytree of arrays is not: stages hand one activation to each
+    other) and, with ``differentiable``, a floating one (its gradient is taken); ValueError unless ``x`` and
+    ``targets`` share a leading batch axis that splits into ``num_microbatches`` microbatches that split over the
+    batch mesh axes of ``rules`` (:func:`jaxpar.grads.check_batch_size`)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"x must be one array [batch, ...] (the activation the stages hand to each other), got "
+                        f"{type(x).__name__} {x!r:.60}; a pytree of inputs goes into the embedding before the "
+                        "pipeline (jp.pipeline.Pipeline's embed_fn), or concatenate them into one array")
+    if differentiable and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x has dtype {x.dtype}: it must be a floating array (the pipeline differentiates with "
+                        "respect to x and returns g_x); embed integer inputs (e.g. token ids) before the pipeline, "
+                        "or cast x, e.g. x.astype(jnp.float32)")
     if np.ndim(x) == 0:
         raise ValueError(f"x of shape {np.shape(x)} has no leading batch axis")
     batch = np.shape(x)[0]

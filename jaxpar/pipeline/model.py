@@ -195,7 +195,8 @@ class Pipeline(gr.GradFn):
                              "record its layout")
         return layout is not None
     def check(self, params: Any, batch: Any, ctx: gr.Context) -> None:
-        """Raises ValueError (before tracing) for params or a batch the pipeline cannot run.
+        """Raises ValueError (before tracing) for params or a batch the pipeline cannot run; TypeError for
+        inputs ``embed_fn`` cannot index with because they are not integers (float token ids).
 
         Checked: ``params`` is a dict holding ``stage_key`` whose every leaf has a leading layers axis
         divisible by ``num_stages``; ``batch`` holds ``inputs_key`` and ``targets_key``; the stage function
@@ -229,10 +230,23 @@ class Pipeline(gr.GradFn):
         staged = jax.tree.map(lambda a: struct(a, (n, np.shape(a)[0] // n, *np.shape(a)[1:])), stages)
         mb = lambda a: struct(a, (np.shape(a)[0] // m, *np.shape(a)[1:]))
         with shd.use(ctx.mesh, ctx.rules):
-            x = jax.eval_shape(self.embed_fn, structs(rest), batch[self.inputs_key])
+            x = self._embed_shape(structs(rest), batch[self.inputs_key])
             y = check_stage_fn(self._checked_stage_fn(staged), staged, x, m)
             jax.eval_shape(_checked_head_loss(self.head_loss_fn), structs(rest), y,
                            jax.tree.map(mb, batch[self.targets_key]))
+
+    def _embed_shape(self, rest: Any, inputs: Any) -> Any:
+        """``embed_fn``'s output shape; an embedding that fails because it indexes with non-integer inputs (float
+        token ids) is a TypeError naming their dtype."""
+        try:
+            return jax.eval_shape(self.embed_fn, rest, inputs)
+        except (TypeError, ValueError) as e:
+            dtypes = sorted({jnp.result_type(a).name for a in jax.tree.leaves(inputs)})
+            if "integer" not in str(e) or all(jnp.issubdtype(d, jnp.integer) for d in dtypes):
+                raise
+            raise TypeError(f"batch[{self.inputs_key!r}] has dtype {', '.join(dtypes)}, which embed_fn cannot index "
+                            f"with: token ids must be integers; pass them as int32 (e.g. batch[{self.inputs_key!r}]"
+                            f".astype(np.int32)), not floats (embed_fn raised: {e})") from e
 
     def _checked_stage_fn(self, staged: Any) -> Callable:
         """``stage_fn`` as ``(params, x) -> y`` for the shape checks (with abstract layer keys if it takes them)."""

@@ -107,7 +107,8 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
     microbatch).
 
     Raises (before tracing):
-      TypeError: ``schedule`` not a Schedule or ``mesh`` not a Mesh.
+      TypeError: ``schedule`` not a Schedule or ``mesh`` not a Mesh; ``x`` not one array (e.g. a tuple), or
+        not a floating one (its dtype is named).
       ValueError: the mesh's ``pipe`` size is not ``schedule.num_stages``; a forward-only schedule; a
         ``stage_params`` leaf whose leading axis is not ``num_stages * num_chunks``; a batch not divisible by
         ``num_microbatches``, or a microbatch not divisible by the batch axes (``data*fsdp``); ``targets`` with
@@ -129,7 +130,7 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
     def check(stage_params, head_params, x, targets):
         m = schedule.num_microbatches
         check_stage_params(stage_params, schedule)
-        check_batch(x, targets, m, mesh, rules)
+        check_batch(x, targets, m, mesh, rules, differentiable=True)
         with shd.use(mesh, rules):
             x_mb = check_stage_fn(stage_fn, stage_params, x, m)
             check_loss_fn(loss_fn, head_params, x_mb, targets, m, has_aux=False)
@@ -160,7 +161,8 @@ def apply(stage_fn: Callable, schedule: Schedule, *, mesh: Mesh, rules: shd.Rule
       sharding, computed microbatch by microbatch (strided, as in :func:`value_and_grad`).
 
     Raises (before tracing):
-      TypeError, ValueError: as for :func:`value_and_grad` (except the loss checks).
+      TypeError, ValueError: as for :func:`value_and_grad` (except the loss checks; ``x`` may be of any dtype
+        that ``stage_fn`` keeps).
     """
     check_mesh_and_schedule(schedule, mesh)
     shd.validate_rules(rules, mesh)

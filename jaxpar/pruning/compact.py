@@ -103,12 +103,31 @@ def _as_masks(masks_or_state: Any) -> dict:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), masks_or_state)
 
 
-def _multiple(multiple_of: Any, axis: str) -> int:
-    m = multiple_of.get(axis, 1) if isinstance(multiple_of, Mapping) else multiple_of
-    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+GROUP_AXES = ("mlp", "heads")
+"""The logical axes whose groups compaction removes: the keys ``multiple_of`` may hold."""
+
+
+def _check_multiple_of(multiple_of: Any) -> None:
+    """Raises ValueError unless ``multiple_of`` is an int >= 1 or a dict from :data:`GROUP_AXES` to such ints."""
+    values = multiple_of.values() if isinstance(multiple_of, Mapping) else (multiple_of,)
+    if isinstance(multiple_of, Mapping):
+        unknown = [k for k in multiple_of if k not in GROUP_AXES]
+        if unknown:
+            raise ValueError(f"multiple_of has unknown keys {unknown!r}; its keys are the group axes {GROUP_AXES} "
+                             "(e.g. multiple_of={'mlp': 2, 'heads': 2})")
+    if any(isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1 for m in values):
         raise ValueError(f"multiple_of={multiple_of!r} must be an int >= 1 (or a dict axis -> int), e.g. the "
                          "tensor axis size, so that the kept counts still divide over it")
-    return int(m)
+
+
+def _multiple(multiple_of: Any, axis: str) -> int:
+    return int(multiple_of.get(axis, 1) if isinstance(multiple_of, Mapping) else multiple_of)
+
+
+def _unboxed(params: Any) -> Any:
+    """``params`` with Flax-boxed leaves (``nn.Partitioned`` / ``nn.LogicallyPartitioned``, as ``model.init``
+    returns) unboxed, as ``jp.train.init_state`` unboxes ``init_fn``'s output."""
+    return nn.meta.unbox(params)
 
 
 def _indices(mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,6 +173,8 @@ class Compaction:
 
     @classmethod
     def build(cls, params: Any, masks_or_state: Any, config: Any, multiple_of: Any = 1) -> "Compaction":
+        _check_multiple_of(multiple_of)
+        params = _unboxed(params)
         masks = _as_masks(masks_or_state)
         model = _adapter(config, params)
         names = jax.eval_shape(model.init_fn(config), jax.random.key(0))
@@ -319,13 +340,16 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
     is kept (``GPTConfig.head_dim``), so ``num_heads * head_dim`` may differ from ``d_model``.
 
     Args:
-      params: the model's params (unboxed; numpy or jax arrays, sharded or not).
+      params: the model's params (numpy or jax arrays, sharded or not); Flax-boxed params (``model.init``'s
+        ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` leaves) are unboxed first, as ``jp.train.init_state``
+        does, and ``new_params`` comes back unboxed.
       masks_or_state: an optimizer state (or ``TrainState``) holding one :func:`structured_pruning` state, or
         its group masks ``{module: {axis: bool [*stacked, groups]}}`` (:func:`jaxpar.pruning.group_masks`).
       config: a ``jp.models.GPTConfig`` (groups ``blocks/mlp``, ``blocks/heads``) or a ``jp.models.MLP``
         instance (group ``dense_i/mlp``: hidden layer ``i`` whose kernel outputs ``mlp``, chained with the next
         layer, as ``groups={"mlp": [("dense_i", "dense_{i+1}" or "head")]}`` names it for the transform).
-      multiple_of: an int, or ``{axis: int}`` (default 1).
+      multiple_of: an int, or ``{axis: int}`` with axes among :data:`GROUP_AXES` (``'mlp'``, ``'heads'``; a
+        missing axis is 1) (default 1).
 
     Returns:
       ``(new_params, new_config)``: the params (jax arrays; leaves outside pruned groups are returned as given)
@@ -335,8 +359,9 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
     Raises:
       TypeError: an unsupported config; ``masks_or_state`` holding no structured pruning state or masks.
       ValueError: params not matching the config; a mask of a group the model lacks or of the wrong shape;
-        ``multiple_of`` not a positive int.
+        ``multiple_of`` not a positive int, or a dict with a key that is not a group axis (naming the valid ones).
     """
+    params = _unboxed(params)
     c = Compaction.build(params, masks_or_state, config, multiple_of)
     return c.params(params), c.config
 
@@ -366,6 +391,7 @@ def compact_opt_state(opt_state: Any, params: Any, masks_or_state: Any, config: 
         a stacked ``layers`` axis, or whose factored pair of axes changes; each cannot be cut safely:
         re-initialise the state with ``tx.init(new_params)``.
     """
+    params = _unboxed(params)
     return Compaction.build(params, masks_or_state, config, multiple_of).opt_state(opt_state, params)
 
 

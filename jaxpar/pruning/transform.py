@@ -270,14 +270,26 @@ def _stats(zeros: int, size: int) -> dict[str, float | int]:
 def sparsity_report(params: Any, prunable: Callable[[Path], bool] | None = None, axis_names: Any = None) -> dict:
     """Fraction of exact zeros per tensor and in total; counts reduce over shards (nothing is gathered).
 
+    The sparsity of a pruned model is ``report["prunable"]["sparsity"]``: the exact zeros among the elements
+    of the leaves the pruning prunes (given the same ``prunable`` / ``axis_names`` as :func:`magnitude_pruning`;
+    by default the kernels, never biases, norms or embeddings), as ``torch.nn.utils.prune`` users and the
+    pruning literature (Zhu & Gupta 2017) report global sparsity over the weights to prune. It is 0.0 for a
+    freshly initialised model and the target after pruning to it. ``report["all"]`` counts every floating
+    leaf, including those never pruned (biases and norm offsets start at zero, so it is above 0 before any
+    pruning): it gives the number of nonzero parameters, not the pruning's sparsity.
+
     Args:
       params: a tree of arrays (sharded or not).
       prunable, axis_names: as for :func:`magnitude_pruning`: which tensors count as prunable.
 
     Returns:
       ``{"tensors": {path: {"shape", "size", "zeros", "sparsity", "prunable"}}, "prunable": {"size", "zeros",
-      "sparsity"}, "all": {...}}`` over every floating leaf; ``path`` joins key names with ``/``; sizes and
-      counts are Python ints, sparsities Python floats.
+      "sparsity"}, "all": {...}}``: an entry per floating leaf (pruned or not), the summary over the prunable
+      leaves, and the summary over every floating leaf; ``path`` joins key names with ``/``; sizes and counts
+      are Python ints, sparsities Python floats (0.0 for an empty summary).
+
+    Raises:
+      ValueError: ``params`` holds a donated (deleted) array; ``axis_names`` not matching ``params``.
     """
     check_live(params)
     plans = make_plans(params, axis_names, prunable)
