@@ -37,12 +37,15 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=list(MODELS), default="1b")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", choices=list(MODELS), default="1b",
+                    help="GPT size: tiny (test model), 1b, 7b, 65b (d_model/layers/heads in MODELS)")
     ap.add_argument("--devices", type=int, default=8, help="GPUs of the run (simulated CPU devices here)")
     ap.add_argument("--global-batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    ap.add_argument("--remat", nargs="+", default=["full"], choices=["none", "full", "dots"])
+    ap.add_argument("--remat", nargs="+", default=["full"], choices=["none", "full", "dots"],
+                    help="GPTConfig.remat choices to sweep: none, full (save each block's input), dots (save matmuls)")
     ap.add_argument("--schedules", nargs="*", default=[], choices=SCHEDULES,
                     help="pipeline schedules for layouts with pipe > 1 (none: pipe stays 1); interleaved uses "
                          "--chunks, zbv 2 chunks; a schedule the pipe size, microbatches or layers cannot run is "
@@ -57,7 +60,7 @@ def parse(argv=None):
                          "no compilation): those that fit in memory first, then by the analytic step time "
                          "(compute with remat and bubble, plus tensor/fsdp/data/pipe traffic over NVLink or "
                          "InfiniBand)")
-    ap.add_argument("--out-dir", default="runs/plan")
+    ap.add_argument("--out-dir", default="runs/plan", help="where plan.json and plan.png go (the ranked table is printed)")
     args = ap.parse_args(argv)
     for flag in ("devices", "global_batch", "seq_len", "microbatches", "chunks", "gpus_per_host", "max_layouts"):
         if getattr(args, flag) < 1:
@@ -151,8 +154,10 @@ def plot(plans, path):
     x = list(range(len(plans)))
     ax.bar(x, [p.needed_bytes / 2**30 for p in plans], color=["C0" if p.fits else "C3" for p in plans])
     ax.plot(x, [p.memory["analytic_bytes"] / 2**30 for p in plans], "k_", ms=14, label="analytic")
-    ax.axhline(plans[0].available_bytes / 2**30, color="k", ls="--", lw=1, label="available")
-    ax.set_ylabel("compiled GiB / device (XLA:CPU)")
+    available = plans[0].available_bytes / 2**30
+    if max(p.needed_bytes for p in plans) / 2**30 > 0.1 * available:   # else the line would flatten the bars
+        ax.axhline(available, color="k", ls="--", lw=1, label="available")
+    ax.set_ylabel(f"compiled GiB / device (XLA:CPU; {available:.0f} available)")
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
     ax.legend(fontsize=7, loc="upper left")
     ax2 = ax.twinx()

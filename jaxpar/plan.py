@@ -488,7 +488,8 @@ def _plan_here(cfg, sizes, global_batch, seq_len, schedule, spec, grad_accum_ste
 
 
 def _model_summary(cfg: Any) -> dict:
-    name = f"GPT {cfg.num_params() / 1e9:.2f}B (d={cfg.d_model}, layers={cfg.num_layers}, heads={cfg.num_heads})"
+    n = cfg.num_params()
+    name = f"GPT {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} (d={cfg.d_model}, layers={cfg.num_layers}, heads={cfg.num_heads})"
     return {"name": name, "num_params": cfg.num_params(), "d_model": cfg.d_model, "num_layers": cfg.num_layers,
             "num_heads": cfg.num_heads, "vocab": cfg.padded_vocab, "remat": cfg.remat,
             "compute_dtype": jnp.dtype(cfg.dtype or jnp.float32).name, "scan_layers": cfg.scan_layers}
