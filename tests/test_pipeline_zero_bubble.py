@@ -140,6 +140,19 @@ def _clip_grad(w):
 _clip_grad.defvjp(lambda w: (w, None), lambda _, g: (jnp.clip(g, -0.05, 0.05),))
 
 
+@jax.custom_vjp
+def _shift_grad(w):
+    return w
+
+
+_shift_grad.defvjp(lambda w: (w, None), lambda _, g: (2.0 * g + 0.01,))   # affine in the cotangent
+
+
+def _shifted_weight_stage(params, x_BSD):
+    w = _shift_grad(params["w"])
+    return jnp.tanh(x_BSD @ w) @ w
+
+
 def _clipped_weight_stage(params, x_BSD):
     """A weight used twice whose gradient passes a nonlinear custom_vjp rule (a clip of its cotangent)."""
     w = _clip_grad(params["w"])
@@ -152,8 +165,9 @@ def _reshaped_output_stage(params, x_BSD):
     return (h.reshape(-1, h.shape[-1]) @ params["w2"]).reshape(x_BSD.shape)
 
 
-@pytest.mark.parametrize("stage_fn,finished", [(_clipped_weight_stage, False), (_reshaped_output_stage, True)],
-                         ids=["nonlinear-custom-vjp", "reshaped-output"])
+@pytest.mark.parametrize("stage_fn,finished", [(_clipped_weight_stage, False), (_shifted_weight_stage, False),
+                                               (_reshaped_output_stage, True)],
+                         ids=["nonlinear-custom-vjp", "affine-custom-vjp", "reshaped-output"])
 def test_split_keeps_g_off_w_only_where_exact(stage_fn, finished):
     """B's part (the products on g) plus W's is jax.vjp's gradient. Where the equations after the products are
     not linear in the cotangents (a clip in a custom_vjp rule), g is handed to W instead; where the output is a
@@ -161,7 +175,7 @@ def test_split_keeps_g_off_w_only_where_exact(stage_fn, finished):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(4, 8, 16)).astype(np.float32)
     g = rng.normal(size=x.shape).astype(np.float32)
-    params = {"w": (0.3 * rng.normal(size=(16, 16))).astype(np.float32)} if stage_fn is _clipped_weight_stage else {
+    params = {"w": (0.3 * rng.normal(size=(16, 16))).astype(np.float32)} if stage_fn is not _reshaped_output_stage else {
         "w1": (0.3 * rng.normal(size=(16, 32))).astype(np.float32),
         "w2": (0.3 * rng.normal(size=(32, 16))).astype(np.float32)}
     split = split_lib.split_plan(stage_fn, params, x)

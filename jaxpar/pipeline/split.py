@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from jaxpar._compat import varying_axes
@@ -145,27 +146,49 @@ def _weight_slice(ops: list[_Op], roots: list[Atom], carried) -> tuple[set[int],
     return live, carry
 
 
-# Equations that are linear in their cotangent operands whatever the others are, so that one may run twice, in B
-# on g's part and in W on the rest, each with the other part zero (see _finish_g): sums and layout changes.
-# Matmuls are linear too but left out: running one twice would cost its FLOPs twice.
+# Equations linear in their cotangent operands whatever the others are, so that one may run twice, in B on g's
+# part and in W on the rest, each with the other part zero (see _finish_g): sums and layout changes. Matmuls
+# are linear too but left out: running one twice would cost its FLOPs twice.
 _RELAYOUT = frozenset(("reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p",
                        "sharding_constraint", "pvary", "pcast", "mesh_cast", "reshard"))
 _LINEAR = _RELAYOUT | frozenset(("add_any", "add", "sub", "neg", "broadcast_in_dim", "pad", "slice", "dynamic_slice",
                                  "dynamic_update_slice", "concatenate", "reduce_sum", "rev", "gather", "scatter-add",
-                                 "scatter_add"))
+                                 "scatter_add", "select_n"))
 # _RELAYOUT: layout changes of one operand; a B value made from g by these is g by another name (_g_aliases).
 
 
-def _linear(op: _Op, on_g: set[int]) -> bool:
-    """Whether ``op`` is linear in its cotangent operands (those in ``on_g``), so that it may split by parts."""
-    name, ct = op.eqn.primitive.name, [isinstance(a, int) and a in on_g for a in op.ins]
-    if name in ("mul", "div", "dot_general"):                  # linear in one cotangent factor (a numerator)
-        return sum(ct) == 1 and (name != "div" or ct[0])
-    if name == "select_n":                                      # the predicate must not be a cotangent
-        return not ct[0]
-    if name in ("dynamic_slice", "dynamic_update_slice", "gather", "scatter-add", "scatter_add", "pad"):
-        return not any(ct[1:]) if name in ("dynamic_slice", "gather") else True
-    return name in _LINEAR
+# Operand positions that are not summed into the result (indices, predicates): they may be anything.
+_NOT_SUMMED = {"select_n": (0,), "dynamic_slice": "1:", "gather": (1,), "dynamic_update_slice": "2:",
+               "scatter-add": (1,), "scatter_add": (1,)}
+
+
+def _is_zero(a: Atom, zeros: set[int]) -> bool:
+    return (a in zeros) if isinstance(a, int) else bool(np.all(np.asarray(a.val) == 0))
+
+
+def _zeros_of(ops: list[_Op]) -> set[int]:
+    """Keys that hold constant zeros (a zero literal broadcast, cast or reshaped: what transposes pad into)."""
+    zeros: set[int] = set()
+    for op in ops:
+        if op.eqn.primitive.name in ("broadcast_in_dim", "convert_element_type", "reshape") and _is_zero(
+                op.ins[0], zeros):
+            zeros.update(op.outs)
+    return zeros
+
+
+def _linear(op: _Op, on_g: set[int], zeros: set[int]) -> bool:
+    """Whether ``op`` is linear in its cotangent operands (those in ``on_g``) and cheap, so that it may run in
+    both phases on parts: a product with one cotangent factor, or a sum or layout change every summed operand of
+    which is a cotangent or a constant zero (``g + 1`` is affine, not linear). Matmuls are linear but not cheap."""
+    name, ins = op.eqn.primitive.name, op.ins
+    ct = [isinstance(a, int) and a in on_g for a in ins]
+    if name in ("mul", "div"):                       # a product with one cotangent factor (the numerator)
+        return sum(ct) == 1 and (name == "mul" or ct[0])
+    if name not in _LINEAR:
+        return False
+    fixed = _NOT_SUMMED.get(name, ())
+    fixed = range(int(fixed[0]), len(ins)) if isinstance(fixed, str) else fixed
+    return all((not ct[i]) if i in fixed else (ct[i] or _is_zero(a, zeros)) for i, a in enumerate(ins))
 
 
 def _g_aliases(ops: list[_Op], b_live: set[int], g: int, on_g: set[int]) -> set[int]:
@@ -193,11 +216,11 @@ def _finish_g(ops: list[_Op], w_live: set[int], aliases: set[int], on_g: set[int
     In order, a W equation that reads g or a value made by such an equation is *moved* to B when every
     cotangent it reads is whole in B (``b_side(k)``: g and B's values, or made whole by a moved equation): it
     runs once, on whole values. Otherwise (it also reads W's part, or a value B has only g's part of) it is
-    *tail*, run by both phases with the other's part zero,
-    which is exact only for an equation linear in the cotangents (:func:`_linear`: sums, layout changes; not
-    a user's ``custom_vjp`` rule such as a clip). ``None`` when a tail equation is not such an equation:
-    then g is handed over as before."""
+    *tail*, run by both phases with the other's part zero, which is exact only for an equation linear in the
+    cotangents (:func:`_linear`: sums, layout changes; not a user's ``custom_vjp`` rule such as a clip).
+    ``None`` when a tail equation is not such an equation: then g is handed over as before."""
     whole, part, moved, tail = set(aliases), set(), set(), set()   # values B has whole / only g's part of
+    zeros = _zeros_of(ops)
     for i in sorted(w_live):
         op = ops[i]
         ct = [a for a in op.ins if isinstance(a, int) and a in on_g]
@@ -206,7 +229,7 @@ def _finish_g(ops: list[_Op], w_live: set[int], aliases: set[int], on_g: set[int
         if all(a in whole or (b_side(a) and a not in part) for a in ct):
             moved.add(i)
             whole.update(op.outs)
-        elif _linear(op, on_g) and op.eqn.primitive.name != "dot_general":
+        elif _linear(op, on_g, zeros):
             tail.add(i)
             part.update(op.outs)
         else:
