@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 
@@ -136,9 +137,11 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
     return make_hybrid_mesh(per_host, across, devices=devices, axis_types=axis_types)
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+def positive_int(name: str, value, hint: str = "") -> int:
+    """``int(value)`` for a positive integer of any integral type (numpy's too, never a bool); else ValueError
+    (``'<name>=<value> must be a positive int'`` and the ``hint``). The one such check of jaxpar's arguments."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int{hint}")
     return int(value)
 
 
@@ -146,9 +149,9 @@ def _resolve_hosts(num_devices: int, hosts: int | None, devices_per_host: int | 
                    across_hosts: Mapping[str, int] | None) -> int:
     """The host count from ``hosts`` / ``devices_per_host`` / ``across_hosts``; ValueError if they disagree."""
     if hosts is not None:
-        hosts = _positive_int("hosts", hosts)
+        hosts = positive_int("hosts", hosts)
     if devices_per_host is not None:
-        k = _positive_int("devices_per_host", devices_per_host)
+        k = positive_int("devices_per_host", devices_per_host)
         if num_devices % k:
             raise ValueError(f"devices_per_host={k} does not divide the {num_devices} devices; pass the number of "
                              "devices each host (node) has, e.g. 8 GPUs")
@@ -157,7 +160,7 @@ def _resolve_hosts(num_devices: int, hosts: int | None, devices_per_host: int | 
                              "devices; give one of the two, or sizes that agree")
         hosts = num_devices // k
     if hosts is None:  # across_hosts alone: its product is the host count
-        hosts = math.prod(_positive_int(f"across_hosts[{a!r}]", n) for a, n in (across_hosts or {}).items())
+        hosts = math.prod(positive_int(f"across_hosts[{a!r}]", n) for a, n in (across_hosts or {}).items())
     if num_devices % hosts:
         raise ValueError(f"hosts={hosts} does not divide the {num_devices} devices; every host must hold the same "
                          "number of devices")
@@ -191,7 +194,7 @@ def split_axes(sizes: Mapping[str, int], hosts: int,
         ``across_hosts`` whose product is not ``hosts`` or that does not divide an axis.
     """
     sizes = _axis_dict("sizes", sizes)
-    hosts = _positive_int("hosts", hosts)
+    hosts = positive_int("hosts", hosts)
     total = math.prod(sizes.values())
     if total % hosts:
         raise ValueError(f"hosts={hosts} does not divide the mesh's {total} devices; every host must hold the same "
@@ -236,7 +239,7 @@ def _axis_dict(what: str, sizes: Mapping[str, int]) -> dict[str, int]:
     unknown = sorted(set(sizes) - set(AXES))
     if unknown:
         raise ValueError(f"{what} names unknown axes {unknown}; the axes are {AXES}")
-    return {a: _positive_int(f"{what}[{a!r}]", sizes.get(a, 1)) for a in AXES}
+    return {a: positive_int(f"{what}[{a!r}]", sizes.get(a, 1)) for a in AXES}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -306,7 +309,7 @@ def host_groups(devices: Sequence[jax.Device], devices_per_host: int) -> list[li
       ValueError: ``devices_per_host`` not dividing the devices, or a process whose device count is
         neither a multiple nor a divisor of it (a host would straddle processes unevenly).
     """
-    k = _positive_int("devices_per_host", devices_per_host)
+    k = positive_int("devices_per_host", devices_per_host)
     devices = list(devices)
     if len(devices) % k:
         raise ValueError(f"devices_per_host={k} does not divide the {len(devices)} devices")

@@ -67,7 +67,7 @@ import numpy as np
 
 from jaxpar import metrics as _metrics
 from jaxpar import plan_hlo, plan_memory
-from jaxpar.mesh import AXES, split_axes
+from jaxpar.mesh import AXES, positive_int, split_axes
 
 GiB = 2 ** 30
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
@@ -115,22 +115,13 @@ def mesh_sizes(mesh_shape: Any, num_devices: int | None = None) -> dict[str, int
     unknown = set(mesh_shape) - set(AXES)
     if unknown:
         raise ValueError(f"mesh_shape names unknown axes {sorted(unknown)}; the axes are {AXES}")
-    sizes = {a: mesh_shape.get(a, 1) for a in AXES}
-    for a, s in sizes.items():
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-            raise ValueError(f"mesh axis {a}={s!r} must be a positive int")
+    sizes = {a: positive_int(f"mesh axis {a}", mesh_shape.get(a, 1)) for a in AXES}
     n = math.prod(sizes.values())
     if num_devices is not None and n != num_devices:
         desc = " x ".join(f"{a}={s}" for a, s in sizes.items())
         raise ValueError(f"mesh {desc} multiplies to {n}, not the {num_devices} devices planned for; change the "
                          f"axis sizes so they multiply to {num_devices}")
-    return {a: int(s) for a, s in sizes.items()}
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
+    return sizes
 
 
 def host_split(sizes: dict[str, int], gpus_per_host: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -142,7 +133,7 @@ def host_split(sizes: dict[str, int], gpus_per_host: int) -> tuple[dict[str, int
       ValueError: more devices than one host that are not whole hosts, or the errors of ``split_axes`` (a
         tensor axis larger than a host).
     """
-    gpus_per_host = _positive_int("gpus_per_host", gpus_per_host)
+    gpus_per_host = positive_int("gpus_per_host", gpus_per_host)
     n = math.prod(sizes.values())
     if n <= gpus_per_host:
         return dict(sizes), {a: 1 for a in AXES}
@@ -158,7 +149,7 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
     a tensor axis spanning hosts, model sizes the axes do not divide, a bad ``seq_len`` / ``global_batch``, a
     schedule that is not a ``jp.pipeline.Schedule`` matching ``pipe``, a mesh that is not whole hosts."""
     from jaxpar.pipeline import Schedule
-    gpus_per_host = _positive_int("gpus_per_host", gpus_per_host)
+    gpus_per_host = positive_int("gpus_per_host", gpus_per_host)
     t, f, p = sizes["tensor"], sizes["fsdp"], sizes["pipe"]
     if t > gpus_per_host or gpus_per_host % t:
         raise ValueError(f"tensor={t} would span hosts of {gpus_per_host} GPUs (tensor parallelism all-reduces "
@@ -169,7 +160,7 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
                                 ("padded vocab", cfg.padded_vocab, "tensor", t), ("d_model", cfg.d_model, "fsdp", f)):
         if size % n:
             raise ValueError(f"{what} {size} is not divisible by {axis}={n}; choose a {axis} size dividing it")
-    _positive_int("seq_len", seq_len)
+    positive_int("seq_len", seq_len)
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds GPTConfig.max_seq_len {cfg.max_seq_len}; raise max_seq_len")
     if schedule is not None and not isinstance(schedule, Schedule):
@@ -527,13 +518,13 @@ def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device,
         raise TypeError(f"model_config must be a jaxpar.models.GPTConfig, got {type(model_config).__name__}")
     spec = gpu(device)
     if num_devices is not None:
-        _positive_int("num_devices", num_devices)
+        positive_int("num_devices", num_devices)
     sizes = mesh_sizes(mesh_shape, num_devices)
     if math.prod(sizes.values()) > MAX_DEVICES:
         raise ValueError(f"a mesh of {math.prod(sizes.values())} devices: the planner simulates every device on this "
                          f"machine's CPU and plans at most {MAX_DEVICES}; plan a smaller mesh with the same "
                          "per-device shapes (e.g. fewer data replicas: only their gradient all-reduce grows)")
-    _positive_int("grad_accum_steps", grad_accum_steps)
+    positive_int("grad_accum_steps", grad_accum_steps)
     if (isinstance(memory_fraction, bool) or not isinstance(memory_fraction, numbers.Real)
             or not 0 < float(memory_fraction) <= 1):
         raise ValueError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")

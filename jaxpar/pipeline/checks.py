@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxpar import grads
 from jaxpar import sharding as shd
+from jaxpar.mesh import positive_int
 from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
 from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule
 from jaxpar.pipeline.stash import STASH_MODES
@@ -39,14 +40,6 @@ MAX_TABLE_ENTRIES = 10 ** 7
 analyses a table at about 5 microseconds an entry on one CPU core (a minute at the bound), and the control
 table the runtime scans holds eleven ``[ticks, stages]`` int32 arrays (440 MB at the bound). Real runs sit far
 below it: interleaved 1F1B at ``p = 128, m = 4096, v = 2`` is 2.1 million entries."""
-
-
-def positive_int(name: str, value: Any, hint: str = "") -> int:
-    """``int(value)`` for a positive integer of any integral type (numpy's too, never a bool); else ValueError
-    (``'<name>=<value> must be a positive int'`` and the ``hint``)."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int{hint}")
-    return int(value)
 
 
 def check_table_size(what: str, num_ticks: int, num_stages: int, at_least: bool = False) -> None:

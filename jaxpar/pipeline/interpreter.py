@@ -317,7 +317,9 @@ class _Interpreter:
         stashed = lambda st, sl: _merge(held, read(st.stash, sl.stash),
                                         shared.unpack(read(st.bstash, sl.bstash), False))
         leaves = lambda sf, params, x, res: backward_leaves(sf, self.stash, params, x, res, plan)[1]
-        slot = lambda res: (_part(held, res)[0], shared.pack(_part(held, res)[1], False))
+        def slot(res):   # F's stash as one slot: (held leaves, the B-only leaves in the shared buffers)
+            kept, freed = _part(held, res)
+            return kept, shared.pack(freed, False)
 
         def idle(params, head, x, g, tgt, st, sl, keys):
             return zero
