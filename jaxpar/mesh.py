@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 
@@ -40,6 +39,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar import _compat
+from jaxpar.checks import positive_int
 
 AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "tensor")
 
@@ -135,14 +135,6 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
     hosts = _resolve_hosts(len(devices), hosts, devices_per_host, across_hosts)
     per_host, across = split_axes(sizes, hosts, across_hosts)
     return make_hybrid_mesh(per_host, across, devices=devices, axis_types=axis_types)
-
-
-def positive_int(name: str, value, hint: str = "") -> int:
-    """``int(value)`` for a positive integer of any integral type (numpy's too, never a bool); else ValueError
-    (``'<name>=<value> must be a positive int'`` and the ``hint``). The one such check of jaxpar's arguments."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int{hint}")
-    return int(value)
 
 
 def _resolve_hosts(num_devices: int, hosts: int | None, devices_per_host: int | None,

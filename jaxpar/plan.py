@@ -67,7 +67,8 @@ import numpy as np
 
 from jaxpar import metrics as _metrics
 from jaxpar import plan_hlo, plan_memory
-from jaxpar.mesh import AXES, positive_int, split_axes
+from jaxpar.checks import positive_int
+from jaxpar.mesh import AXES, split_axes
 
 GiB = 2 ** 30
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)

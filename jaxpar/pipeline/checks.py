@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxpar import grads
 from jaxpar import sharding as shd
-from jaxpar.mesh import positive_int
+from jaxpar.checks import positive_int
 from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
 from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule
 from jaxpar.pipeline.stash import STASH_MODES
