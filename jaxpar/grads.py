@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
+from jaxpar.models import protocol
 from jaxpar.precision import Policy
 
 LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -42,11 +43,14 @@ class Context(NamedTuple):
     """Where a gradient function runs: the step's mesh, logical axis rules and precision policy, and the
     state's ``layout`` (``TrainState.layout``: None for params in model order, else the
     ``jaxpar.pipeline.layout.StateLayout`` a pipelined gradient function reads; the step refuses a staged state
-    for a gradient function without ``uses_pipe``)."""
+    for a gradient function without ``uses_pipe``), and ``param_specs``: the state's params' ``PartitionSpec``\\ s
+    (a tree of the params' structure, None where a leaf has no named sharding; None when unknown), from which a
+    pipeline reads which dim of a stage leaf is sharded over ``fsdp``."""
     mesh: Mesh
     rules: shd.Rules = shd.DEFAULT_RULES
     policy: Policy | None = None
     layout: Any = None
+    param_specs: Any = None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -150,6 +154,11 @@ class GradFn(abc.ABC):
                  ctx: Context) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         """Traced inside the step under ``ctx.mesh``: ``(loss, aux, grads)``; ``grads`` of ``scale * loss``."""
 
+    def model_check_batch(self) -> Callable[[Any], None] | None:
+        """The host batch check of the model this function was built from (a protocol model's
+        ``check_batch``), or None: what the step builders run by default (``check_batch="auto"``)."""
+        return None
+
     def check(self, params: Any, batch: Any, ctx: Context) -> None:
         """Raises ValueError (on the host, before tracing) for params or a batch this function cannot run.
 
@@ -190,6 +199,9 @@ def check_loss_output(out: Any, what: str = "loss_fn") -> tuple[jax.Array, dict[
 @dataclasses.dataclass(frozen=True)
 class _ValueAndGrad(GradFn):
     loss_fn: LossFn
+
+    def model_check_batch(self):
+        return protocol.batch_checker(self.loss_fn)
 
     def __call__(self, params, batch, rng, scale, ctx):
         policy = ctx.policy
@@ -232,6 +244,9 @@ class _Accumulate(GradFn):
 
     def check_mesh(self, mesh):
         self.inner.check_mesh(mesh)
+
+    def model_check_batch(self):
+        return self.inner.model_check_batch()
 
     def check(self, params, batch, ctx):
         struct = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // self.steps, *np.shape(a)[1:]),

@@ -9,6 +9,7 @@ leaves with shardings, as ``jax.jit(...).lower`` does, for planning and structur
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,14 +59,17 @@ class MeshJit:
         later call will not donate, e.g. a train step's metrics).
       checked_args: the argument positions that must already be arrays on the devices (the others are placed
         by the caller and only need shardings).
+      pass_shardings: call ``fn(arg_shardings, *args)``: the arguments' pytrees of shardings (static, one compile
+        per shardings) come first, e.g. for a step that reads its state's ``PartitionSpec``\\ s.
 
     Calls return ``fn``'s outputs asynchronously. ``lower(*args)`` accepts arrays or ``ShapeDtypeStruct``\\ s.
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, rules: shd.Rules, out_shardings: Callable[..., Any], *,
                  donate_argnums: Sequence[int] = (), track: Callable[[Any], Any] = lambda out: out,
-                 checked_args: Sequence[int] = (0,)):
+                 checked_args: Sequence[int] = (0,), pass_shardings: bool = False):
         self._fn, self._mesh, self._rules, self._out = fn, mesh, rules, out_shardings
+        self._pass = pass_shardings
         self._donate, self._track, self._checked = tuple(donate_argnums), track, tuple(checked_args)
         self._cache: dict = {}
 
@@ -74,7 +78,8 @@ class MeshJit:
         shardings = tuple(jax.tree.map(lambda x: x.sharding, a) for a in args)
         key = (jax.tree.structure(args), tuple(jax.tree.leaves(shardings)))
         if key not in self._cache:
-            self._cache[key] = jax.jit(self._fn, in_shardings=shardings, out_shardings=self._out(*shardings),
+            fn = functools.partial(self._fn, shardings) if self._pass else self._fn
+            self._cache[key] = jax.jit(fn, in_shardings=shardings, out_shardings=self._out(*shardings),
                                        donate_argnums=self._donate)
         return self._cache[key]
 

@@ -23,6 +23,7 @@ from jaxpar import precision
 from jaxpar import sharding as shd
 from jaxpar.grads import GradFn, LossFn, check_batch_size  # noqa: F401  (jp.train.check_batch_size)
 from jaxpar.jit import MeshJit
+from jaxpar.models import protocol
 from jaxpar.optim import adamw, decay_mask  # noqa: F401  (jp.train.adamw: the experiments' optimizer)
 from jaxpar.pipeline.layout import StateLayout, permute_state, state_layout
 from jaxpar.precision import Policy
@@ -306,6 +307,28 @@ def _check_grad_output(out: Any, params: Any, grad_fn: GradFn) -> tuple[jax.Arra
     return loss, aux, out[2]
 
 
+def param_specs(params: Any) -> Any:
+    """The ``PartitionSpec`` of every params leaf (a tree of the params' structure): a leaf's ``.sharding.spec``
+    (arrays, ``jax.ShapeDtypeStruct`` with a sharding, or the shardings themselves), None where it has no named
+    sharding. What a gradient function reads from ``jp.grads.Context.param_specs``."""
+    def spec(x):
+        sharding = x if isinstance(x, jax.sharding.Sharding) else getattr(x, "sharding", None)
+        return getattr(sharding, "spec", None)
+    return jax.tree.map(spec, params)
+
+
+def _check_batch_fn(check_batch: Any, grad_fn: GradFn | None) -> Callable[[Any], None] | None:
+    """``check_batch`` resolved: ``"auto"`` is the model's own check (``grad_fn.model_check_batch()``: a protocol
+    model's ``check_batch`` when the loss is its bound method), None is no check."""
+    if isinstance(check_batch, str) and check_batch == "auto":
+        return None if grad_fn is None else grad_fn.model_check_batch()
+    if check_batch is not None and not callable(check_batch):
+        raise TypeError(f"check_batch must be \"auto\" (the model's own check_batch, when the loss is a method of a "
+                        f"model that has one), a function check_batch(batch) that raises on a bad batch, or None (no "
+                        f"check); got {check_batch!r}")
+    return check_batch
+
+
 def _global_norm(tree: Any) -> jax.Array:
     """L2 norm over all leaves, accumulated in float32."""
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
@@ -334,9 +357,6 @@ class Step:
 
     def __init__(self, jitted: MeshJit, batches: _Batches, grad_fn: GradFn | None,
                  check_batch: Callable[[Any], None] | None, tx: optax.GradientTransformation | None = None):
-        if check_batch is not None and not callable(check_batch):
-            raise TypeError(f"check_batch must be a function check_batch(batch) that raises on a bad batch (e.g. "
-                            f"model.check_batch) or None, got {check_batch!r}")
         self._jitted, self._batches, self._grad_fn, self._check_batch = jitted, batches, grad_fn, check_batch
         self._tx, self._checked = tx, set()
 
@@ -376,7 +396,7 @@ class Step:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
                 g.check(abstract(state.params), _cast_inputs(state.policy, abstract(batch)),
-                        gr.Context(b.mesh, b.rules, state.policy, state.layout))
+                        gr.Context(b.mesh, b.rules, state.policy, state.layout, param_specs(state.params)))
             self._checked.add(key)
         return batch
 
@@ -390,7 +410,7 @@ class Step:
 
 def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, *, mesh: Mesh,
                     rules: shd.Rules = shd.DEFAULT_RULES, grad_accum_steps: int = 1, donate: bool = True,
-                    check_batch: Callable[[Any], None] | None = None) -> Step:
+                    check_batch: Callable[[Any], None] | str | None = "auto") -> Step:
     """Builds ``step(state, batch) -> (state, metrics)``, jitted with the state's shardings.
 
     Args:
@@ -406,6 +426,10 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
       donate: donate the input state's buffers to the output.
       check_batch: called with each batch as given (host leaves: this process's rows) before it is placed on
         the devices; it raises (ValueError) to reject a bad batch, e.g. ``GPT.check_batch`` for token ids.
+        ``"auto"`` (default): the model's own ``check_batch`` when ``grad_fn`` is a bound method of a model that
+        has one (``model.loss``; a ``Pipeline`` of ``model.embed``, ...: the model protocol,
+        :mod:`jaxpar.models.protocol`), else none. None: no check. Protocol models read host (numpy) leaves
+        only, so a batch already on the devices costs nothing.
 
     The precision policy is the state's (``state.policy``, given to :func:`init_state`): params are cast to its
     compute dtype inside the differentiated function and the batch's floating leaves before it (integer leaves
@@ -432,24 +456,26 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
     grad_fn = gr.accumulate(_as_grad_fn(grad_fn), grad_accum_steps)
     _check_pipe(grad_fn, mesh)
 
-    def _step(state: TrainState, batch: Any):
+    def _step(shardings: tuple, state: TrainState, batch: Any):
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        loss, aux, grads = _check_grad_output(grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale,
-                                                      gr.Context(mesh, rules, state.policy, state.layout)),
-                                             state.params, grad_fn)
-        state = _apply_update(tx, state, grads)
+        ctx = gr.Context(mesh, rules, state.policy, state.layout, param_specs(shardings[0].params))
+        with jax.named_scope("forward_backward"):
+            out = grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale, ctx)
+        loss, aux, grads = _check_grad_output(out, state.params, grad_fn)
+        with jax.named_scope("optimizer_update"):
+            state = _apply_update(tx, state, grads)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
         return state, metrics
 
-    jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)),
+    jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)), pass_shardings=True,
                      donate_argnums=(0,) if donate else (), track=lambda out: out[1])  # metrics: state is donated
-    return Step(jitted, _Batches(mesh, rules), grad_fn, check_batch, tx)
+    return Step(jitted, _Batches(mesh, rules), grad_fn, _check_batch_fn(check_batch, grad_fn), tx)
 
 
 def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
-                   check_batch: Callable[[Any], None] | None = None) -> Step:
+                   check_batch: Callable[[Any], None] | str | None = "auto") -> Step:
     """Builds ``eval_step(state, batch) -> metrics`` (``loss`` and ``aux`` entries), no update.
 
     Args:
@@ -469,7 +495,9 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         with a bad batch, before tracing): as for :func:`make_train_step`.
     """
     _check_common(mesh, rules)
-    grad_fn = None
+    grad_fn, check = None, _check_batch_fn(check_batch, None)
+    if isinstance(check_batch, str) and check_batch == "auto":
+        check = loss_fn.model_check_batch() if isinstance(loss_fn, GradFn) else protocol.batch_checker(loss_fn)
     if isinstance(loss_fn, GradFn):
         if not callable(getattr(loss_fn, "eval_loss", None)):
             raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux) or a "
@@ -492,4 +520,4 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         return {"loss": loss.astype(jnp.float32), **aux}
 
     jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh))
-    return Step(jitted, _Batches(mesh, rules), grad_fn, check_batch)
+    return Step(jitted, _Batches(mesh, rules), grad_fn, check)

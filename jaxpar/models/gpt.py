@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.models import generation
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -102,6 +103,10 @@ class GPTConfig:
         if not isinstance(self.d_mlp, int) or isinstance(self.d_mlp, bool) or self.d_mlp < 0:
             raise ValueError(f"GPTConfig.d_mlp={self.d_mlp!r} must be an int >= 0 (0 means 4 * d_model)")
 
+    def as_model(self, params: Any = None) -> "GPT":
+        """The model this config builds (the protocol's config -> model step)."""
+        return GPT(self)
+
     @property
     def mlp_dim(self) -> int:
         return self.d_mlp or 4 * self.d_model
@@ -161,12 +166,13 @@ def gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def rope(x_BLHK: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles."""
+def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
+    Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int or int32 scalar, e.g. a decode step's)."""
     L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
     half = K // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = jnp.arange(L, dtype=jnp.float32)[:, None] * freq[None, :]
+    angle = (jnp.arange(L, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32))[:, None] * freq[None, :]
     sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
@@ -226,7 +232,8 @@ class Embed(nn.Module):
             self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("seq", "embed"),
                                         c.init_std / 2)
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+        """``offset``: the position of ``tokens_BL[:, 0]`` (a decode step's; 0 for a whole sequence)."""
         c = self.cfg
         dtype = _compute_dtype(c, self.embedding)
         # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
@@ -234,7 +241,10 @@ class Embed(nn.Module):
         table_VD = constrain(self.embedding.astype(dtype), "vocab", None)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if c.positions == "learned":
-            x_BLD = x_BLD + self.pos_embedding[: tokens_BL.shape[1]].astype(dtype)[None]
+            L = tokens_BL.shape[1]
+            pos_LD = self.pos_embedding[:L] if isinstance(offset, int) and offset == 0 else \
+                jax.lax.dynamic_slice_in_dim(self.pos_embedding, offset, L)
+            x_BLD = x_BLD + pos_LD.astype(dtype)[None]
         return constrain(x_BLD, "batch", "seq", "embed")
 
 
@@ -262,25 +272,58 @@ class Block(nn.Module):
         """Creates the parameters without running the block (used by ``init``)."""
         self.ln1_scale  # noqa: B018  (touching an attribute runs setup, which declares every param)
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def _w(self, p: jax.Array, x: jax.Array) -> jax.Array:
+        """A weight in the compute dtype (the configured one, or the activation ``x``'s)."""
+        return p.astype(_compute_dtype(self.cfg, x))
+
+    def _qkv(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """LayerNorm, then the q, k, v projections ``[B, L, H, K]`` (compute dtype)."""
         c = self.cfg
         B, L, D = x_BLD.shape
-        H, K, F = c.num_heads, c.head_dim, c.mlp_dim
-        dtype = _compute_dtype(c, x_BLD)
-        w = lambda p: p.astype(dtype)
+        H, K = c.num_heads, c.head_dim
         # Matmul operands are kept 2-D ([B*L, D]): XLA:CPU is much faster on them than on 3-D operands.
         h_TD = layer_norm(x_BLD, self.ln1_scale, self.ln1_bias).reshape(B * L, D)
-        qkv = (h_TD @ w(self.qkv_kernel).reshape(D, H * 3 * K)).reshape(B, L, H, 3, K)
-        q_BLHK, k_BLHK, v_BLHK = (constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
-        if c.positions == "rotary":
-            q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
-        a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK), "batch", "seq", "heads", "kv")
+        qkv = (h_TD @ self._w(self.qkv_kernel, x_BLD).reshape(D, H * 3 * K)).reshape(B, L, H, 3, K)
+        return tuple(constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
+
+    def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array) -> jax.Array:
+        """The attention output projection and residual, then the MLP and its residual: ``x_BLD -> x_BLD``."""
+        c = self.cfg
+        B, L, D = x_BLD.shape
+        H, K = c.num_heads, c.head_dim
+        w = lambda p: self._w(p, x_BLD)
         o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = layer_norm(x_BLD, self.ln2_scale, self.ln2_bias).reshape(B * L, D)
         u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), "batch", "mlp")
         m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        c = self.cfg
+        q_BLHK, k_BLHK, v_BLHK = self._qkv(x_BLD)
+        if c.positions == "rotary":
+            q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
+        a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK), "batch", "seq", "heads", "kv")
+        return self._finish(x_BLD, a_BLHK)
+
+    def decode(self, x_B1D: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array, pos: jax.Array):
+        """One position ``pos`` (int32 scalar) of the block with a key/value cache of ``S`` positions:
+        ``(x_B1D, k_BSHK, v_BSHK) -> (x_B1D, k_BSHK, v_BSHK)``, this position's key and value written at ``pos``;
+        the query attends to cache positions ``<= pos`` (float32 logits and softmax, as :func:`causal_attention`).
+        """
+        c = self.cfg
+        q_B1HK, k_B1HK, v_B1HK = self._qkv(x_B1D)
+        if c.positions == "rotary":
+            q_B1HK, k_B1HK = rope(q_B1HK, c.rope_base, pos), rope(k_B1HK, c.rope_base, pos)
+        k_BSHK = jax.lax.dynamic_update_slice_in_dim(k_BSHK, k_B1HK.astype(k_BSHK.dtype), pos, axis=1)
+        v_BSHK = jax.lax.dynamic_update_slice_in_dim(v_BSHK, v_B1HK.astype(v_BSHK.dtype), pos, axis=1)
+        s_BHS = jnp.einsum("bhk,bshk->bhs", q_B1HK[:, 0], k_BSHK.astype(q_B1HK.dtype),
+                           preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
+        visible_S = jnp.arange(k_BSHK.shape[1]) <= pos
+        p_BHS = jax.nn.softmax(jnp.where(visible_S, s_BHS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        a_BHK = jnp.einsum("bhs,bshk->bhk", p_BHS.astype(v_BSHK.dtype), v_BSHK).astype(x_B1D.dtype)
+        return self._finish(x_B1D, a_BHK[:, None]), k_BSHK, v_BSHK
 
 
 class Head(nn.Module):
@@ -352,10 +395,12 @@ def _add_layers_axis(tree: Any) -> Any:
 
 
 class GPT:
-    """The GPT as pure functions over a params tree ``{"embed", "blocks", "head"}``.
+    """The GPT as pure functions over a params tree ``{"embed", "blocks", "head"}``: every part of the model
+    protocol (:mod:`jaxpar.models.protocol`).
 
     ``blocks`` leaves carry a leading ``layers`` axis of size ``num_layers``.
     """
+    stage_key = "blocks"
 
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
@@ -455,24 +500,59 @@ class GPT:
             if not isinstance(batch[key], jax.Array):
                 check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
 
+    # ------------------------------------------------------------------ structured pruning (the protocol)
+    def prune_groups(self) -> None:
+        """None: the GPT's groups follow from its logical names (``blocks`` alone holds ``mlp`` and ``heads``)."""
+        return None
+
+    def replace(self, sizes: dict[tuple, int]) -> GPTConfig:
+        """The config after compaction: ``sizes`` maps ``("blocks", "heads")`` / ``("blocks", "mlp")`` to the kept
+        counts; ``head_dim`` is kept (pruned heads are removed whole).
+
+        Raises:
+          ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``.
+        """
+        bad = [k for k in sizes if tuple(k[:-1]) != ("blocks",) or k[-1] not in ("mlp", "heads")]
+        if bad:
+            raise ValueError(f"the GPT's prunable groups are blocks/mlp and blocks/heads; got masks for "
+                             f"{['/'.join(k) for k in bad]}")
+        heads, mlp = sizes.get(("blocks", "heads"), self.cfg.num_heads), sizes.get(("blocks", "mlp"), self.cfg.mlp_dim)
+        return dataclasses.replace(self.cfg, num_heads=heads, d_mlp=mlp, head_dim=self.cfg.head_dim)
+
+    # -------------------------------------------------------------------------- generation (the protocol)
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.max_seq_len
+
+    def init_cache(self, params: dict, batch_size: int, max_len: int) -> dict:
+        """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` in the compute
+        dtype (``cfg.dtype``, else the params')."""
+        c = self.cfg
+        dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
+        shape = (c.num_layers, batch_size, max_len, c.num_heads, c.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array):
+        """``(logits_BV float32, cache)`` after token ``tokens_B`` (int32) at position ``pos`` (int32 scalar):
+        the cache's keys and values at ``pos`` written, ``logits_BV`` equal to ``apply(params, tokens)[:, pos]``
+        for the tokens written at ``0 .. pos`` (float32 rounding). Traceable; ``pos < max_len`` of the cache."""
+        tokens_B1 = jnp.asarray(tokens_B, jnp.int32)[:, None]
+        x_B1D = Embed(self.cfg).apply({"params": params["embed"]}, tokens_B1, pos)
+        x_B1D = x_B1D * _nan_where_invalid(tokens_B1, self.cfg.vocab_size, x_B1D.dtype)[..., None]
+        block, ks, vs = Block(self.cfg), [], []
+        for i in range(self.cfg.num_layers):
+            layer = jax.tree.map(lambda a: a[i], params["blocks"])
+            x_B1D, k, v = block.apply({"params": layer}, x_B1D, cache["k"][i], cache["v"][i], pos, method=Block.decode)
+            ks.append(k)
+            vs.append(v)
+        logits_BV = self.logits(params, x_B1D)[:, 0].astype(jnp.float32)
+        return logits_BV, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+
     def generate(self, params: dict, prompt: list[int], num_tokens: int, rng: jax.Array,
                  temperature: float = 0.8) -> list[int]:
-        """Samples ``num_tokens`` tokens after ``prompt`` (a window of the last ``max_seq_len`` tokens)."""
-        prompt = [int(t) for t in prompt]
-        if not prompt or not all(0 <= t < self.cfg.vocab_size for t in prompt):
-            raise ValueError(f"prompt must hold at least one token id in [0, {self.cfg.vocab_size}), got {prompt[:10]}")
-        if not temperature > 0 or num_tokens < 0:
-            raise ValueError(f"need temperature > 0 and num_tokens >= 0, got {temperature=}, {num_tokens=}")
-        L = self.cfg.max_seq_len
-
-        @jax.jit
-        def next_token(params, window, length, key):
-            logits = self.apply(params, window[None])[0, length - 1]
-            return jax.random.categorical(key, logits / temperature)
-
-        tokens = list(prompt)
-        for i in range(num_tokens):
-            ctx = tokens[-L:]
-            window = jnp.asarray(ctx + [0] * (L - len(ctx)), jnp.int32)
-            tokens.append(int(next_token(params, window, len(ctx), jax.random.fold_in(rng, i))))
-        return tokens[len(prompt):]
+        """Samples ``num_tokens`` tokens after ``prompt``: :func:`jaxpar.models.generate` of this model."""
+        return generation.generate(self, params, prompt, num_tokens, rng, temperature)

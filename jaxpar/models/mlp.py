@@ -18,7 +18,7 @@ from jaxpar.sharding import constrain
 
 
 class MLP(nn.Module):
-    """``x_BF -> logits_BC``: ReLU hidden layers then a linear classifier head.
+    """``x_BI -> logits_BC``: ReLU hidden layers then a linear classifier head (I input features, C classes).
 
     Attributes:
       hidden: widths of the hidden layers.
@@ -39,9 +39,23 @@ class MLP(nn.Module):
         names = [f"dense_{i}" for i in range(len(self.hidden))] + ["head"]
         return {"mlp": [(names[i], names[i + 1]) for i in range(0, len(self.hidden), 2)]}
 
+    def as_model(self, params: Any = None) -> "MLPModel":
+        """The protocol model of this MLP (:mod:`jaxpar.models.protocol`); ``params`` (its params, boxed or not)
+        give the input width ``I``, which the module itself does not hold.
+
+        Raises:
+          ValueError: no params, or params without ``dense_0/kernel`` (not this MLP's).
+        """
+        try:
+            features = int(nn.meta.unbox(params)["dense_0"]["kernel"].shape[0])
+        except (KeyError, TypeError, IndexError, AttributeError):
+            raise ValueError("the MLP's model needs its params (no dense_0/kernel found) to know the input width: "
+                             "pass the params the MLP built") from None
+        return MLPModel(self, features)
+
     @nn.compact
-    def __call__(self, x_BF: jax.Array) -> jax.Array:
-        x = x_BF.astype(self.dtype)
+    def __call__(self, x_BI: jax.Array) -> jax.Array:
+        x = x_BI.astype(self.dtype)
         names = [("embed", "mlp"), ("mlp", "embed")]
         for i, width in enumerate(self.hidden):
             axes = names[i % 2]
@@ -70,3 +84,45 @@ def classification_loss(model: MLP):
         acc = (logits.argmax(-1) == batch["y"]).mean()
         return loss, {"accuracy": acc, "weight": jnp.asarray(batch["y"].shape[0], jnp.float32)}
     return loss_fn
+
+
+class MLPModel:
+    """An :class:`MLP` with its input width: the model protocol's parts (``init``, ``apply``, ``loss``,
+    ``prune_groups``, ``replace``) over the Linen module.
+
+    Attributes:
+      mlp: the module (its config).
+      features: the input width ``I``.
+    """
+
+    def __init__(self, mlp: MLP, features: int):
+        self.mlp, self.features = mlp, features
+
+    def init(self, rng: jax.Array) -> Any:
+        """Flax-boxed params (logical names), for inputs ``[B, features]``."""
+        return self.mlp.init(rng, jnp.zeros((1, self.features), jnp.float32))["params"]
+
+    def apply(self, params: Any, x_BI: jax.Array) -> jax.Array:
+        return self.mlp.apply({"params": params}, x_BI)
+
+    def loss(self, params: Any, batch: dict, rng: jax.Array | None = None):
+        return classification_loss(self.mlp)(params, batch, rng)
+
+    def prune_groups(self) -> dict[str, list[tuple[str, str]]]:
+        return self.mlp.prune_groups()
+
+    def replace(self, sizes: dict[tuple, int]) -> MLP:
+        """The MLP with the compacted hidden widths: ``sizes`` maps ``(dense_i, "mlp")`` to layer ``i``'s count.
+
+        Raises:
+          ValueError: a key that is not one of :meth:`prune_groups`' chains.
+        """
+        hidden = list(self.mlp.hidden)
+        index = {(chain[0], axis): int(chain[0].split("_")[-1])
+                 for axis, chains in self.prune_groups().items() for chain in chains}
+        for key, size in sizes.items():
+            if tuple(key) not in index:
+                raise ValueError(f"the MLP's prunable groups are {sorted('/'.join(k) for k in index)}; got "
+                                 f"{'/'.join(key)}")
+            hidden[index[tuple(key)]] = size
+        return self.mlp.clone(hidden=tuple(hidden))

@@ -484,15 +484,25 @@ def manual_batch_axes(schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...
     return tuple(a for a in batch_axes if mesh.shape[a] > 1)
 
 
-def fsdp_dim(shape: tuple[int, ...], model_dim: int, fsdp: int) -> int | None:
-    """The dim of a ``[chunks, layers, ...]`` stage-param leaf taken as its ``fsdp`` dim: among the trailing dims
-    divisible by ``fsdp``, the last one of the activation's model size ``model_dim`` (jaxpar's rules shard the
-    ``embed`` dim of every weight over fsdp), else the largest (first of equals); None if none divides."""
-    dims = [d for d in range(2, len(shape)) if shape[d] % fsdp == 0]
-    model = [d for d in dims if shape[d] == model_dim]
-    if model:
-        return model[-1]
-    return max(dims, key=lambda d: (shape[d], -d)) if dims else None
+def fsdp_dims(stage_specs: Any, num_leaves: int) -> tuple:
+    """Per stage-param leaf (flattening order), the dim of its ``[chunks, layers, ...]`` block sharded over
+    ``fsdp``, read from ``stage_specs`` (the leaves' ``PartitionSpec``\\ s in that layout, as the state holds
+    them): the dim whose entry is ``fsdp`` (or a tuple of mesh axes led by ``fsdp``); None where no dim past the
+    layers axis is, and for every leaf when ``stage_specs`` is None (weights replicated over ``fsdp``)."""
+    if stage_specs is None:
+        return (None,) * num_leaves
+    specs = jax.tree.leaves(stage_specs, is_leaf=lambda s: isinstance(s, P) or s is None)
+    if len(specs) != num_leaves:
+        raise ValueError(f"stage_specs has {len(specs)} PartitionSpecs for {num_leaves} stage-param leaves: give "
+                         "one per leaf, in the stage params' structure")
+
+    def dim(spec) -> int | None:
+        for d, entry in enumerate(tuple(spec or ())):
+            lead = entry[0] if isinstance(entry, tuple) and entry else entry
+            if d >= 2 and lead == FSDP:
+                return d
+        return None
+    return tuple(dim(s) for s in specs)
 
 
 @contextlib.contextmanager
@@ -538,8 +548,8 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
                         takes_rng: bool = False, fsdp_gather: str = "step", comm: str = "step") -> Callable:
     """The traceable (unvalidated, unjitted) body of :func:`jaxpar.pipeline.value_and_grad`.
 
-    Returns ``f(stage_params, head_params, x, targets, scale=None, rng=None) -> ((loss, (g_stage, g_head, g_x)),
-    aux)``, where ``aux`` holds ``loss_fn``'s aux per microbatch (leading axis ``m``; ``{}`` without aux) and the
+    Returns ``f(stage_params, head_params, x, targets, scale=None, rng=None, stage_specs=None) -> ((loss,
+    (g_stage, g_head, g_x)), aux)``, where ``aux`` holds ``loss_fn``'s aux per microbatch (leading axis ``m``; ``{}`` without aux) and the
     gradients are of ``scale * loss`` (a float32 loss scale; the loss itself is unscaled). With ``takes_rng``
     the stage function is ``stage_fn(params, x_mb, keys)``: the F of microbatch ``j`` on virtual stage ``vs``
     (and its B and W) gets ``keys[l] = fold_in(fold_in(rng, j), vs * R + l)``, ``R`` the rows of one virtual
@@ -549,8 +559,9 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     Communication (``comm='step'``, the default; see :func:`manual_batch_axes` for when it applies): the
     ``shard_map`` is manual over ``pipe`` and the batch axes, so each device runs its rows of every
     microbatch, accumulates its stage's float32 gradient locally over the microbatches and reduces it once
-    after the tick loop: ``psum_scatter`` over ``fsdp`` (along each leaf's :func:`fsdp_dim`) and ``psum`` over
-    ``data``. ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the
+    after the tick loop: ``psum_scatter`` over ``fsdp`` (along each leaf's fsdp dim, which ``stage_specs`` gives:
+    the stage params' ``PartitionSpec``\\ s, as the caller's state shards them, see :func:`fsdp_dims`; a leaf
+    not sharded over ``fsdp`` is summed with ``psum``) and ``psum`` over ``data``. ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the
     ``shard_map``'s entry, for all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B
     and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
     """
@@ -558,9 +569,9 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     batch_size = int(np.prod([mesh.shape[a] for a in manual], dtype=int))
     fsdp = mesh.shape[FSDP] if FSDP in manual else 1
 
-    def run(stage_params, head_params, x, targets, scale=None, rng=None):
+    def run(stage_params, head_params, x, targets, scale=None, rng=None, stage_specs=None):
         m = schedule.num_microbatches
-        dims = tuple(fsdp_dim(a.shape, x.shape[-1], fsdp) for a in jax.tree.leaves(stage_params)) if fsdp > 1 else ()
+        dims = fsdp_dims(stage_specs, len(jax.tree.leaves(stage_params))) if fsdp > 1 else ()
         interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux, takes_rng, manual, batch_size, dims,
                               fsdp_gather, fsdp)
 

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import grads as gr
 from jaxpar import sharding as shd
+from jaxpar.models import protocol
 from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, check_stage_fn, struct
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
 from jaxpar.pipeline.layout import from_stage_layout, stage_order, to_stage_layout
@@ -269,7 +270,7 @@ class Pipeline(gr.GradFn):
                                    ctx.mesh, ctx.batch_axes, self.stash, True, self.stage_takes_rng,
                                    self.fsdp_gather, self._comm)
         (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale,
-                                                    rng if self.stage_takes_rng else None)
+                                                    rng if self.stage_takes_rng else None, self._stage_specs(ctx))
         (g_embed,) = embed_vjp(g_x)
         g_rest = jax.tree.map(jnp.add, g_embed, g_head)       # tied weights: both uses add up
         g_stages = jax.tree.map(_from_stages, g_staged)
@@ -278,6 +279,32 @@ class Pipeline(gr.GradFn):
         grads = {k: g_stages if k == self.stage_key else g_rest[k] for k in params}
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return loss, gr.reduce_aux(aux), grads
+
+    def _stage_specs(self, ctx: gr.Context) -> Any:
+        """The state's ``PartitionSpec``\\ s of ``params[stage_key]`` (``ctx.param_specs``) for the ``[V, layers /
+        V, ...]`` blocks the interpreter runs (a leading chunk dim added), or None when the step gave none."""
+        specs = None if ctx.param_specs is None else ctx.param_specs.get(self.stage_key)
+        if specs is None:
+            return None
+        return jax.tree.map(lambda s: P(None, *(s or ())), specs, is_leaf=lambda s: isinstance(s, P) or s is None)
+
+    def model_check_batch(self):
+        """The model's ``check_batch`` when ``embed_fn`` is a bound method of a model that has one (the
+        protocol; :meth:`from_model`), else None: what the step builders run on host batches by default."""
+        return protocol.batch_checker(self.embed_fn)
+
+    @classmethod
+    def from_model(cls, model: Any, schedule: Schedule, **kwargs: Any) -> "Pipeline":
+        """``Pipeline(model.embed, model.stage, model.head_loss, schedule, stage_key=model.stage_key, **kwargs)``
+        for a model of the protocol (:mod:`jaxpar.models.protocol`; ``stage_key`` defaults to ``"blocks"``).
+
+        Raises:
+          TypeError: the model lacks ``embed``, ``stage`` or ``head_loss`` (the part is named); the
+            dataclass' own checks (a bad schedule or option).
+        """
+        protocol.require(model, ("embed", "stage", "head_loss"), "a pipeline")
+        kwargs.setdefault("stage_key", protocol.stage_key(model))
+        return cls(model.embed, model.stage, model.head_loss, schedule, **kwargs)
 
     def _staged(self, params: Any, ctx: gr.Context) -> tuple[Any, Any]:
         """``(stage params as [V, layers / V, ...] in stage layout, the other params)``, cast by the policy."""

@@ -124,8 +124,10 @@ def value_and_grad(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, *,
     axes, staged, replicated, batched = _specs(mesh, rules)
     core = value_and_grad_core(stage_fn, loss_fn, schedule, mesh, axes, stash, fsdp_gather=fsdp_gather)
     place = _placer(mesh, (staged, replicated, batched, batched))
-    jitted = MeshJit(lambda *a: core(*a)[0], mesh, rules, lambda s, h, x, t: (shd.replicated(mesh), (s, h, x)),
-                     checked_args=())
+    # the stage params' own shardings say which dim (if any) is sharded over fsdp
+    specs = lambda shardings: jax.tree.map(lambda sh: getattr(sh, "spec", None), shardings[0])
+    jitted = MeshJit(lambda shardings, s, h, x, t: core(s, h, x, t, stage_specs=specs(shardings))[0], mesh, rules,
+                     lambda s, h, x, t: (shd.replicated(mesh), (s, h, x)), checked_args=(), pass_shardings=True)
 
     def check(stage_params, head_params, x, targets):
         m = schedule.num_microbatches

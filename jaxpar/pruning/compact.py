@@ -3,8 +3,9 @@
 :func:`compact` turns params plus group masks (from :func:`jaxpar.pruning.structured_pruning`) into the params of a
 smaller model and the config that runs it; :func:`compact_opt_state` gathers the optimizer state by the same
 indices; :func:`compact_state` does both for a ``jp.train.TrainState`` and places the result on a mesh, so training
-continues through ``jp.train.make_train_step``. Supported models: the GPT (``GPTConfig``) and the MLP (an ``MLP``
-module instance).
+continues through ``jp.train.make_train_step``. Any model of the protocol (:mod:`jaxpar.models.protocol`:
+``init``, ``replace``, optionally ``prune_groups``) is supported: the GPT (``GPTConfig``), the MLP (an ``MLP``
+module instance), or a user's model.
 """
 
 from __future__ import annotations
@@ -23,70 +24,23 @@ import optax
 
 from jaxpar import sharding as shd
 from jaxpar import train
-from jaxpar.models.gpt import GPT, GPTConfig
-from jaxpar.models.mlp import MLP
+from jaxpar.models import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
 from jaxpar.pruning.structure import key_name, path_str
 from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, group_masks
 
 
-# ------------------------------------------------------------------------------------------ model adapters
+# ------------------------------------------------------------------------------------------------ model
 
-class _GPTModel:
-    """The GPT: ``blocks`` holds the ``mlp`` and ``heads`` groups, stacked over ``layers``."""
-    groups = None
-
-    def __init__(self, cfg: GPTConfig, params: Any):
-        self.cfg = cfg
-
-    def init_fn(self, cfg: GPTConfig):
-        return GPT(cfg).init
-
-    def replace(self, sizes: dict[tuple, int]) -> GPTConfig:
-        bad = [k for k in sizes if k[:-1] != ("blocks",)]
-        if bad:
-            raise ValueError(f"the GPT's prunable groups are blocks/mlp and blocks/heads; got masks for "
-                             f"{[path_str(k) for k in bad]}")
-        heads, mlp = sizes.get(("blocks", "heads"), self.cfg.num_heads), sizes.get(("blocks", "mlp"), self.cfg.mlp_dim)
-        return dataclasses.replace(self.cfg, num_heads=heads, d_mlp=mlp, head_dim=self.cfg.head_dim)
+def _model(config: Any, params: Any) -> Any:
+    """The protocol model of ``config`` (:func:`jaxpar.models.protocol.as_model`) with compaction's parts."""
+    return protocol.require(protocol.as_model(config, params), ("init", "replace"), "compaction",
+                            "; jaxpar's own: a jp.models.GPTConfig or a jp.models.MLP instance")
 
 
-class _MLPModel:
-    """The MLP: hidden layer ``i`` whose kernel outputs ``mlp`` is the chain ``dense_i -> next layer``."""
-
-    def __init__(self, mlp: MLP, params: Any):
-        self.cfg = mlp
-        try:
-            self.features = int(params["dense_0"]["kernel"].shape[0])
-        except (KeyError, TypeError, IndexError):
-            raise ValueError("params are not an MLP's (no dense_0/kernel): pass the params the MLP config "
-                             "built") from None
-        names = jax.eval_shape(self.init_fn(mlp), jax.random.key(0))
-        layers = [f"dense_{i}" for i in range(len(mlp.hidden))] + ["head"]
-        self.hidden_of = {}
-        for i in range(len(mlp.hidden)):
-            if tuple(names[layers[i]]["kernel"].names)[-1] == "mlp":
-                self.hidden_of[(layers[i], "mlp")] = i
-        self.groups = {"mlp": [(k[0], layers[i + 1]) for k, i in self.hidden_of.items()]}
-
-    def init_fn(self, mlp: MLP):
-        features = self.features
-        return lambda rng: mlp.init(rng, jnp.zeros((1, features), jnp.float32))["params"]
-
-    def replace(self, sizes: dict[tuple, int]) -> MLP:
-        hidden = list(self.cfg.hidden)
-        for key, size in sizes.items():   # keys are groups of this MLP (Compaction.build checks)
-            hidden[self.hidden_of[key]] = size
-        return self.cfg.clone(hidden=tuple(hidden))
-
-
-def _adapter(config: Any, params: Any):
-    if isinstance(config, GPTConfig):
-        return _GPTModel(config, params)
-    if isinstance(config, MLP):
-        return _MLPModel(config, params)
-    raise TypeError(f"config={config!r}: compaction knows the GPT (a jp.models.GPTConfig) and the MLP (a "
-                    "jp.models.MLP instance)")
+def _groups(model: Any) -> Any:
+    prune_groups = getattr(model, "prune_groups", None)
+    return prune_groups() if callable(prune_groups) else None
 
 
 # ---------------------------------------------------------------------------------------------- indices
@@ -176,12 +130,12 @@ class Compaction:
         _check_multiple_of(multiple_of)
         params = _unboxed(params)
         masks = _as_masks(masks_or_state)
-        model = _adapter(config, params)
-        names = jax.eval_shape(model.init_fn(config), jax.random.key(0))
+        model = _model(config, params)
+        names = jax.eval_shape(model.init, jax.random.key(0))
         _check_shapes(params, names)
         keys = [tuple(k) for k in _mask_keys(masks)]
         axes = tuple(dict.fromkeys(k[-1] for k in keys))
-        plans = {p.key: p for p in group_plans(params, names, axes, model.groups)} if axes else {}
+        plans = {p.key: p for p in group_plans(params, names, axes, _groups(model))} if axes else {}
         index, kept = {}, {}
         for key in keys:
             if key not in plans:
@@ -345,19 +299,22 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
         does, and ``new_params`` comes back unboxed.
       masks_or_state: an optimizer state (or ``TrainState``) holding one :func:`structured_pruning` state, or
         its group masks ``{module: {axis: bool [*stacked, groups]}}`` (:func:`jaxpar.pruning.group_masks`).
-      config: a ``jp.models.GPTConfig`` (groups ``blocks/mlp``, ``blocks/heads``) or a ``jp.models.MLP``
-        instance (group ``dense_i/mlp``: hidden layer ``i`` whose kernel outputs ``mlp``, chained with the next
-        layer, as ``groups={"mlp": [("dense_i", "dense_{i+1}" or "head")]}`` names it for the transform).
+      config: the model, or its config: anything :func:`jaxpar.models.as_model` turns into a model with the
+        protocol's ``init`` and ``replace`` (and ``prune_groups`` for chains across modules): a
+        ``jp.models.GPTConfig`` (groups ``blocks/mlp``, ``blocks/heads``), a ``jp.models.MLP`` instance (group
+        ``dense_i/mlp``: hidden layer ``i`` whose kernel outputs ``mlp``, chained with the next layer, as
+        ``MLP.prune_groups()`` names it for the transform), or a user's model.
       multiple_of: an int, or ``{axis: int}`` with axes among :data:`GROUP_AXES` (``'mlp'``, ``'heads'``; a
         missing axis is 1) (default 1).
 
     Returns:
       ``(new_params, new_config)``: the params (jax arrays; leaves outside pruned groups are returned as given)
-      and ``dataclasses.replace(cfg, num_heads=..., d_mlp=..., head_dim=cfg.head_dim)`` for the GPT, or the
-      MLP with its new ``hidden`` widths.
+      and the model's ``replace(sizes)``: ``dataclasses.replace(cfg, num_heads=..., d_mlp=...,
+      head_dim=cfg.head_dim)`` for the GPT, the MLP with its new ``hidden`` widths.
 
     Raises:
-      TypeError: an unsupported config; ``masks_or_state`` holding no structured pruning state or masks.
+      TypeError: a config without the protocol's ``init`` or ``replace`` (the missing part is named);
+        ``masks_or_state`` holding no structured pruning state or masks.
       ValueError: params not matching the config; a mask of a group the model lacks or of the wrong shape;
         ``multiple_of`` not a positive int, or a dict with a key that is not a group axis (naming the valid ones).
     """
@@ -418,7 +375,7 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
 
     Args:
       state: the ``TrainState``.
-      config: the model's ``GPTConfig`` or ``MLP``.
+      config: the model or its config, as for :func:`compact`.
       tx: the optax transformation of the state.
       mesh, rules: where the compacted state goes.
       multiple_of: as for :func:`compact`; default: per axis, the product of the mesh axes the rules shard it
@@ -435,7 +392,7 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
     multiple_of = _mesh_multiples(mesh, rules) if multiple_of is None else multiple_of
     c = Compaction.build(state.params, state.opt_state, config, multiple_of)
     params, opt_state = c.params(state.params), c.opt_state(state.opt_state, state.params)
-    target = train.abstract_state(_adapter(config, state.params).init_fn(c.config), tx, mesh=mesh, rules=rules,
+    target = train.abstract_state(_model(c.config, state.params).init, tx, mesh=mesh, rules=rules,
                                   policy=state.policy)
     new = state.replace(params=params, opt_state=opt_state)
     if jax.tree.structure(new) != jax.tree.structure(target):

@@ -1,0 +1,109 @@
+"""Sampling text from any model of the protocol with a key/value cache (``init_cache`` / ``decode_step``).
+
+:func:`generate` encodes the prompt through the model's one-token step into its cache, then samples one token
+per step, each from the logits of the last ``max_seq_len`` tokens: while the context fits, each new token costs
+one ``decode_step``; once it is longer, the window slides and is encoded again (positions move), as a model
+without a cache would recompute it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.models import protocol
+
+
+def _vocab_size(model: Any) -> int:
+    value = getattr(model, "vocab_size", getattr(getattr(model, "cfg", None), "vocab_size", None))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TypeError(f"generation needs the model's vocab_size (an attribute, or cfg.vocab_size) to check the "
+                        f"prompt; {type(model).__name__} gives {value!r}")
+    return value
+
+
+def _check(prompt: Any, num_tokens: Any, temperature: Any, vocab_size: int) -> list[int]:
+    try:
+        tokens = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise ValueError(f"prompt must be a sequence of int token ids, got {prompt!r:.80}") from None
+    if not tokens or not all(0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"prompt must hold at least one token id in [0, {vocab_size}), got {tokens[:10]}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (e.g. 0.8; lower is greedier)")
+    return tokens
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(model: Any, max_len: int):
+    """``(step, encode)`` jitted for one model: ``step(params, token, cache, pos)`` and ``encode(params, window,
+    length)``, the window ``[max_len]`` int32 run through ``decode_step`` position by position (``lax.scan``),
+    returning the logits after position ``length - 1`` and the cache."""
+    def step(params, token, cache, pos):
+        return model.decode_step(params, token[None], cache, pos)
+
+    def encode(params, window, length):
+        def one(cache, pos):
+            logits, cache = model.decode_step(params, window[pos][None], cache, pos)
+            return cache, logits[0]
+        cache, logits = jax.lax.scan(one, model.init_cache(params, 1, max_len), jnp.arange(max_len))
+        return logits[length - 1][None], cache
+    return jax.jit(step), jax.jit(encode)
+
+
+def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: jax.Array,
+             temperature: float = 0.8) -> list[int]:
+    """Samples ``num_tokens`` token ids after ``prompt`` from ``model`` (the protocol's generation parts).
+
+    Token ``i`` is drawn from ``softmax(logits / temperature)`` with the key ``jax.random.fold_in(rng, i)``, the
+    logits being those after the last ``max_seq_len`` tokens (prompt and tokens drawn so far).
+
+    Args:
+      model: provides ``init_cache``, ``decode_step``, ``max_seq_len`` and ``vocab_size`` (attributes or
+        ``cfg.`` fields); see :mod:`jaxpar.models.protocol`.
+      params: the model's params (unboxed, in model order: ``jp.train.to_model_order(state).params``).
+      prompt: a non-empty sequence of int token ids in ``[0, vocab_size)``.
+      num_tokens: how many tokens to draw (>= 0).
+      rng: a typed PRNG key.
+      temperature: > 0.
+
+    Returns:
+      The ``num_tokens`` drawn ids (Python ints), the prompt excluded.
+
+    Raises:
+      TypeError: the model lacks a generation part (named).
+      ValueError: an empty prompt or an id outside ``[0, vocab_size)``; ``num_tokens`` < 0; ``temperature`` <= 0.
+    """
+    protocol.require(model, ("init_cache", "decode_step"), "generation")
+    max_len = protocol.max_seq_len(model)
+    tokens = _check(prompt, num_tokens, temperature, _vocab_size(model))
+    try:
+        step, encode = _programs(model, max_len)
+    except TypeError:   # an unhashable model: build the programs for this call
+        step, encode = _programs.__wrapped__(model, max_len)
+
+    def window(ctx: list[int]):
+        return jnp.asarray(ctx + [0] * (max_len - len(ctx)), jnp.int32), len(ctx)
+
+    logits, cache = encode(params, *window(tokens[-max_len:]))
+    pos = min(len(tokens), max_len)
+    out = []
+    for i in range(num_tokens):
+        token = int(jax.random.categorical(jax.random.fold_in(rng, i), logits[0] / temperature))
+        out.append(token)
+        tokens.append(token)
+        if i == num_tokens - 1:
+            break
+        if pos < max_len:
+            logits, cache = step(params, jnp.asarray(token, jnp.int32), cache, jnp.asarray(pos, jnp.int32))
+            pos += 1
+        else:   # the window slides by one: its positions move, so it is encoded again
+            logits, cache = encode(params, *window(tokens[-max_len:]))
+    return out
