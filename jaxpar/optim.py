@@ -15,7 +15,6 @@ import optax
 
 from jaxpar import sharding as shd
 
-STACKED_AXIS_NAMES = frozenset({"layers", "stage"})   # stacked copies of a layer: not a matrix dimension
 EMBEDDING_AXIS_NAMES = frozenset({"vocab", "seq"})    # a table indexed by token or position
 
 
@@ -23,10 +22,10 @@ def _decays(path, leaf, names: tuple | None) -> bool:
     if not np.issubdtype(np.dtype(leaf.dtype), np.floating):
         return False
     if names is not None:
-        core = [n for n in names if n not in STACKED_AXIS_NAMES]
+        core = [n for n in names if n not in shd.STACKED_AXIS_NAMES]
         return len(core) >= 2 and not any(n in EMBEDDING_AXIS_NAMES for n in core)
-    leaf_name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
-    return np.ndim(leaf) >= 2 and not leaf_name.lower().endswith("embedding")
+    leaf_name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))).lower() if path else ""
+    return np.ndim(leaf) >= 2 and not any(part in leaf_name for part in shd.NON_MATRIX_NAME_PARTS)
 
 
 def decay_mask(params: Any, axis_names: Any = None) -> Any:
@@ -40,9 +39,13 @@ def decay_mask(params: Any, axis_names: Any = None) -> Any:
     ``[layers, embed]``), token and position embedding tables and the ``[embed, vocab]`` unembedding do not.
     A leaf without names in an otherwise named tree is judged by the fallback.
 
-    Fallback without names: a floating leaf of rank >= 2 whose name does not end with ``embedding`` (Flax's
-    ``nn.Embed`` table) decays. It cannot tell a stacked ``[layers, d]`` bias from a matrix: pass names for
-    models with stacked layers.
+    Fallback without names (``axis_names=None`` and a leaf without names): a floating leaf of rank >= 2 decays
+    unless its name contains ``bias``, ``scale``, ``norm`` or ``embedding``
+    (:data:`jaxpar.sharding.NON_MATRIX_NAME_PARTS`, the parts the pruning transforms skip too), so a stacked
+    ``[layers, embed]`` norm scale or bias is not taken for a matrix by its rank. On the GPT (tied embeddings,
+    the default) it decays the same leaves as the names do. What it cannot tell without names: an untied
+    ``[embed, vocab]`` unembedding (the GPT's ``head/kernel``), which it decays, and a bias or scale whose name
+    says neither (pass names for such a model).
 
     This follows the common practice of decaying matrices only (Loshchilov & Hutter 2019 decay all weights;
     GPT-2-style recipes exclude biases and norms). nanoGPT also decays its embeddings (every 2-D parameter,

@@ -124,6 +124,15 @@ def _is_names(x) -> bool:
     return x is None or isinstance(x, P) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
+STACKED_AXIS_NAMES = frozenset({"layers", "stage"})
+"""Logical names of stacked-layer axes (one copy of a layer per entry, e.g. the GPT's ``[layers, ...]`` blocks):
+never a matrix dimension. Weight decay, pruning and compaction treat each slice along them as its own tensor."""
+
+NON_MATRIX_NAME_PARTS = ("bias", "scale", "norm", "embedding")
+"""Parts of a leaf's name that mark it as no weight matrix (a bias, a norm scale, an embedding table), for
+leaves without logical names: never decayed by ``jp.optim.decay_mask``, never pruned by default."""
+
+
 def leaf_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...] | None]:
     """Logical axis names of every leaf of ``params`` (in flattening order); None where a leaf has none.
 

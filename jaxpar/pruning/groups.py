@@ -27,7 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pruning.structure import BATCH_AXIS_NAMES, Path, checked_axis_names, key_name, path_str
+from jaxpar.pruning.structure import Path, checked_axis_names, key_name, path_str
+from jaxpar.sharding import STACKED_AXIS_NAMES
 
 PRUNABLE_AXES = ("mlp", "heads")   # logical axes whose entries can be removed; never "embed"
 Chains = Mapping[str, Sequence[Sequence[str]]]
@@ -134,7 +135,7 @@ def _plan(modules: tuple[Path, ...], axis_name: str, leaves: list) -> GroupPlan:
     members, seen = [], None
     for i, path, shape, names in leaves:
         axis = names.index(axis_name)
-        batch = tuple(a for a, n in enumerate(names) if n in BATCH_AXIS_NAMES)
+        batch = tuple(a for a, n in enumerate(names) if n in STACKED_AXIS_NAMES)
         sig = (shape[axis], tuple(names[a] for a in batch), tuple(shape[a] for a in batch))
         if seen is not None and sig != seen[1]:
             raise ValueError(

@@ -29,10 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpar.sharding import leaf_axis_names
+from jaxpar.sharding import NON_MATRIX_NAME_PARTS, STACKED_AXIS_NAMES, leaf_axis_names
 
-BATCH_AXIS_NAMES = frozenset({"layers", "stage"})
-_NEVER_PRUNED = ("bias", "scale", "norm", "embedding")
 _RESIZED = ("mlp", "heads")   # the axes structured pruning's compaction shrinks (groups.PRUNABLE_AXES)
 _MAX_SIZE = 2 ** 31 - 2  # int32 counts and flat indices (plus one) must fit
 
@@ -136,9 +134,9 @@ def checked_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, .
 
 def default_prunable(path: Path, shape: tuple[int, ...], names: tuple | None) -> bool:
     """Weight kernels: at least two non-``layers`` axes, and not a bias, norm scale or embedding by name."""
-    batch = sum(1 for n in (names or ()) if n in BATCH_AXIS_NAMES)
+    batch = sum(1 for n in (names or ()) if n in STACKED_AXIS_NAMES)
     leaf = path[-1].lower() if path else ""
-    return len(shape) - batch >= 2 and not any(word in leaf for word in _NEVER_PRUNED)
+    return len(shape) - batch >= 2 and not any(word in leaf for word in NON_MATRIX_NAME_PARTS)
 
 
 def default_reduction_axes(shape: tuple[int, ...], names: tuple | None,
@@ -189,7 +187,7 @@ def make_plans(params: Any, axis_names: Any = None, prunable: Callable[[Path], b
         if not (floating and chosen and math.prod(shape) > 0):
             plans.append(None)
             continue
-        batch = tuple(a for a, n in enumerate(names or ()) if n in BATCH_AXIS_NAMES)
+        batch = tuple(a for a, n in enumerate(names or ()) if n in STACKED_AXIS_NAMES)
         axes = _override_axes(reduction_axes, path, shape) if reduction_axes is not None else None
         if axes is None:
             axes = default_reduction_axes(shape, names, batch)
