@@ -44,17 +44,19 @@ def _check(prompt: Any, num_tokens: Any, temperature: Any, vocab_size: int) -> l
 @functools.lru_cache(maxsize=16)
 def _programs(model: Any, max_len: int):
     """``(step, encode)`` jitted for one model: ``step(params, token, cache, pos)`` and ``encode(params, window,
-    length)``, the window ``[max_len]`` int32 run through ``decode_step`` position by position (``lax.scan``),
-    returning the logits after position ``length - 1`` and the cache."""
+    length)``: the first ``length`` tokens of the window ``[max_len]`` (int32) run through ``decode_step``
+    position by position from an empty cache (a ``fori_loop`` stopping at ``length``, so a cache that
+    accumulates, not only one written by position, sees no padding), returning the last logits and the cache."""
     def step(params, token, cache, pos):
         return model.decode_step(params, token[None], cache, pos)
 
     def encode(params, window, length):
-        def one(cache, pos):
-            logits, cache = model.decode_step(params, window[pos][None], cache, pos)
-            return cache, logits[0]
-        cache, logits = jax.lax.scan(one, model.init_cache(params, 1, max_len), jnp.arange(max_len))
-        return logits[length - 1][None], cache
+        cache = model.init_cache(params, 1, max_len)
+        logits = jax.eval_shape(model.decode_step, params, window[:1], cache, jnp.int32(0))[0]
+
+        def one(pos, carry):
+            return model.decode_step(params, jax.lax.dynamic_slice_in_dim(window, pos, 1), carry[1], pos)
+        return jax.lax.fori_loop(0, length, one, (jnp.zeros(logits.shape, logits.dtype), cache))
     return jax.jit(step), jax.jit(encode)
 
 
