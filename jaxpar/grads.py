@@ -266,7 +266,8 @@ class _Accumulate(GradFn):
             grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
             return grad_sum, (wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
 
-        grad_sum, (loss_m, aux_m, w_m) = jax.lax.scan(body, zeros(params), jnp.arange(self.steps))
+        with jax.named_scope("accumulation"):
+            grad_sum, (loss_m, aux_m, w_m) = jax.lax.scan(body, zeros(params), jnp.arange(self.steps))
         w_sum = w_m.sum()
         aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
         grads = jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, params)

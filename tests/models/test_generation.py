@@ -1,0 +1,65 @@
+"""Generation through the protocol on the GPT: its KV-cache step against the full forward pass, and its samples
+against a sampler written out here that re-runs ``apply`` on the whole window (no cache)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close
+
+import jaxpar as jp
+from jaxpar.models import GPT, GPTConfig
+
+
+def _gpt(positions):
+    cfg = GPTConfig(vocab_size=37, num_layers=2, num_heads=2, d_model=16, max_seq_len=12, positions=positions,
+                    vocab_multiple=8, init_std=0.3)
+    model = GPT(cfg)
+    return model, nn.meta.unbox(model.init(jax.random.key(3)))
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_decode_step_equals_apply(positions):
+    model, params = _gpt(positions)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (3, 12)), jnp.int32)
+    cache = model.init_cache(params, 3, 12)
+    assert cache["k"].shape == (2, 3, 12, 2, 8)
+    steps = []
+    for pos in range(12):
+        logits, cache = jax.jit(model.decode_step)(params, tokens[:, pos], cache, jnp.int32(pos))
+        steps.append(logits)
+    valid = np.arange(model.cfg.padded_vocab) < 37
+    assert_tree_close(jnp.stack(steps, 1)[..., valid], model.apply(params, tokens)[..., valid],
+                      what=f"{positions} decode_step vs apply")
+
+
+def _reference_sample(model, params, prompt, num_tokens, rng, temperature):
+    tokens = list(prompt)
+    for i in range(num_tokens):
+        logits = model.apply(params, jnp.asarray(tokens[-model.cfg.max_seq_len:], jnp.int32)[None])[0, -1]
+        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature)))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_generate_equals_cache_free_sampler(positions):
+    """18 tokens after a 4-token prompt with a 12-token window: the cache fills, then the window slides."""
+    model, params = _gpt(positions)
+    rng = jax.random.key(5)
+    got = model.generate(params, [1, 5, 2, 9], 18, rng, temperature=0.9)
+    assert got == jp.models.generate(model, params, [1, 5, 2, 9], 18, rng, temperature=0.9)
+    assert got == _reference_sample(model, params, [1, 5, 2, 9], 18, rng, 0.9)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
+                                    dict(num_tokens=-1), dict(num_tokens=1.5), dict(prompt=[37]), dict(prompt=[]),
+                                    dict(prompt="ab")])
+def test_generate_rejects_bad_arguments(kwargs):
+    model, params = _gpt("learned")
+    args = {"prompt": [1, 2], "num_tokens": 3, "temperature": 1.0, **kwargs}
+    with pytest.raises(ValueError):
+        jp.models.generate(model, params, args["prompt"], args["num_tokens"], jax.random.key(0), args["temperature"])
+    assert len(jp.models.generate(model, params, [1, 2], 0, jax.random.key(0))) == 0
