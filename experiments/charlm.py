@@ -130,7 +130,7 @@ class Config:
         """What the step differentiates: the GPT's loss, or with --pipe > 1 its parts as a pipeline."""
         if self.pipe == 1:
             return model.loss
-        return jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, self.pipeline_schedule())
+        return jp.pipeline.Pipeline.from_model(model, self.pipeline_schedule())
 
     def pipeline_schedule(self) -> jp.pipeline.Schedule:
         """The --schedule table for --pipe stages and --microbatches (ValueError on sizes it cannot run)."""
@@ -210,10 +210,10 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
     """The loop with its hooks (throughput, log, progress bar, evaluation, checkpoints); SIGTERM stops it
     cleanly. Returns ``(jp.loop.LoopResult, final validation loss)``."""
     rows = jp.data.process_slice(cfg.batch_size, mesh)  # this process's rows of every global batch
-    train_step = jp.train.make_train_step(cfg.grad_fn(model), tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps,
-                                          check_batch=model.check_batch)
+    # both steps run the GPT's check_batch on every host batch (the default for a model's own loss or parts)
+    train_step = jp.train.make_train_step(cfg.grad_fn(model), tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps)
     # with --pipe > 1 the eval runs through the pipeline too (its forward-only table)
-    eval_step = jp.train.make_eval_step(cfg.grad_fn(model), mesh=mesh, check_batch=model.check_batch)
+    eval_step = jp.train.make_eval_step(cfg.grad_fn(model), mesh=mesh)
     val_batches = lambda s: [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows)
                              for i in range(cfg.eval_batches * (4 if s == cfg.steps else 1))]
     vals = {}
