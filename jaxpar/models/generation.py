@@ -18,14 +18,6 @@ import jax.numpy as jnp
 from jaxpar.models import protocol
 
 
-def _vocab_size(model: Any) -> int:
-    value = getattr(model, "vocab_size", getattr(getattr(model, "cfg", None), "vocab_size", None))
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise TypeError(f"generation needs the model's vocab_size (an attribute, or cfg.vocab_size) to check the "
-                        f"prompt; {type(model).__name__} gives {value!r}")
-    return value
-
-
 def _check(prompt: Any, num_tokens: Any, temperature: Any, vocab_size: int) -> list[int]:
     try:
         tokens = [int(t) for t in prompt]
@@ -84,8 +76,9 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: jax.Arr
       ValueError: an empty prompt or an id outside ``[0, vocab_size)``; ``num_tokens`` < 0; ``temperature`` <= 0.
     """
     protocol.require(model, ("init_cache", "decode_step"), "generation")
-    max_len = protocol.max_seq_len(model)
-    tokens = _check(prompt, num_tokens, temperature, _vocab_size(model))
+    max_len = protocol.size(model, "max_seq_len", "generation", "the longest context its cache holds")
+    tokens = _check(prompt, num_tokens, temperature,
+                    protocol.size(model, "vocab_size", "generation", "the prompt's ids must lie below it"))
     try:
         step, encode = _programs(model, max_len)
     except TypeError:   # an unhashable model: build the programs for this call

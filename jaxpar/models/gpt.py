@@ -519,15 +519,7 @@ class GPT:
         heads, mlp = sizes.get(("blocks", "heads"), self.cfg.num_heads), sizes.get(("blocks", "mlp"), self.cfg.mlp_dim)
         return dataclasses.replace(self.cfg, num_heads=heads, d_mlp=mlp, head_dim=self.cfg.head_dim)
 
-    # -------------------------------------------------------------------------- generation (the protocol)
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.cfg.max_seq_len
-
+    # ------------------------------------- generation (the protocol; max_seq_len, vocab_size from self.cfg)
     def init_cache(self, params: dict, batch_size: int, max_len: int) -> dict:
         """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` in the compute
         dtype (``cfg.dtype``, else the params')."""

@@ -124,12 +124,17 @@ def stage_key(model: Any) -> str:
     return key
 
 
-def max_seq_len(model: Any) -> int:
-    """The longest context a model's cache holds: ``model.max_seq_len`` or ``model.cfg.max_seq_len``."""
-    value = getattr(model, "max_seq_len", getattr(getattr(model, "cfg", None), "max_seq_len", None))
+def size(model: Any, name: str, feature: str, why: str) -> int:
+    """A positive int the model declares, ``model.<name>`` or ``model.cfg.<name>`` (e.g. ``max_seq_len``: the
+    longest context its cache holds; ``vocab_size``).
+
+    Raises:
+      TypeError: neither is a positive int (naming the attribute, the feature and why it needs it).
+    """
+    value = getattr(model, name, getattr(getattr(model, "cfg", None), name, None))
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise TypeError(f"generation needs the model's max_seq_len (an attribute, or cfg.max_seq_len: the "
-                        f"longest context its cache holds); {type(model).__name__} gives {value!r}")
+        raise TypeError(f"{feature} needs the model's {name} (an attribute, or cfg.{name}: {why}); "
+                        f"{type(model).__name__} gives {value!r}")
     return value
 
 
