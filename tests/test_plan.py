@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
-from jaxpar import plan_hlo
+from jaxpar.plan import hlo as plan_hlo
 from jaxpar.models import GPTConfig
 
 TINY = GPTConfig(vocab_size=61, num_layers=2, num_heads=2, d_model=32, max_seq_len=16, remat="full",
