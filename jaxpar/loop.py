@@ -3,7 +3,7 @@
 :func:`run` runs ``state, metrics = step_fn(state, batch_fn(t))`` for ``t = start .. stop-1`` and calls
 :class:`Hook`\\ s, in the spirit of ``clu.periodic_actions``: an entry point is build -> ``run`` -> report,
 with checkpoints (:func:`checkpoint`), evaluations (:func:`evaluate`), metric logs and progress bars
-(``jaxpar.run``) as hooks instead of an outer loop. :func:`run_steps` is the one-line generator for simple
+(``jaxpar.cli.experiment``) as hooks instead of an outer loop. :func:`run_steps` is the one-line generator for simple
 loops.
 
 Steps are counted as updates applied: call ``t`` (batch ``t``) returns the state of step ``t + 1``, which is

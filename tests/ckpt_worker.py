@@ -1,6 +1,6 @@
 """A small checkpointed training job for the checkpoint and multi-host tests: imported, or run as a script.
 
-Script (also under ``python -m jaxpar.launch -n 2``)::
+Script (also under ``python -m jaxpar.cli.launch -n 2``)::
 
     python tests/ckpt_worker.py --out DIR --steps 8 [--interval 1] [--mesh 2,2,2 [--mesh 1,8,1 ...]]
         [--precision fp16] [--pruning] [--check-resume-from K]

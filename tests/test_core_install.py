@@ -96,9 +96,9 @@ def test_experiments_extra_lists_pyproject_libraries():
 
 
 def test_require_extra_rejects_an_unknown_extra():
-    import jaxpar as jp
+    from jaxpar.cli import experiment
     with pytest.raises(ValueError, match="extra='bench'"):
-        jp.run.require_extra("x", extra="bench")
+        experiment.require_extra("x", extra="bench")
 
 
 def run_script(name: str, block: str) -> subprocess.CompletedProcess:
