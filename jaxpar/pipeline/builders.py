@@ -34,7 +34,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer (any integral type, numpy's too; not a bool), or a
-        table over :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` (``num_ticks * num_stages``).
+        table over :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES` (``num_ticks * num_stages``).
     """
     num_stages, num_microbatches, _ = builder_sizes("gpipe", num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
@@ -70,7 +70,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer, or a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`; ``num_microbatches < num_stages`` (the warm-up alone
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`; ``num_microbatches < num_stages`` (the warm-up alone
         needs ``p - 1`` microbatches in flight, so the steady state never forms: use :func:`gpipe`).
     """
     num_stages, num_microbatches, _ = builder_sizes("one_f_one_b", num_stages, num_microbatches)
@@ -115,7 +115,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
 
     Raises:
       ValueError: a size that is not a positive integer, a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m`` not a multiple of ``p``.
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, or ``m`` not a multiple of ``p``.
     """
     num_stages, num_microbatches, num_chunks = builder_sizes("interleaved_1f1b", num_stages, num_microbatches,
                                                              num_chunks)
@@ -195,7 +195,7 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer, a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m < p``.
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, or ``m < p``.
     """
     num_stages, num_microbatches, _ = builder_sizes("zero_bubble", num_stages, num_microbatches, actions=3)
     p, m = _check_at_least_one_per_stage("zero_bubble", num_stages, num_microbatches)
@@ -220,7 +220,7 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer, a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m < p``.
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, or ``m < p``.
     """
     num_stages, num_microbatches, _ = builder_sizes("zero_bubble_v", num_stages, num_microbatches, actions=6)
     p, m = _check_at_least_one_per_stage("zero_bubble_v", num_stages, num_microbatches)

@@ -60,8 +60,8 @@ from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
                                    pullback_from_stash, residual_plan, stashed_structs, write_stash)
-from jaxpar.pipeline.table import (ACTIVATIONS, BWD, BWD_INPUT, COTANGENTS, FWD, FWD_LAST, NEXT, PREV, SELF, Actions,
-                                   BufferSizes, ControlTable, control_table)
+from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Actions, BufferSizes, ControlTable, Kind,
+                                   control_table, switch_branches)
 
 AXIS = "pipe"
 FSDP = "fsdp"
@@ -356,7 +356,10 @@ class _Interpreter:
             carry = shared.unpack(read(st.bstash, sl.wstash), True)
             dparams = split_lib.backward_weight(split, params, x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
-        return [idle, fwd, fwd_last, bwd] + ([bwd_input, bwd_weight] if split is not None else [])
+        actions = {Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd}
+        if split is not None:
+            actions.update({Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight})
+        return switch_branches(actions)
 
     # --- value and gradient ------------------------------------------------------------------------------
     def _shared(self, plan, split, x0) -> SharedSlots:
@@ -411,15 +414,15 @@ class _Interpreter:
             out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys)
             act, cot = _route(table, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            is_fwd = (kind == FWD) | (kind == FWD_LAST)
+            is_fwd, is_b_input = (kind == Kind.FWD) | (kind == Kind.FWD_LAST), kind == Kind.BWD_INPUT
             return _Carry(
                 stashes=_Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
-                                 write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | (kind == BWD_INPUT)), ()),
+                                 write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | is_b_input), ()),
                 act=act, cot=cot,
-                gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == BWD) | (kind == BWD_INPUT)), axis=1),
+                gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == Kind.BWD) | is_b_input), axis=1),
                 dparams=_add_chunk(carry.dparams, out.dparams, c.chunk, self.v), dhead=add(carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
-                aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == FWD_LAST), carry.aux, out.aux)), None
+                aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == Kind.FWD_LAST), carry.aux, out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
         # once per step: the gradients' (and the loss's) reductions over pipe and the manual batch axes
@@ -440,7 +443,7 @@ class _Interpreter:
         zero = self._vary(jnp.zeros_like(x0))
         layers = _num_rows(_chunk(stage_params, 0, 1))
         run = lambda params, x, keys: self._bind(keys)(params, x)
-        branches = [lambda params, x, keys: zero, run, run]
+        branches = switch_branches({Kind.IDLE: lambda params, x, keys: zero, Kind.FWD: run, Kind.FWD_LAST: run})
 
         def tick(carry, row: Actions):
             act, ys = carry
@@ -450,7 +453,7 @@ class _Interpreter:
             keys = self._layer_keys(rng, mb, c.chunk, layers)
             y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in, keys)
             act, _ = _route(table, c, act, None, self._send(table, y))
-            return (act, _put(ys, y, mb, kind == FWD_LAST, 1)), None
+            return (act, _put(ys, y, mb, kind == Kind.FWD_LAST, 1)), None
 
         init = self._vary((jnp.zeros((table.sizes.activations, *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
         (_, ys), _ = jax.lax.scan(tick, init, jax.tree.map(jnp.asarray, table.actions))
