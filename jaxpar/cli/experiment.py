@@ -32,6 +32,7 @@ from jaxpar.mesh import describe, make_mesh
 from jaxpar.metrics import MetricsWriter, Throughput
 from jaxpar.precision import DynamicLossScale, Policy, loss_scaling
 from jaxpar._optional import require, require_extra
+from jaxpar.checks import positive_int
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
 
@@ -47,8 +48,7 @@ def simulate_cpu_devices(n: int) -> None:
     Raises:
       ValueError: ``n`` not an int >= 1.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_devices={n!r} must be an int >= 1 (1: no simulated devices)")
+    n = positive_int("simulate_devices", n, " (1: no simulated devices)")
     if n > 1 and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_DEVICE_FLAG}={n}".strip()
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -70,11 +71,9 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple",
                      "attention_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int")
-        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 0:
-            raise ValueError(f"GPTConfig.head_dim={self.head_dim!r} must be an int >= 0 (0 means d_model // num_heads)")
+            object.__setattr__(self, name, positive_int(f"GPTConfig.{name}", getattr(self, name)))
+        object.__setattr__(self, "head_dim", nonnegative_int("GPTConfig.head_dim", self.head_dim,
+                                                             " (0 means d_model // num_heads)"))
         if self.head_dim == 0:
             if self.d_model % self.num_heads:
                 raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; "
@@ -99,8 +98,7 @@ class GPTConfig:
             raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
-        if not isinstance(self.d_mlp, int) or isinstance(self.d_mlp, bool) or self.d_mlp < 0:
-            raise ValueError(f"GPTConfig.d_mlp={self.d_mlp!r} must be an int >= 0 (0 means 4 * d_model)")
+        object.__setattr__(self, "d_mlp", nonnegative_int("GPTConfig.d_mlp", self.d_mlp, " (0 means 4 * d_model)"))
 
     @property
     def mlp_dim(self) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 
 from jaxpar.checks import positive_int
 from jaxpar.mesh import AXES, split_axes
@@ -103,10 +102,10 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
             raise ValueError(f"the schedule has {schedule.num_stages} stages x {schedule.num_chunks} chunks; it needs "
                              f"num_stages = pipe = {p} and num_layers ({cfg.num_layers}) divisible by {stages}")
     rows = grad_accum_steps * m * sizes["data"] * f
-    if (isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1
-            or global_batch % rows):
-        raise ValueError(f"global_batch {global_batch!r} must be a positive int multiple of grad_accum_steps x "
-                         f"microbatches x data x fsdp = {grad_accum_steps} x {m} x {sizes['data']} x {f} = {rows}")
+    multiple = (f" multiple of grad_accum_steps x microbatches x data x fsdp = {grad_accum_steps} x {m} x "
+                f"{sizes['data']} x {f} = {rows}")
+    if positive_int("global_batch", global_batch, multiple) % rows:
+        raise ValueError(f"global_batch={global_batch!r} must be a positive int{multiple}")
 
 
 def does_not_fit_message(needed: float, available: float, suggestions: list[str]) -> str:
