@@ -4,11 +4,12 @@ from jaxpar import data, dispatch, gpu, grads, jit, metrics, models, optim, plot
 from jaxpar import pipeline, pruning
 from jaxpar import checkpoint, loop
 from jaxpar import plan
+from jaxpar import mesh
 from jaxpar.mesh import AXES, describe, initialize_distributed, make_mesh
-from jaxpar.precision import Policy
-from jaxpar.train import TrainState
 
 __version__ = "0.1.0"
-__all__ = ["AXES", "Policy", "TrainState", "checkpoint", "data", "describe", "gpu", "grads", "initialize_distributed",
-           "jit", "loop", "make_mesh", "metrics", "models", "optim", "pipeline", "plan", "plot", "precision", "pruning",
-           "sharding", "train"]
+# The public namespaces: jp and the modules below (jit and dispatch are internal machinery; jaxpar.cli, the
+# experiment tooling, is never imported here). Each public name is exported by one of them only.
+__all__ = ["AXES", "checkpoint", "data", "describe", "gpu", "grads", "initialize_distributed", "loop", "make_mesh",
+           "mesh", "metrics", "models", "optim", "pipeline", "plan", "plot", "precision", "pruning", "sharding",
+           "train"]

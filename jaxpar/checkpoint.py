@@ -521,4 +521,4 @@ def restore_or_init(manager: CheckpointManager, init: Callable[[], Any], target:
     return manager.restore(step, target=target()), step
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "compare", "restore_or_init"]
+__all__ = ["CheckpointError", "CheckpointManager", "restore_or_init"]

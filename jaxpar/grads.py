@@ -278,4 +278,4 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
 
 
 __all__ = ["Context", "GradFn", "LossFn", "RESERVED_METRICS", "accumulate", "check_batch_size", "check_loss_output",
-           "merge_microbatches", "microbatch", "reduce_aux", "split_microbatches", "value_and_grad", "weighted_mean"]
+           "value_and_grad"]

@@ -380,3 +380,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU client only; GPUs use NCCL
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids, **kwargs)
     return True
+
+
+# make_mesh, AXES, describe and initialize_distributed are exported by jaxpar itself (jp.make_mesh); the hybrid
+# (hosts x devices) helpers here.
+__all__ = ["make_hybrid_mesh", "split_axes"]

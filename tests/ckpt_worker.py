@@ -118,7 +118,7 @@ def _build(spec: Spec, mesh=None):
     data, fsdp, tensor = spec.mesh
     mesh = mesh or jp.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:data * fsdp * tensor])
     init_fn, loss_fn = gpt_parts()
-    policy = jp.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
+    policy = jp.precision.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
     return mesh, init_fn, loss_fn, make_tx(spec, init_fn), policy
 
 

@@ -109,7 +109,7 @@ BF16_RTOL = 3e-2
 
 @pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_pipeline_with_mixed_bf16_policy(mesh_factory):
-    policy = jp.Policy.from_string("mixed_bf16")
+    policy = jp.precision.Policy.from_string("mixed_bf16")
     model = gpt(2, dtype=jnp.bfloat16)
     f32_model = gpt(2)
     tx = optax.sgd(0.1, momentum=0.9)

@@ -117,7 +117,7 @@ class MeshConfig:
                          devices_per_host=self.devices_per_host or None)
 
 
-PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.Policy.from_string
+PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.precision.Policy.from_string
 
 
 @dataclasses.dataclass(frozen=True)

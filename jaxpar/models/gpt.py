@@ -201,7 +201,7 @@ def attention(cfg: GPTConfig, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.
     if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
         raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
                          f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
-                         "(jp.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
+                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
     if dtype == jnp.float16 and cfg.attention != "cudnn":
         # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
         # take attention in float32.
