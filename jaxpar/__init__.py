@@ -1,10 +1,9 @@
 """jaxpar: run pure JAX training functions on a device mesh with every standard parallelism."""
 
-from jaxpar import data, dispatch, gpu, grads, jit, metrics, models, optim, plot, precision, sharding, train
+from jaxpar import data, gpu, grads, mesh, metrics, models, optim, plot, precision, sharding, train
 from jaxpar import pipeline, pruning
 from jaxpar import checkpoint, loop
 from jaxpar import plan
-from jaxpar import mesh
 from jaxpar.mesh import AXES, describe, initialize_distributed, make_mesh
 
 __version__ = "0.1.0"
