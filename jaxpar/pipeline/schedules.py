@@ -443,7 +443,7 @@ def place_in_order(name: str, num_microbatches: int, orders: Sequence[Sequence[A
     ``orders[s]`` is stage ``s``'s actions in the order it runs them; at every tick each stage runs its next
     action if every dependency ran at an earlier tick (else it idles). This is how the 1F1B and interleaved
     builders time their action orders, and how a user's per-stage action lists become a table
-    (:func:`jaxpar.pipeline.builders.from_actions`).
+    (:func:`jaxpar.pipeline.custom.from_actions`).
 
     Raises:
       ValueError: the orders deadlock (a stage's next action waits for one that never comes before it),

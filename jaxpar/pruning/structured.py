@@ -238,7 +238,7 @@ def param_masks(params: Any, masks: Any, axis_names: Any, groups: Chains | None 
     to a pruned group (True = kept), None elsewhere. ``masks`` is :func:`group_masks`' dict (or a state).
 
     Raises:
-      ValueError: as :func:`jaxpar.pruning.group_plans`; a mask whose shape differs from its group's.
+      ValueError: as :func:`jaxpar.pruning.groups.group_plans`; a mask whose shape differs from its group's.
     """
     if _find(masks):
         masks = group_masks(masks)
