@@ -35,6 +35,7 @@ import optax  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
 from jaxpar.models import GPT, GPTConfig  # noqa: E402
+from jaxpar.pruning.structure import make_plans  # noqa: E402
 
 
 def optimizer(args, names, pruning=None):
@@ -98,7 +99,7 @@ def main():
     ramp = jp.pruning.polynomial_sparsity(args.sparsity, args.steps // 4, 3 * args.steps // 4, frequency=20)
     small_cfg = dataclasses.replace(cfg, num_heads=round(cfg.num_heads * (1 - args.sparsity)),
                                     d_mlp=round(cfg.mlp_dim * (1 - args.sparsity)), head_dim=cfg.head_dim)
-    plans = [p for p in jp.pruning.make_plans(nn.meta.unbox(names), names) if p is not None]
+    plans = [p for p in make_plans(nn.meta.unbox(names), names) if p is not None]
     prunable = sum(math.prod(p.shape) for p in plans)
     unstructured_sparsity = (cfg.num_params() - small_cfg.num_params()) / prunable
 

@@ -10,7 +10,7 @@ params and optimizer state, bfloat16 compute). Prints one JSON row per (layout, 
 
 * ``measured_bytes``: from ``compile().memory_analysis()``: arguments + outputs - aliased (the donated state)
   + temporaries, per device;
-* ``analytic_bytes`` and its parts, per device: the estimate of :mod:`jaxpar.plan_memory` (params, gradients,
+* ``analytic_bytes`` and its parts, per device: the estimate of :mod:`jaxpar.plan.memory` (params, gradients,
   optimizer state, the bf16 compute copy, activations by the GPT's remat setting), the one formula the
   library's planner (``jp.plan.plan``) uses too;
 * ``ratio = measured / analytic``;
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
 from jaxpar.models import GPT, GPTConfig  # noqa: E402
-from jaxpar import plan_memory  # noqa: E402
+from jaxpar.plan import memory as plan_memory  # noqa: E402
 from jaxpar.pipeline import builders  # noqa: E402
 
 PLAIN_LAYOUTS = {"DP": dict(data=8), "FSDP": dict(data=1, fsdp=8), "TP": dict(data=2, tensor=4)}
@@ -66,7 +66,7 @@ def measured(compiled) -> dict:
 
 
 def analytic(cfg: GPTConfig, state, mesh, batch: int, seq: int, policy, schedule=None) -> dict:
-    """The estimate of ``jaxpar.plan_memory`` (the library's one formula), per device, in bytes. ``policy`` is
+    """The estimate of ``jaxpar.plan.memory`` (the library's one formula), per device, in bytes. ``policy`` is
     read from ``state.policy``; the argument is kept for callers that pass the policy name."""
     del policy
     parts = plan_memory.estimate(cfg, state, mesh, batch, seq, schedule)

@@ -10,7 +10,7 @@ Resuming and preemption: a run restarted with the same ``--out-dir`` continues f
 one. SIGTERM finishes the current step, saves and exits 0 (a second SIGTERM exits at once). Multi-process
 (two local processes, 4 simulated CPU devices each, gloo collectives)::
 
-    python -m jaxpar.launch -n 2 experiments/charlm.py --steps 200 --out-dir runs/mh
+    python -m jaxpar.cli.launch -n 2 experiments/charlm.py --steps 200 --out-dir runs/mh
 
 Pipeline parallelism (data=2 x pipe=2 x tensor=2; 2 layers per stage, 1F1B over 4 microbatches)::
 
@@ -40,9 +40,10 @@ import jax
 import optax
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 from jaxpar.models import GPT, GPTConfig
 
-jp.run.require_extra("experiments/charlm.py")  # a core-only install stops here, told which extra to install
+experiment.require_extra("experiments/charlm.py")  # a core-only install stops here, told which extra to install
 import tyro  # noqa: E402  (after the check above)
 
 Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --fsdp, --precision, --sparsity
@@ -51,7 +52,7 @@ Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --f
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Main job configuration. Mesh axes multiply to the device count (one may be -1 to fill)."""
-    mesh: Annotated[jp.run.MeshConfig, Flat] = jp.run.MeshConfig()
+    mesh: Annotated[experiment.MeshConfig, Flat] = experiment.MeshConfig()
     pipe: int = 1                  # pipeline stages (layers split over them); > 1 trains through jp.pipeline
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv"] = "1f1b"
     """pipeline schedule (pipe > 1):
@@ -70,7 +71,7 @@ class Config:
     tie_embeddings: bool = True    # share the input embedding and the output projection
     scan_layers: bool = False      # lax.scan over layers (faster compile) instead of unrolling
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing per block
-    precision: Annotated[jp.run.PrecisionConfig, Flat] = jp.run.PrecisionConfig()
+    precision: Annotated[experiment.PrecisionConfig, Flat] = experiment.PrecisionConfig()
     steps: int = 800
     """optimizer steps; the warm-up, cosine decay and default pruning window are computed from it, so a run
     resumed with another --steps continues on the new length's schedule from the step it resumed at"""
@@ -86,7 +87,7 @@ class Config:
     sample_chars: int = 300        # characters to generate at the end
     text: str | None = None        # a UTF-8 text file; None = CPython's pydoc_data.topics
     out_dir: str = "runs/charlm"   # where metrics, plots, the config and checkpoints/ are written
-    pruning: Annotated[jp.run.PruningConfig, Flat] = jp.run.PruningConfig()
+    pruning: Annotated[experiment.PruningConfig, Flat] = experiment.PruningConfig()
     resume: bool = False           # require a checkpoint in <out-dir>/checkpoints (one there is always resumed)
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end and on SIGTERM)
 
@@ -151,11 +152,11 @@ def main(cfg: Config) -> float | None:
     """Trains (or resumes) and returns the final validation loss; None when preempted."""
     jp.gpu.apply_gpu_defaults(matmul_precision=cfg.precision.matmul_precision,  # GPU only; before any device use
                               collective_matmul=cfg.mesh.tensor > 1)
-    jp.run.simulate_cpu_devices(cfg.mesh.simulate_devices)
-    jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.launch` or on a cluster
+    experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.cli.launch` or on a cluster
     corpus = jp.data.CharCorpus.load(cfg.text)
     mesh = cfg.mesh.make(pipe=cfg.pipe)
-    jp.run.log_devices(mesh)
+    experiment.log_devices(mesh)
     # the step checks this too, but only after init and the first outputs: fail before anything is written
     jp.grads.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps,
                               cfg.microbatches if cfg.pipe > 1 else 1)
@@ -164,7 +165,7 @@ def main(cfg: Config) -> float | None:
                           tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers, remat=cfg.remat))
     tx = cfg.optimizer(jax.eval_shape(model.init, jax.random.key(0)))  # logical names: what each leaf is
     out, policy = Path(cfg.out_dir), cfg.precision.policy()
-    jp.run.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
+    experiment.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
     if cfg.resume and not (out / "checkpoints").is_dir():  # fail before the manager creates the directory
         raise jp.checkpoint.CheckpointError(f"asked to resume (--resume), but {str(out / 'checkpoints')!r} does not "
                                             "exist, so it holds no checkpoint; drop --resume to start fresh, or pass "
@@ -180,7 +181,7 @@ def main(cfg: Config) -> float | None:
         require=cfg.resume)
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
-        (out / "config.json").write_text(json.dumps(jp.run.flat_config(cfg), indent=2))
+        (out / "config.json").write_text(json.dumps(experiment.flat_config(cfg), indent=2))
     print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size} "
           f"(padded {model.cfg.padded_vocab}); model: {model.cfg.num_params():,} params"
           + (f"; {pipeline_header(cfg)}" if cfg.pipe > 1 else "") + (f"; resumed from step {step0}" if step0 else ""),
@@ -189,7 +190,7 @@ def main(cfg: Config) -> float | None:
     ckpt.close()
     writer.close()
     if result.preempted:
-        jp.run.say(f"preempted: saved a checkpoint at step {result.step} in {out / 'checkpoints'}; run the same "
+        experiment.say(f"preempted: saved a checkpoint at step {result.step} in {out / 'checkpoints'}; run the same "
                    "command again to resume")
         return None
     final = jp.train.to_model_order(result.state)   # sampling and compaction read the params as the model
@@ -224,13 +225,13 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
             val["sparsity"] = jp.pruning.sparsity_report(state.params)["prunable"]["sparsity"]
         writer.write(step, val, "val")
         vals[step] = val["loss"]
-        jp.run.say(f"step {step}: validation loss {val['loss']:.4f} nats/char"
+        experiment.say(f"step {step}: validation loss {val['loss']:.4f} nats/char"
                    + (f", kernel sparsity {val['sparsity']:.3f}" if "sparsity" in val else ""))
 
     speed = jp.metrics.Throughput(cfg.batch_size * cfg.seq_len, model.cfg.flops_per_token(cfg.seq_len))
-    hooks = [jp.run.throughput(speed), jp.run.write_metrics(writer), jp.run.progress_bar(cfg.steps, step0),
+    hooks = [experiment.throughput(speed), experiment.write_metrics(writer), experiment.progress_bar(cfg.steps, step0),
              jp.loop.evaluate(eval_step, val_batches, log_val, every=cfg.eval_interval),
-             jp.loop.checkpoint(ckpt, lambda t: {"data_step": t, "config": jp.run.flat_config(cfg)})]
+             jp.loop.checkpoint(ckpt, lambda t: {"data_step": t, "config": experiment.flat_config(cfg)})]
     batch_fn = lambda t: corpus.batch(cfg.seed, t, cfg.batch_size, cfg.seq_len, rows=rows)
     with jp.loop.PreemptionHandler() as preemption:  # SIGTERM: finish the step, save, exit 0
         result = jp.loop.run(train_step, state, batch_fn, step0, cfg.steps, hooks=hooks, preemption=preemption)

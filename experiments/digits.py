@@ -20,9 +20,10 @@ import jax
 import optax
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 from jaxpar.models import MLP, classification_loss
 
-jp.run.require_extra("experiments/digits.py")  # a core-only install stops here, told which extra to install
+experiment.require_extra("experiments/digits.py")  # a core-only install stops here, told which extra to install
 import tyro  # noqa: E402  (after the check above)
 
 Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --fsdp, --sparsity
@@ -31,7 +32,7 @@ Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --f
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Digits MLP configuration."""
-    mesh: Annotated[jp.run.MeshConfig, Flat] = jp.run.MeshConfig()
+    mesh: Annotated[experiment.MeshConfig, Flat] = experiment.MeshConfig()
     hidden: tuple[int, ...] = (256, 256)  # hidden layer widths (divisible by tensor)
     steps: int = 600                    # optimizer steps
     batch_size: int = 64                # global batch
@@ -39,7 +40,7 @@ class Config:
     weight_decay: float = 1e-4          # decoupled weight decay on kernels
     seed: int = 0                       # seeds init and data order
     out_dir: str = "runs/digits"        # metrics and the loss plot go here
-    pruning: Annotated[jp.run.PruningConfig, Flat] = jp.run.PruningConfig(prune_begin=60, prune_end=300,
+    pruning: Annotated[experiment.PruningConfig, Flat] = experiment.PruningConfig(prune_begin=60, prune_end=300,
                                                                           prune_frequency=10)
 
     def __post_init__(self):
@@ -62,10 +63,10 @@ def main(cfg: Config) -> float:
 def run(cfg: Config) -> dict[str, float]:
     """Trains; returns the test metrics (``accuracy``, ``loss``, ``weight``) and the kernels' ``sparsity``."""
     jp.gpu.apply_gpu_defaults(collective_matmul=cfg.mesh.tensor > 1)  # XLA flags on GPU only; before any device use
-    jp.run.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
     digits = jp.data.Digits.load(seed=cfg.seed)
     mesh = cfg.mesh.make()
-    jp.run.log_devices(mesh)
+    experiment.log_devices(mesh)
     model = MLP(hidden=cfg.hidden, num_classes=10)
     init_fn = lambda rng: model.init(rng, digits.x_train[:1])["params"]
     loss_fn = classification_loss(model)
@@ -74,7 +75,7 @@ def run(cfg: Config) -> dict[str, float]:
     writer = jp.metrics.MetricsWriter(cfg.out_dir, tensorboard=False)
     state = jp.loop.run(jp.train.make_train_step(loss_fn, tx, mesh=mesh), state,
                         lambda t: digits.batch(cfg.seed, t, cfg.batch_size), 0, cfg.steps,
-                        hooks=[jp.run.write_metrics(writer), jp.run.progress_bar(cfg.steps)]).state
+                        hooks=[experiment.write_metrics(writer), experiment.progress_bar(cfg.steps)]).state
     test = jp.loop.mean_metrics(jp.train.make_eval_step(loss_fn, mesh=mesh), state,
                                 [digits.test_set(multiple=jax.device_count())])
     test["sparsity"] = jp.pruning.sparsity_report(state.params)["prunable"]["sparsity"]

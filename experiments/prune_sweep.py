@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Annotated
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 
-jp.run.require_extra("experiments/prune_sweep.py")  # a core-only install stops here, told which extra to install
+experiment.require_extra("experiments/prune_sweep.py")  # a core-only install stops here, told which extra to install
 import digits  # noqa: E402  experiments/digits.py: Python puts the script's directory first on sys.path
 import tyro  # noqa: E402
 
@@ -41,7 +42,7 @@ class Config:
     prune_begin: int = 60                                   # first pruning step
     prune_end: int = 300                                    # final sparsity reached here; masks fixed after
     prune_frequency: int = 10                               # steps between mask refreshes
-    mesh: Annotated[jp.run.MeshConfig, tyro.conf.OmitArgPrefixes] = jp.run.MeshConfig()  # every run's mesh
+    mesh: Annotated[experiment.MeshConfig, tyro.conf.OmitArgPrefixes] = experiment.MeshConfig()  # every run's mesh
     out_dir: str = "runs/prune_sweep"                       # results.json, the PNG and one folder per run
 
     def __post_init__(self):
@@ -61,7 +62,7 @@ class Config:
         out = Path(self.out_dir)
         schedule = dict(prune_begin=self.prune_begin, prune_end=self.prune_end, prune_frequency=self.prune_frequency)
         return [(name, digits.Config(
-                    steps=self.steps, seed=seed, mesh=self.mesh, pruning=jp.run.PruningConfig(**schedule, **kw),
+                    steps=self.steps, seed=seed, mesh=self.mesh, pruning=experiment.PruningConfig(**schedule, **kw),
                     out_dir=str(out / name.replace(" ", "_").replace(":", "of").replace("%", "") / f"seed{seed}")))
                 for name, kw in settings for seed in self.seeds]
 
@@ -106,12 +107,12 @@ def row(name: str, run: digits.Config, test: dict[str, float]) -> dict:
 
 
 def main(cfg: Config) -> dict[str, dict]:
-    jp.run.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [row(name, run, digits.run(run)) for name, run in cfg.runs()]
     summary = summarize(rows)
-    (out / "results.json").write_text(json.dumps({"config": jp.run.flat_config(cfg), "runs": rows,
+    (out / "results.json").write_text(json.dumps({"config": experiment.flat_config(cfg), "runs": rows,
                                                   "summary": summary}, indent=1))
     series = {d: [(s["sparsity"], s["accuracy"], s["std"]) for s in summary.values()
                   if s["distribution"] == d and not s["n_m"]] for d in cfg.distributions}

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.jit import check_live
 from jaxpar.train import to_layout, to_model_order
 
@@ -231,11 +232,10 @@ class CheckpointManager:
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"checkpoint directory {str(self.directory)!r} is a file; pass a directory")
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive int or None (keep all)")
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 0:
-            raise ValueError(f"save_interval_steps={save_interval_steps!r} must be an int >= 0 (0: only forced saves)")
-        self.save_interval_steps = save_interval_steps
+        if max_to_keep is not None:
+            max_to_keep = positive_int("max_to_keep", max_to_keep, " or None (keep all)")
+        self.save_interval_steps = nonnegative_int("save_interval_steps", save_interval_steps,
+                                                   " (0: only forced saves)")
         self._async = async_save
         if (self.directory / TRASH).exists() and not (self.directory / TRASH).is_dir():
             raise CheckpointError(f"{str(self.directory / TRASH)!r} is a file, but jaxpar needs that name for the "
@@ -301,9 +301,7 @@ class CheckpointManager:
           TypeError: extras that are not a JSON-serialisable dict.
           ValueError: a negative step.
         """
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step={step!r} must be an int >= 0")
-        step = int(step)
+        step = nonnegative_int("step", step)
         extras = _check_extras(extras)
         if not (force or self.should_save(step)) or step in self._started or step in self._mgr.all_steps():
             return False
@@ -523,4 +521,4 @@ def restore_or_init(manager: CheckpointManager, init: Callable[[], Any], target:
     return manager.restore(step, target=target()), step
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "compare", "restore_or_init"]
+__all__ = ["CheckpointError", "CheckpointManager", "restore_or_init"]

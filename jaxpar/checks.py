@@ -19,3 +19,15 @@ def positive_int(name: str, value, hint: str = "") -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int{hint}")
     return int(value)
+
+
+def nonnegative_int(name: str, value, hint: str = "") -> int:
+    """``int(value)`` for an integer ``>= 0`` of any integral type (numpy's too, never a bool): a step, a count
+    where 0 means "none" or "the default".
+
+    Raises:
+      ValueError: ``'<name>=<value> must be an int >= 0'`` followed by ``hint`` (e.g. what 0 means).
+    """
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0{hint}")
+    return int(value)

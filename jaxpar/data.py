@@ -166,3 +166,6 @@ class Digits:
         n = len(self.y_test) // multiple * multiple
         rows = process_slice(n)
         return {"x": self.x_test[:n][rows], "y": self.y_test[:n][rows]}
+
+
+__all__ = ["CharCorpus", "Digits", "default_text", "load_text", "process_slice"]

@@ -39,7 +39,7 @@ throughput on small ones; XLA's default threshold (100000 MiB) leaves it off.
 Matmul precision (``jax_default_matmul_precision``) for float32 inputs [1]: ``"tf32"`` (``tensorfloat32``:
 10-bit mantissa inputs on the tensor cores, Ampere and later), ``"fp32"`` (``float32``: full precision, TF32
 off), ``"bf16"`` (``bfloat16``), ``None`` / ``"default"``: JAX's default left alone (``DEFAULT`` precision, which
-XLA:GPU runs as TF32 on Ampere and later). bfloat16 / float16 matmuls (``jp.Policy`` mixed precision) are
+XLA:GPU runs as TF32 on Ampere and later). bfloat16 / float16 matmuls (``jp.precision.Policy`` mixed precision) are
 not affected.
 
 Sources: [1] JAX, "GPU performance tips" (docs.jax.dev/en/latest/gpu_performance_tips.html);
@@ -211,3 +211,6 @@ def apply_gpu_defaults(platform: str | None = None, *, matmul_precision: str | N
     if precision is not None:
         jax.config.update("jax_default_matmul_precision", precision)
     return GpuDefaults("gpu", added, kept, precision)
+
+
+__all__ = ["GpuDefaults", "apply_gpu_defaults", "detect_platform", "gpu_flags"]

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
+from jaxpar.checks import positive_int
 from jaxpar.models import protocol
 from jaxpar.precision import Policy
 
@@ -105,10 +106,10 @@ def check_batch_size(batch_size: int, mesh: Mesh, rules: shd.Rules = shd.DEFAULT
     Raises:
       ValueError: naming the size that does not divide and the smallest batch multiple that works.
     """
-    for name, value in (("batch_size", batch_size), ("grad_accum_steps", grad_accum_steps),
-                        ("microbatches", microbatches)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (value < 1 and name != "batch_size"):
-            raise ValueError(f"{name}={value!r} must be {'an int' if name == 'batch_size' else 'a positive int'}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise ValueError(f"batch_size={batch_size!r} must be an int")
+    grad_accum_steps, microbatches = positive_int("grad_accum_steps", grad_accum_steps), positive_int(
+        "microbatches", microbatches)
     axes = shd.batch_axes(rules, mesh)
     n, k, m = math.prod(mesh.shape[a] for a in axes), grad_accum_steps, microbatches
     names = "*".join(axes) or "1"
@@ -288,10 +289,9 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
     """
     if not isinstance(grad_fn, GradFn):
         raise TypeError(f"accumulate needs a jp.grads.GradFn (e.g. jp.grads.value_and_grad(loss_fn)), got {grad_fn!r}")
-    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"grad_accum_steps={steps!r} must be a positive int")
-    return grad_fn if steps == 1 else _Accumulate(grad_fn, int(steps))
+    steps = positive_int("grad_accum_steps", steps)
+    return grad_fn if steps == 1 else _Accumulate(grad_fn, steps)
 
 
 __all__ = ["Context", "GradFn", "LossFn", "RESERVED_METRICS", "accumulate", "check_batch_size", "check_loss_output",
-           "merge_microbatches", "microbatch", "reduce_aux", "split_microbatches", "value_and_grad", "weighted_mean"]
+           "value_and_grad"]

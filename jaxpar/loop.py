@@ -3,7 +3,7 @@
 :func:`run` runs ``state, metrics = step_fn(state, batch_fn(t))`` for ``t = start .. stop-1`` and calls
 :class:`Hook`\\ s, in the spirit of ``clu.periodic_actions``: an entry point is build -> ``run`` -> report,
 with checkpoints (:func:`checkpoint`), evaluations (:func:`evaluate`), metric logs and progress bars
-(``jaxpar.run``) as hooks instead of an outer loop. :func:`run_steps` is the one-line generator for simple
+(``jaxpar.cli.experiment``) as hooks instead of an outer loop. :func:`run_steps` is the one-line generator for simple
 loops.
 
 Steps are counted as updates applied: call ``t`` (batch ``t``) returns the state of step ``t + 1``, which is
@@ -33,6 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxpar.checkpoint import CheckpointManager
+from jaxpar.checks import nonnegative_int, positive_int
 
 HookFn = Callable[[int, Any, dict[str, float]], Any]
 
@@ -134,8 +135,7 @@ class Hook:
     def __post_init__(self):
         if not callable(self.fn):
             raise TypeError(f"Hook fn={self.fn!r} must be callable as fn(step, state, metrics)")
-        if isinstance(self.every, bool) or not isinstance(self.every, (int, np.integer)) or self.every < 0:
-            raise ValueError(f"Hook every={self.every!r} must be an int >= 0 (0: only at_end / on_preemption)")
+        nonnegative_int("Hook every", self.every, " (0: only at_end / on_preemption)")
         if self.finish is not None and not callable(self.finish):
             raise TypeError(f"Hook finish={self.finish!r} must be callable without arguments, or None")
 
@@ -217,8 +217,7 @@ def _host(metrics: Any) -> dict[str, float]:
 
 def _check_range(start: Any, stop: Any) -> None:
     for name, value in (("start", start), ("stop", stop)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{name}={value!r} must be an int >= 0 (a step: updates applied)")
+        nonnegative_int(name, value, " (a step: updates applied)")
     if stop < start:
         raise ValueError(f"stop={stop} is before start={start}; pass start <= stop")
 
@@ -257,8 +256,7 @@ def run(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], start: in
       TypeError: a hook that is not a :class:`Hook`.
     """
     _check_range(start, stop)
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, (int, np.integer)) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight={max_in_flight!r} must be an int >= 1")
+    positive_int("max_in_flight", max_in_flight)
     for h in hooks:
         if not isinstance(h, Hook):
             raise TypeError(f"hooks must be jp.loop.Hook objects, got {type(h).__name__}: wrap a function as "

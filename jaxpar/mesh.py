@@ -325,7 +325,7 @@ def describe(mesh: Mesh) -> str:
 
 # ------------------------------------------------------------------------------------------ multi-process
 
-# Set by ``python -m jaxpar.launch`` for each process it starts.
+# Set by ``python -m jaxpar.cli.launch`` for each process it starts.
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "JAXPAR_COORDINATOR_ADDRESS", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID")
 
@@ -341,7 +341,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     """Joins a multi-process run: a thin layer over ``jax.distributed.initialize``.
 
     Where the parameters come from, first match wins: the arguments; the ``JAXPAR_*`` variables that
-    ``python -m jaxpar.launch`` sets; JAX's own auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes,
+    ``python -m jaxpar.cli.launch`` sets; JAX's own auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes,
     ``JAX_COORDINATOR_ADDRESS``). With none of these it is a single-process run: nothing happens and the
     result is False, so entry points may call it unconditionally. On CPU it selects gloo cross-process
     collectives (``jax_cpu_collectives_implementation``: jax 0.10's default, set explicitly so another
@@ -374,9 +374,14 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
             process_id = int(env[ENV_PROCESS_ID]) if process_id is None else process_id
         except (KeyError, ValueError) as e:
             raise ValueError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID} are missing or "
-                             f"not ints ({e}); start processes with python -m jaxpar.launch") from None
+                             f"not ints ({e}); start processes with python -m jaxpar.cli.launch") from None
     if coordinator_address is None and num_processes is None and not _cluster_detected():
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU client only; GPUs use NCCL
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids, **kwargs)
     return True
+
+
+# make_mesh, AXES, describe and initialize_distributed are exported by jaxpar itself (jp.make_mesh); the hybrid
+# (hosts x devices) helpers here.
+__all__ = ["make_hybrid_mesh", "split_axes"]

@@ -205,3 +205,7 @@ class Throughput:
         if self.peak and self.flops_per_token:
             out["mfu"] = mfu(out["tokens_per_s"], self.flops_per_token, self.peak)
         return out
+
+
+__all__ = ["GPU_DATASHEETS", "MetricsWriter", "Throughput", "measure_matmul_flops", "mfu", "peak_flops",
+           "read_jsonl"]

@@ -99,3 +99,6 @@ def adamw(learning_rate: float, *, total_steps: int, warmup_steps: int = 0, weig
     opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
                       mask=lambda params: decay_mask(params, axis_names))
     return optax.chain(optax.clip_by_global_norm(clip_norm), opt) if clip_norm else opt
+
+
+__all__ = ["adamw", "decay_mask"]

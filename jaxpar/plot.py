@@ -409,3 +409,7 @@ def nm_mask(mask: Any, n_m: tuple[int, int], path: str | Path | None = None, axi
     ax.set_title(title or f"{n}:{m} mask, first {corner.shape[0]}x{corner.shape[1]} weights (black: kept; "
                           f"groups of {m} along axis {axis})", fontsize=9)
     return _write(fig, path)
+
+
+__all__ = ["accuracy_vs_sparsity", "array_sharding", "bubble_vs_microbatches", "curves", "grouped_bars",
+           "layer_sparsity", "loss_curve", "loss_scale_curve", "nm_mask", "schedule_gantt", "sparsity_schedule"]

@@ -484,3 +484,7 @@ def skipped(opt_state: Any) -> jax.Array | None:
     one. Raises as :func:`loss_scale`."""
     check_outermost(opt_state)
     return opt_state.skipped if isinstance(opt_state, LossScaleState) else None
+
+
+__all__ = ["DynamicLossScale", "LossScaleState", "NoOpLossScale", "StaticLossScale", "f32_optimizer_state", "loss_scale",
+           "loss_scaling", "skipped"]   # Policy: exported as jp.Policy

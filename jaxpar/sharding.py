@@ -566,8 +566,6 @@ def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-__all__: Sequence[str] = (
-    "DEFAULT_RULES", "validate_rules", "batch_axes", "batch_sharding", "logical_specs", "leaf_axis_names", "mesh_specs",
-    "named_shardings", "effective_rules", "check_divisible", "constrain", "constrain_spec", "use", "use_for_init", "has_explicit_axes",
-    "replicated", "describe_params", "opt_state_shardings", "check_transformation",
-    "process_batch_rows", "global_batch_rows")
+__all__ = ["DEFAULT_RULES", "NON_MATRIX_NAME_PARTS", "Rules", "STACKED_AXIS_NAMES", "batch_axes", "batch_sharding", "check_transformation", "constrain",
+           "describe_params", "effective_rules", "logical_specs", "named_shardings", "opt_state_shardings",
+           "replicated", "use", "validate_rules"]

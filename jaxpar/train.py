@@ -21,10 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar import grads as gr
 from jaxpar import precision
 from jaxpar import sharding as shd
-from jaxpar.grads import GradFn, LossFn, check_batch_size  # noqa: F401  (jp.train.check_batch_size)
+from jaxpar.grads import GradFn, LossFn, check_batch_size
 from jaxpar.jit import MeshJit
 from jaxpar.models import protocol
-from jaxpar.optim import adamw, decay_mask  # noqa: F401  (jp.train.adamw: the experiments' optimizer)
 from jaxpar.pipeline.layout import StateLayout, permute_state, state_layout
 from jaxpar.precision import Policy
 
@@ -521,3 +520,8 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
 
     jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh))
     return Step(jitted, _Batches(mesh, rules), grad_fn, check)
+
+
+
+__all__ = ["TrainState", "abstract_state", "init_state", "make_eval_step", "make_train_step", "shard_batch",
+           "to_model_order"]

@@ -1,6 +1,6 @@
 """A small checkpointed training job for the checkpoint and multi-host tests: imported, or run as a script.
 
-Script (also under ``python -m jaxpar.launch -n 2``)::
+Script (also under ``python -m jaxpar.cli.launch -n 2``)::
 
     python tests/ckpt_worker.py --out DIR --steps 8 [--interval 1] [--mesh 2,2,2 [--mesh 1,8,1 ...]]
         [--precision fp16] [--pruning] [--check-resume-from K]
@@ -118,7 +118,7 @@ def _build(spec: Spec, mesh=None):
     data, fsdp, tensor = spec.mesh
     mesh = mesh or jp.make_mesh(data=data, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:data * fsdp * tensor])
     init_fn, loss_fn = gpt_parts()
-    policy = jp.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
+    policy = jp.precision.Policy.from_string("mixed_fp16") if spec.precision == "fp16" else None
     return mesh, init_fn, loss_fn, make_tx(spec, init_fn), policy
 
 

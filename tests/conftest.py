@@ -82,5 +82,5 @@ def no_compiling(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("the planner started building a step: the error should have come first")
-    monkeypatch.setattr(jp.plan, "build_step", refuse)
-    monkeypatch.setattr(jp.plan, "_plan_in_subprocess", refuse)
+    monkeypatch.setattr(jp.plan.planner, "build_step", refuse)
+    monkeypatch.setattr(jp.plan.planner, "_plan_in_subprocess", refuse)

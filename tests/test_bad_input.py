@@ -90,7 +90,7 @@ def test_malformed_loss_fn_output(mesh, bad, match):
 
 def test_empty_batch(mesh):
     with pytest.raises(ValueError, match="batch 0 is empty"):
-        jp.train.check_batch_size(0, mesh, jp.sharding.DEFAULT_RULES)
+        jp.grads.check_batch_size(0, mesh, jp.sharding.DEFAULT_RULES)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -101,7 +101,7 @@ def test_empty_batch(mesh):
 def test_adamw_rejects_out_of_range_hyperparameters(kwargs, match):
     args = {"learning_rate": 1e-3, "total_steps": 100, **kwargs}
     with pytest.raises(ValueError, match=match):
-        jp.train.adamw(args.pop("learning_rate"), **args)
+        jp.optim.adamw(args.pop("learning_rate"), **args)
 
 
 def test_tx_must_be_a_gradient_transformation(mesh):
@@ -301,7 +301,7 @@ def test_policy_rejects_float8():
 def test_adamw_names_a_hyperparameter_that_is_not_a_number(kwargs):
     kwargs.setdefault("total_steps", 10)
     with pytest.raises(TypeError, match=r"adamw \w+=.* must be"):
-        jp.train.adamw(**kwargs)
+        jp.optim.adamw(**kwargs)
 
 
 @pytest.mark.parametrize("shapes", [((8, 8), (8, 7)), ((8, 0), (8, 0)), ((8,), (8,)), ((8, 9), (8, 9))])

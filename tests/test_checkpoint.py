@@ -127,7 +127,7 @@ def test_round_trip_keeps_types_and_bits(saved):
     mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
     target = jp.train.abstract_state(saved["init_fn"], saved["tx"], mesh=mesh)
     state = ckpt.restore(target=target)
-    assert type(state) is jp.TrainState
+    assert type(state) is jp.train.TrainState
     assert type(state.opt_state) is jp.precision.LossScaleState
     adam, pruning = state.opt_state.inner_state
     assert type(adam[0]) is optax.ScaleByAdamState and type(pruning) is jp.pruning.MagnitudePruningState

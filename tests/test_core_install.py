@@ -39,7 +39,7 @@ import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
 mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
 model = GPT(GPTConfig(vocab_size=50, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
-tx = jp.train.adamw(1e-3, total_steps=10, axis_names=jax.eval_shape(model.init, jax.random.key(0)))
+tx = jp.optim.adamw(1e-3, total_steps=10, axis_names=jax.eval_shape(model.init, jax.random.key(0)))
 state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
 step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
 rng = np.random.default_rng(0)
@@ -96,9 +96,9 @@ def test_experiments_extra_lists_pyproject_libraries():
 
 
 def test_require_extra_rejects_an_unknown_extra():
-    import jaxpar as jp
+    from jaxpar.cli import experiment
     with pytest.raises(ValueError, match="extra='bench'"):
-        jp.run.require_extra("x", extra="bench")
+        experiment.require_extra("x", extra="bench")
 
 
 def run_script(name: str, block: str) -> subprocess.CompletedProcess:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,8 +80,8 @@ def test_charlm_failed_resume_leaves_no_directory(tmp_path):
 def test_charlm_with_pruning_and_fp16(tmp_path):
     charlm = load("charlm")
     cfg = charlm.Config(steps=40, eval_interval=20, eval_batches=1, batch_size=16, seq_len=32, d_model=64,
-                        num_layers=2, sample_chars=5, pruning=jp.run.PruningConfig(sparsity=0.5, distribution="global"),
-                        precision=jp.run.PrecisionConfig("fp16"), out_dir=str(tmp_path))
+                        num_layers=2, sample_chars=5, pruning=experiment.PruningConfig(sparsity=0.5, distribution="global"),
+                        precision=experiment.PrecisionConfig("fp16"), out_dir=str(tmp_path))
     assert charlm.main(cfg) < 3.5
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if r["split"] == "val"][-1]

@@ -1,6 +1,6 @@
 """Multi-process runs through ``jax.distributed``: 2 local processes x 4 CPU devices (gloo) against 1 x 8.
 
-The job is ``tests/ckpt_worker.py`` on data=2 x fsdp=2 x tensor=2 started by ``python -m jaxpar.launch``;
+The job is ``tests/ckpt_worker.py`` on data=2 x fsdp=2 x tensor=2 started by ``python -m jaxpar.cli.launch``;
 the single-process reference runs in this process. A second job runs layouts whose fsdp resp. tensor axis
 spans both processes (data=1 x fsdp=8, tensor=8: the collectives of FSDP and of Megatron cross processes).
 """
@@ -19,7 +19,7 @@ import pytest
 
 import ckpt_worker as worker
 import jaxpar as jp
-import jaxpar.launch
+import jaxpar.cli.launch
 from helpers import assert_tree_close
 from test_checkpoint import train_rows
 
@@ -30,8 +30,8 @@ TIMEOUT = 240  # seconds for the whole two-process job (the launcher kills its p
 
 
 def launch(args: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """Runs ``python -m jaxpar.launch ...`` in its own process group; kills the whole group on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--timeout", str(timeout - 20), *args], cwd=ROOT,
+    """Runs ``python -m jaxpar.cli.launch ...`` in its own process group; kills the whole group on timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.cli.launch", "--timeout", str(timeout - 20), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out = proc.communicate(timeout=timeout)[0]
@@ -132,7 +132,7 @@ def test_launcher_stops_everything_when_a_process_fails(tmp_path):
                       "time.sleep(60)\n")
     job = launch(["-n", "2", str(script)], timeout=60)
     assert job.returncode == 3 and "process 1 exited with 3" in job.stdout
-    env = jaxpar.launch.process_env(1, 2, 1234, 4, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --x"})
+    env = jaxpar.cli.launch.process_env(1, 2, 1234, 4, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --x"})
     assert env["XLA_FLAGS"] == "--x --xla_force_host_platform_device_count=4"
     assert (env["JAXPAR_COORDINATOR_ADDRESS"], env["JAXPAR_NUM_PROCESSES"], env["JAXPAR_PROCESS_ID"]) == (
         "127.0.0.1:1234", "2", "1")

@@ -20,8 +20,8 @@ LR, WD = 0.01, 0.1
 
 
 def zero_grad_step(init_fn, axis_names, mesh):
-    """Params before and after one jp.train.adamw step of a loss with zero gradient, as flat {path: array}."""
-    tx = jp.train.adamw(LR, total_steps=10, warmup_steps=0, weight_decay=WD, clip_norm=None,
+    """Params before and after one jp.optim.adamw step of a loss with zero gradient, as flat {path: array}."""
+    tx = jp.optim.adamw(LR, total_steps=10, warmup_steps=0, weight_decay=WD, clip_norm=None,
                         axis_names=axis_names)
     state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
     before = jax.device_get(state.params)
@@ -103,9 +103,9 @@ def test_axis_names_of_another_tree_is_a_clear_error():
 
 
 def test_learning_rate_schedule_is_warmup_then_cosine():
-    """jp.train.adamw's schedule against the formula: linear 0 -> lr over warm-up, cosine to final_lr_ratio*lr."""
+    """jp.optim.adamw's schedule against the formula: linear 0 -> lr over warm-up, cosine to final_lr_ratio*lr."""
     lr, total, warm, final = 1e-3, 100, 10, 0.1
-    tx = jp.train.adamw(lr, total_steps=total, warmup_steps=warm, final_lr_ratio=final, clip_norm=None,
+    tx = jp.optim.adamw(lr, total_steps=total, warmup_steps=warm, final_lr_ratio=final, clip_norm=None,
                         weight_decay=0.0, b1=0.0, b2=0.0)
     params = {"w": jnp.ones((2, 2))}
     state = tx.init(params)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxpar as jp
-from jaxpar.pipeline import Action, B, F, Schedule, W, checks
+from jaxpar.pipeline import Action, B, F, Schedule, W, checks, schedules
 from jaxpar.pipeline.analysis import compiled_temp_bytes, lockstep_time, timing
 
 P = jp.pipeline
@@ -170,7 +170,7 @@ def test_builders_bound_the_table_size(build, match):
 def test_the_bound_is_on_ticks_times_stages(monkeypatch):
     """GPipe on one stage has exactly 2 m ticks: at a bound of 100 entries m = 50 builds, m = 51 does not; a
     hand-written Schedule and from_actions obey the same bound."""
-    monkeypatch.setattr(checks, "MAX_TABLE_ENTRIES", 100)
+    monkeypatch.setattr(schedules, "MAX_TABLE_ENTRIES", 100)
     assert P.gpipe(1, 50).num_ticks == 100
     with pytest.raises(ValueError, match=r"a table of at least 102 ticks x 1 stages = 102 entries exceeds the bound "
                                          r"of 100"):

@@ -22,6 +22,7 @@ import pytest
 from helpers import SMALL_GPT, SMALL_GPT_VARIANT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 from jaxpar.models import GPT, GPTConfig
 
 SEED = 23
@@ -187,7 +188,7 @@ def test_charlm_runs_data2_pipe2_tensor2(schedule, tmp_path):
     """The main job end to end with each schedule on data=2 x pipe=2 x tensor=2: training lowers the loss, the
     eval loss is finite, and the Gantt chart of the schedule it ran is saved beside the metrics."""
     charlm = _charlm()
-    cfg = charlm.Config(pipe=2, mesh=jp.run.MeshConfig(fsdp=1, tensor=2), schedule=schedule, microbatches=4,
+    cfg = charlm.Config(pipe=2, mesh=experiment.MeshConfig(fsdp=1, tensor=2), schedule=schedule, microbatches=4,
                         steps=6, eval_interval=6, eval_batches=1, batch_size=16, seq_len=32, d_model=64,
                         num_layers=4, warmup_steps=1, sample_chars=5, out_dir=str(tmp_path), checkpoint_interval=0)
     val = charlm.main(cfg)

@@ -23,6 +23,7 @@ from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 from jaxpar.models import GPT
 
 SEED = 31
@@ -108,7 +109,7 @@ BF16_RTOL = 3e-2
 
 @pytest.mark.slow  # heavier compile; .ci/run runs it
 def test_pipeline_with_mixed_bf16_policy(mesh_factory):
-    policy = jp.Policy.from_string("mixed_bf16")
+    policy = jp.precision.Policy.from_string("mixed_bf16")
     model = gpt(2, dtype=jnp.bfloat16)
     f32_model = gpt(2)
     tx = optax.sgd(0.1, momentum=0.9)
@@ -228,7 +229,7 @@ CHARLM_DRIFT = 1e-4
 @pytest.mark.slow
 def test_charlm_pipe2_matches_pipe1(tmp_path):
     charlm = load_charlm()
-    common = dict(mesh=jp.run.MeshConfig(fsdp=2, tensor=2), microbatches=4, schedule="1f1b", steps=4, eval_interval=2, eval_batches=1,
+    common = dict(mesh=experiment.MeshConfig(fsdp=2, tensor=2), microbatches=4, schedule="1f1b", steps=4, eval_interval=2, eval_batches=1,
                   batch_size=16, seq_len=32, d_model=32, num_layers=2, warmup_steps=1, sample_chars=1,
                   checkpoint_interval=0, seed=5)
     rows = {}

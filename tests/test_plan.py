@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
-from jaxpar import plan_hlo
+from jaxpar.plan import hlo as plan_hlo
 from jaxpar.models import GPTConfig
 
 TINY = GPTConfig(vocab_size=61, num_layers=2, num_heads=2, d_model=32, max_seq_len=16, remat="full",
@@ -81,8 +81,8 @@ BAD_INPUTS = [   # (mesh_shape, plan kwargs, exception, message)
     (dict(dat=8), {}, ValueError, r"unknown axes \['dat'\]"),
     ((8, 1, 1), {}, ValueError, "one size per axis"),
     (dict(data=8), dict(device="tpu-v5"), ValueError, "device='tpu-v5' is not in the datasheet table"),
-    (dict(data=8), dict(global_batch=12), ValueError, r"global_batch 12 must be a positive int multiple of .* = 8$"),
-    (dict(data=8), dict(global_batch=0), ValueError, "global_batch 0 must be a positive int multiple"),
+    (dict(data=8), dict(global_batch=12), ValueError, r"global_batch=12 must be a positive int multiple of .* = 8$"),
+    (dict(data=8), dict(global_batch=0), ValueError, "global_batch=0 must be a positive int multiple"),
     (dict(data=4, pipe=2), dict(schedule="1f1b-4"), ValueError, "not a jp.pipeline.Schedule"),
     (dict(data=4, pipe=2), dict(schedule=("one_f_one_b", 2, 4)), ValueError, "not a jp.pipeline.Schedule"),
     (dict(data=4, pipe=2), {}, ValueError, "pipe=2 needs a pipeline schedule"),

@@ -158,7 +158,7 @@ def test_fp16_training_with_dynamic_loss_scale_tracks_f32(mesh_factory):
 
     cfg = dataclasses.replace(NARROW_GPT, num_layers=1)
     f32 = train(cfg, tx32, None)
-    f16 = train(dataclasses.replace(cfg, dtype=jnp.float16), tx16, jp.Policy.from_string("mixed_fp16"))
+    f16 = train(dataclasses.replace(cfg, dtype=jnp.float16), tx16, jp.precision.Policy.from_string("mixed_fp16"))
     l32, l16 = np.array([m["loss"] for m in f32]), np.array([m["loss"] for m in f16])
     skipped = int(sum(m["skipped"] for m in f16))
     dist = float(np.max(np.abs(l16 - l32)))
@@ -221,7 +221,7 @@ def test_mixed_bf16_policy_computes_a_plain_loss_fn_in_bf16(mesh_factory):
     tx = sgd()
     results = {}
     for name in ("mixed_bf16", "f32", None):
-        policy = None if name is None else jp.Policy.from_string(name)
+        policy = None if name is None else jp.precision.Policy.from_string(name)
         state = jp.train.init_state(lambda r: params, tx, SEED, mesh=mesh, policy=policy)
         step = jp.train.make_train_step(plain_loss, tx, mesh=mesh, donate=False)
         n_dots, n_bf16 = dot_dtypes(step, state, batch)
@@ -254,7 +254,7 @@ def test_mixed_bf16_policy_computes_a_float_input_loss_fn_in_bf16(mesh_factory):
     params = {"w1": rng.normal(size=(16, 32)).astype(np.float32), "w2": rng.normal(size=(32, 4)).astype(np.float32)}
     loss_fn = lambda p, b, r: (jnp.mean(jnp.square(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"])), {})
     batch = {"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
-    policy = jp.Policy.from_string("mixed_bf16")
+    policy = jp.precision.Policy.from_string("mixed_bf16")
     state = jp.train.init_state(lambda r: params, optax.sgd(0.1), 0, mesh=mesh, policy=policy)
     step = jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh)
     n_dots, n_bf16 = dot_dtypes(step, state, batch)
@@ -279,7 +279,7 @@ def test_bf16_params_update_is_bf16_of_the_f32_optax_update(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     rng = np.random.default_rng(SEED + 5)
     params, batches = plain_params(rng), [plain_batch(rng) for _ in range(2)]
-    policy = jp.Policy.from_string("p=bf16,c=bf16,o=f32")
+    policy = jp.precision.Policy.from_string("p=bf16,c=bf16,o=f32")
     tx = sgd()
     state0 = jp.train.init_state(lambda r: params, tx, SEED, mesh=mesh, policy=policy)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state0.params))

@@ -6,12 +6,13 @@ import json
 import pytest
 
 import jaxpar as jp
+from jaxpar.cli import experiment
 from test_experiments import load
 
 
 def test_digits_pruning_flags_prune_and_train(tmp_path):
     digits = load("digits")
-    cfg = digits.Config(steps=120, pruning=jp.run.PruningConfig(sparsity=0.8, distribution="global", prune_begin=20,
+    cfg = digits.Config(steps=120, pruning=experiment.PruningConfig(sparsity=0.8, distribution="global", prune_begin=20,
                                                                 prune_end=80, prune_frequency=5), out_dir=str(tmp_path))
     test = digits.run(cfg)
     assert test["sparsity"] == pytest.approx(0.8, abs=1e-3)
@@ -49,7 +50,7 @@ def test_charlm_prune_structure_compacts_and_reports(tmp_path, capsys):
     charlm = load("charlm")
     cfg = charlm.Config(steps=12, eval_interval=12, eval_batches=1, batch_size=8, seq_len=16, d_model=32, num_heads=4,
                         num_layers=2, sample_chars=2, checkpoint_interval=0, out_dir=str(tmp_path),
-                        pruning=jp.run.PruningConfig(sparsity=0.5, prune_structure="both", prune_begin=2, prune_end=8,
+                        pruning=experiment.PruningConfig(sparsity=0.5, prune_structure="both", prune_begin=2, prune_end=8,
                                                      prune_frequency=2))
     charlm.main(cfg)
     out = json.loads((tmp_path / "compaction.json").read_text())

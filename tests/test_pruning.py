@@ -24,6 +24,7 @@ from jax.sharding import AxisType
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
+from jaxpar.pruning.structure import make_plans
 
 from helpers import assert_tree_close, mlp_batch, mlp_parts
 
@@ -345,7 +346,7 @@ def groups(mask: np.ndarray, axes: tuple[int, ...], m: int) -> np.ndarray:
 
 
 def test_reduction_axes_from_logical_names():
-    plans = {p.name: p for p in jp.pruning.make_plans(nn.meta.unbox(names()), names()) if p}
+    plans = {p.name: p for p in make_plans(nn.meta.unbox(names()), names()) if p}
     assert set(plans) == {f"blocks/{k}" for k in KERNELS} | {"extra/kernel"}   # no norms, biases, embeddings
     assert plans["blocks/qkv_kernel"].reduction_axes == (1,)       # [layers, embed, heads, 3, kv]
     assert plans["blocks/out_kernel"].reduction_axes == (1, 2)     # [layers, heads, kv, embed]
@@ -353,14 +354,14 @@ def test_reduction_axes_from_logical_names():
     assert plans["blocks/down_kernel"].reduction_axes == (1,)      # [layers, mlp, embed]
     assert plans["extra/kernel"].reduction_axes == (0,)            # unnamed (in, out)
     assert all(plans[f"blocks/{k}"].batch_axes == (0,) for k in KERNELS)
-    over = jp.pruning.make_plans({"w": jnp.zeros((4, 8, 12))}, reduction_axes=lambda path, shape: (1, 2))
+    over = make_plans({"w": jnp.zeros((4, 8, 12))}, reduction_axes=lambda path, shape: (1, 2))
     assert over[0].reduction_axes == (1, 2)
 
 
 def test_n_m_keeps_exactly_n_of_every_m_along_the_reduction_axes():
     params = jax.tree.map(jnp.asarray, host_init())
     masks = prune_once(params, names(), n_m=(2, 4))
-    plans = {p.path: p for p in jp.pruning.make_plans(params, names()) if p}
+    plans = {p.path: p for p in make_plans(params, names()) if p}
     for path, plan in plans.items():
         mask = masks[path[0]][path[1]]
         per_group = groups(mask, plan.reduction_axes, 4).sum(-1)

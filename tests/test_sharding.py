@@ -109,10 +109,10 @@ def test_init_state_places_params_and_opt_state(mesh_factory):
 
 
 def test_masked_optimizer_state_is_sharded_like_params(mesh_factory):
-    """jp.train.adamw (clip, then AdamW with a weight-decay mask): mu/nu still mirror the params' layout."""
+    """jp.optim.adamw (clip, then AdamW with a weight-decay mask): mu/nu still mirror the params' layout."""
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     model = GPT(SMALL_GPT)
-    state = jp.train.init_state(model.init, jp.train.adamw(1e-3, total_steps=10), 0, mesh=mesh)
+    state = jp.train.init_state(model.init, jp.optim.adamw(1e-3, total_steps=10), 0, mesh=mesh)
     param_specs = {jax.tree_util.keystr(p): x.sharding.spec
                    for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     mirrored = 0

@@ -19,6 +19,7 @@ import pytest
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig, MLP
+from jaxpar.pruning.groups import group_plans
 
 from helpers import MLP_FEATURES, assert_tree_close, gpt_batch, mlp_parts
 
@@ -101,7 +102,7 @@ def prune_once(params, names, sparsity, distribution, **kw):
 # ------------------------------------------------------------------------------------------------ groups
 
 def test_gpt_groups_come_from_logical_names():
-    plans = {p.name: p for p in jp.pruning.group_plans(nn.meta.unbox(gpt_names()), gpt_names())}
+    plans = {p.name: p for p in group_plans(nn.meta.unbox(gpt_names()), gpt_names())}
     assert set(plans) == {"blocks/mlp", "blocks/heads"}
     for axis, want in (("mlp", {"up_kernel", "up_bias", "down_kernel"}), ("heads", {"qkv_kernel", "out_kernel"})):
         plan = plans[f"blocks/{axis}"]

@@ -109,7 +109,7 @@ def test_the_policy_travels_on_the_state(mesh_factory):
     mesh, tx = mesh_factory(**MESH), optax.sgd(0.1)
     batch = gpt_batch(np.random.default_rng(SEED), 16, SMALL_GPT)
     step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)
-    policy = jp.Policy.from_string("mixed_bf16")
+    policy = jp.precision.Policy.from_string("mixed_bf16")
     f32 = jp.train.init_state(init_fn, tx, SEED, mesh=mesh)
     bf16 = jp.train.init_state(init_fn, tx, SEED, mesh=mesh, policy=policy)
     assert f32.policy is None and bf16.policy == policy

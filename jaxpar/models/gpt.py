@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
@@ -71,11 +72,9 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple",
                      "attention_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int")
-        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 0:
-            raise ValueError(f"GPTConfig.head_dim={self.head_dim!r} must be an int >= 0 (0 means d_model // num_heads)")
+            object.__setattr__(self, name, positive_int(f"GPTConfig.{name}", getattr(self, name)))
+        object.__setattr__(self, "head_dim", nonnegative_int("GPTConfig.head_dim", self.head_dim,
+                                                             " (0 means d_model // num_heads)"))
         if self.head_dim == 0:
             if self.d_model % self.num_heads:
                 raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; "
@@ -100,8 +99,7 @@ class GPTConfig:
             raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
-        if not isinstance(self.d_mlp, int) or isinstance(self.d_mlp, bool) or self.d_mlp < 0:
-            raise ValueError(f"GPTConfig.d_mlp={self.d_mlp!r} must be an int >= 0 (0 means 4 * d_model)")
+        object.__setattr__(self, "d_mlp", nonnegative_int("GPTConfig.d_mlp", self.d_mlp, " (0 means 4 * d_model)"))
 
     def as_model(self, params: Any = None) -> "GPT":
         """The model this config builds (the protocol's config -> model step)."""
@@ -209,7 +207,7 @@ def attention(cfg: GPTConfig, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.
     if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
         raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
                          f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
-                         "(jp.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
+                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
     if dtype == jnp.float16 and cfg.attention != "cudnn":
         # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
         # take attention in float32.

@@ -14,8 +14,10 @@ from jaxpar.pipeline.schedules import (Action, B, F, Placement, Schedule, W, dep
                                        round_robin, v_shape)
 
 
-def _check_at_least_one_per_stage(name: str, p: int, m: int) -> tuple[int, int]:
-    """Checks ``m >= p`` (a zero-bubble table needs a microbatch per stage); returns ``(p, m)``."""
+def _zero_bubble_sizes(name: str, num_stages, num_microbatches, actions: int) -> tuple[int, int]:
+    """A zero-bubble builder's sizes ``(p, m)``: :func:`~jaxpar.pipeline.checks.builder_sizes` (``actions`` per
+    microbatch and chunk), then ``m >= p`` (a zero-bubble table needs a microbatch per stage)."""
+    p, m, _ = builder_sizes(name, num_stages, num_microbatches, actions=actions)
     if m < p:
         raise ValueError(f"{name} needs num_microbatches >= num_stages, got {m} microbatches for {p} stages; use "
                          f"num_microbatches >= {p}")
@@ -34,7 +36,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer (any integral type, numpy's too; not a bool), or a
-        table over :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` (``num_ticks * num_stages``).
+        table over :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES` (``num_ticks * num_stages``).
     """
     num_stages, num_microbatches, _ = builder_sizes("gpipe", num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
@@ -70,7 +72,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer, or a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`; ``num_microbatches < num_stages`` (the warm-up alone
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`; ``num_microbatches < num_stages`` (the warm-up alone
         needs ``p - 1`` microbatches in flight, so the steady state never forms: use :func:`gpipe`).
     """
     num_stages, num_microbatches, _ = builder_sizes("one_f_one_b", num_stages, num_microbatches)
@@ -115,7 +117,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
 
     Raises:
       ValueError: a size that is not a positive integer, a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m`` not a multiple of ``p``.
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, or ``m`` not a multiple of ``p``.
     """
     num_stages, num_microbatches, num_chunks = builder_sizes("interleaved_1f1b", num_stages, num_microbatches,
                                                              num_chunks)
@@ -195,10 +197,9 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
 
     Raises:
       ValueError: a size that is not a positive integer, a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m < p``.
+        :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, or ``m < p``.
     """
-    num_stages, num_microbatches, _ = builder_sizes("zero_bubble", num_stages, num_microbatches, actions=3)
-    p, m = _check_at_least_one_per_stage("zero_bubble", num_stages, num_microbatches)
+    p, m = _zero_bubble_sizes("zero_bubble", num_stages, num_microbatches, actions=3)
     return place_in_order("zb-h1", m, [_zb_h1_order(p, m, s) for s in range(p)])
 
 
@@ -214,16 +215,9 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     (bubble ``(p - 1) / (6 m + p - 1)``, torch's at ``p = 4, m = 8``); up to ``p = 8`` (checked to ``m = 24``) at
     most 4 ticks more. Peak stash ``2p`` chunk-microbatches on every device.
 
-    Args:
-      num_stages: ``p >= 1``.
-      num_microbatches: ``m >= p``.
-
-    Raises:
-      ValueError: a size that is not a positive integer, a table over
-        :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES`, or ``m < p``.
+    Arguments (``num_stages = p >= 1``, ``num_microbatches = m >= p``) and errors as for :func:`zero_bubble`.
     """
-    num_stages, num_microbatches, _ = builder_sizes("zero_bubble_v", num_stages, num_microbatches, actions=6)
-    p, m = _check_at_least_one_per_stage("zero_bubble_v", num_stages, num_microbatches)
+    p, m = _zero_bubble_sizes("zero_bubble_v", num_stages, num_microbatches, actions=6)
     rank = {"B": 0, "F": 1, "W": 2}
     return _list_schedule("zb-v", p, m, v_shape(p), [2 * p] * p,
                           lambda a, vs: (rank[a.kind], a.microbatch, -vs))

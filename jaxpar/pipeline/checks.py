@@ -4,8 +4,10 @@ ValueError/TypeError naming the value and the fix, never an XLA error from insid
 Batch divisibility is :func:`jaxpar.grads.check_batch_size` (the one batch-size check of jaxpar); here only
 what is particular to a pipeline: the mesh against the schedule, the stacked stage parameters, the stage
 function keeping the activation's shape, and the loss returning a scalar; and the plain-Python checks of the
-schedule API (builder sizes, the table-size bound :data:`MAX_TABLE_ENTRIES`, a Schedule where one is needed,
-per-action costs, placements, and the entries of a user's action lists).
+schedule API (builder sizes, a Schedule where one is needed, per-action costs, placements, and the entries of
+a user's action lists). What a ``Schedule`` checks of itself on construction (its sizes, the table-size bound
+:data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, its actions) lives beside it in
+:mod:`jaxpar.pipeline.schedules`, so the pipeline's modules import in one direction.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jaxpar import grads
 from jaxpar import sharding as shd
 from jaxpar.checks import positive_int
 from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
-from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule
+from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule, check_table_size, is_index
 from jaxpar.pipeline.stash import STASH_MODES
 
 
@@ -35,30 +37,15 @@ def struct(a: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct
 
 # --------------------------------------------------------------------------------- the schedule API
 
-MAX_TABLE_ENTRIES = 10 ** 7
-"""The most ``num_ticks * num_stages`` entries a schedule table may hold. Plain Python builds, validates and
-analyses a table at about 5 microseconds an entry on one CPU core (a minute at the bound), and the control
-table the runtime scans holds eleven ``[ticks, stages]`` int32 arrays (440 MB at the bound). Real runs sit far
-below it: interleaved 1F1B at ``p = 128, m = 4096, v = 2`` is 2.1 million entries."""
-
-
-def check_table_size(what: str, num_ticks: int, num_stages: int, at_least: bool = False) -> None:
-    """Raises ValueError when ``num_ticks * num_stages`` exceeds :data:`MAX_TABLE_ENTRIES`, naming the sizes."""
-    if num_ticks * num_stages > MAX_TABLE_ENTRIES:
-        raise ValueError(f"{what}: a table of {'at least ' if at_least else ''}{num_ticks} ticks x {num_stages} "
-                         f"stages = {num_ticks * num_stages:,} entries exceeds the bound of {MAX_TABLE_ENTRIES:,} "
-                         "(jp.pipeline.checks.MAX_TABLE_ENTRIES); use fewer stages or fewer, larger microbatches")
-
-
 _NO_CHUNKS = object()   # a builder without a num_chunks argument
 
 
 def builder_sizes(name: str, num_stages: Any, num_microbatches: Any, num_chunks: Any = _NO_CHUNKS, *,
                   actions: int = 2) -> tuple[int, int, int]:
     """A builder's sizes as ints ``(p, m, v)`` (``v = 1`` for a builder without ``num_chunks``), checked: positive
-    integers, and a table within :data:`MAX_TABLE_ENTRIES`. Every stage runs ``actions`` actions per microbatch
-    and chunk (2: ``F``, ``B``; 3 with ``W``; ZB-V's two chunks: 6), the last stage's first at tick ``p - 1`` at
-    the earliest, so the table has at least ``actions * v * m + p - 1`` ticks.
+    integers, and a table within :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`. Every stage runs
+    ``actions`` actions per microbatch and chunk (2: ``F``, ``B``; 3 with ``W``; ZB-V's two chunks: 6), the last
+    stage's first at tick ``p - 1`` at the earliest, so the table has at least ``actions * v * m + p - 1`` ticks.
 
     Raises:
       ValueError: a size that is not a positive integer, or a table over the bound (naming the sizes).
@@ -139,40 +126,15 @@ def check_placement(placement: Any, num_stages: int) -> Placement:
     return tuple(tuple(int(x) for x in row) for row in rows)
 
 
-def _is_index(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
-
-
 def check_action(entry: Any, where: str) -> Action:
     """An :class:`Action` with a known kind and int microbatch and chunk ``>= 0`` (numpy ints become ints);
     else ValueError naming ``where`` (e.g. ``'stage 0, entry 3'``) and the entry."""
     if entry.kind not in KINDS:
         raise ValueError(f"{where}: {entry!r} has kind {entry.kind!r}; the kinds are {KINDS} (jp.pipeline.F, B, W)")
     for field in ("microbatch", "chunk"):
-        if not _is_index(getattr(entry, field)):
+        if not is_index(getattr(entry, field)):
             raise ValueError(f"{where}: {entry!r} has {field}={getattr(entry, field)!r}; it must be an int >= 0")
     return Action(entry.kind, int(entry.microbatch), int(entry.chunk))
-
-
-def schedule_sizes(schedule: Schedule) -> None:
-    """Makes ``schedule``'s integral sizes (numpy's too) plain ints, in place; leaves the rest for validation."""
-    for name in ("num_stages", "num_microbatches", "num_chunks"):
-        value = getattr(schedule, name)
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            object.__setattr__(schedule, name, int(value))
-
-
-def check_table(schedule: Schedule) -> None:
-    """Raises ValueError for a table over :data:`MAX_TABLE_ENTRIES` or an action whose microbatch or chunk is
-    not an int ``>= 0`` (naming the tick, stage and action); the rest is
-    :func:`~jaxpar.pipeline.schedules.validate`'s."""
-    if isinstance(schedule.num_stages, int):
-        check_table_size(f"schedule {schedule.name!r}", len(schedule.table), schedule.num_stages)
-    for t, row in enumerate(schedule.table):
-        for s, a in enumerate(row):
-            if isinstance(a, Action) and not (_is_index(a.microbatch) and _is_index(a.chunk)):
-                raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s} holds {a!r}; its microbatch and "
-                                 "chunk must be ints >= 0")
 
 
 # ------------------------------------------------------------------------------------- the runtime

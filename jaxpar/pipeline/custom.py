@@ -18,8 +18,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from jaxpar.pipeline.checks import check_action, check_placement, check_table_size, positive_int
-from jaxpar.pipeline.schedules import Action, Placement, Schedule, place_in_order, round_robin
+from jaxpar.checks import positive_int
+from jaxpar.pipeline.checks import check_action, check_placement
+from jaxpar.pipeline.schedules import Action, Placement, Schedule, check_table_size, place_in_order, round_robin
 
 _OURS = re.compile(r"^([FBW])(\d+)(?:\.(\d+))?$")
 _TORCH = re.compile(r"^(\d+)([FBIW])(\d+)$")
@@ -114,7 +115,7 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
         chunk that is not an int >= 0), both string forms in one table, torch's ``B`` beside ``I``/``W``, or an
         ``I`` without its ``W`` (or a ``W`` without its ``I``), ``num_microbatches`` not a positive integer, an
         inconsistent placement, a microbatch id beyond the forwards a stage lists (ids count 0..m-1), a table
-        over :data:`~jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` entries, orders that deadlock, or a table the
+        over :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES` entries, orders that deadlock, or a table the
         validator rejects (a dependency at a later tick, an action missing or repeated: naming tick, stage,
         chunk and action).
     """

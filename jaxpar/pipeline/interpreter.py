@@ -60,8 +60,8 @@ from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
                                    pullback_from_stash, residual_plan, stashed_structs, write_stash)
-from jaxpar.pipeline.table import (ACTIVATIONS, BWD, BWD_INPUT, COTANGENTS, FWD, FWD_LAST, NEXT, PREV, SELF, Actions,
-                                   BufferSizes, ControlTable, control_table)
+from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Actions, BufferSizes, ControlTable, Kind,
+                                   control_table, switch_branches)
 
 AXIS = "pipe"
 FSDP = "fsdp"
@@ -356,7 +356,10 @@ class _Interpreter:
             carry = shared.unpack(read(st.bstash, sl.wstash), True)
             dparams = split_lib.backward_weight(split, params, x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
-        return [idle, fwd, fwd_last, bwd] + ([bwd_input, bwd_weight] if split is not None else [])
+        actions = {Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd}
+        if split is not None:
+            actions.update({Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight})
+        return switch_branches(actions)
 
     # --- value and gradient ------------------------------------------------------------------------------
     def _shared(self, plan, split, x0) -> SharedSlots:
@@ -411,15 +414,15 @@ class _Interpreter:
             out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys)
             act, cot = _route(table, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            is_fwd = (kind == FWD) | (kind == FWD_LAST)
+            is_fwd, is_b_input = (kind == Kind.FWD) | (kind == Kind.FWD_LAST), kind == Kind.BWD_INPUT
             return _Carry(
                 stashes=_Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
-                                 write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | (kind == BWD_INPUT)), ()),
+                                 write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | is_b_input), ()),
                 act=act, cot=cot,
-                gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == BWD) | (kind == BWD_INPUT)), axis=1),
+                gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == Kind.BWD) | is_b_input), axis=1),
                 dparams=_add_chunk(carry.dparams, out.dparams, c.chunk, self.v), dhead=add(carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
-                aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == FWD_LAST), carry.aux, out.aux)), None
+                aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == Kind.FWD_LAST), carry.aux, out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
         # once per step: the gradients' (and the loss's) reductions over pipe and the manual batch axes
@@ -440,7 +443,7 @@ class _Interpreter:
         zero = self._vary(jnp.zeros_like(x0))
         layers = _num_rows(_chunk(stage_params, 0, 1))
         run = lambda params, x, keys: self._bind(keys)(params, x)
-        branches = [lambda params, x, keys: zero, run, run]
+        branches = switch_branches({Kind.IDLE: lambda params, x, keys: zero, Kind.FWD: run, Kind.FWD_LAST: run})
 
         def tick(carry, row: Actions):
             act, ys = carry
@@ -450,7 +453,7 @@ class _Interpreter:
             keys = self._layer_keys(rng, mb, c.chunk, layers)
             y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in, keys)
             act, _ = _route(table, c, act, None, self._send(table, y))
-            return (act, _put(ys, y, mb, kind == FWD_LAST, 1)), None
+            return (act, _put(ys, y, mb, kind == Kind.FWD_LAST, 1)), None
 
         init = self._vary((jnp.zeros((table.sizes.activations, *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
         (_, ys), _ = jax.lax.scan(tick, init, jax.tree.map(jnp.asarray, table.actions))
@@ -485,24 +488,14 @@ def manual_batch_axes(schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...
 
 
 def fsdp_dims(stage_specs: Any, num_leaves: int) -> tuple:
-    """Per stage-param leaf (flattening order), the dim of its ``[chunks, layers, ...]`` block sharded over
-    ``fsdp``, read from ``stage_specs`` (the leaves' ``PartitionSpec``\\ s in that layout, as the state holds
-    them): the dim whose entry is ``fsdp`` (or a tuple of mesh axes led by ``fsdp``); None where no dim past the
-    layers axis is, and for every leaf when ``stage_specs`` is None (weights replicated over ``fsdp``)."""
+    """Per stage-param leaf, the dim of its ``[chunks, layers, ...]`` block sharded over ``fsdp`` by
+    ``stage_specs`` (its ``PartitionSpec``\\ s as the state holds them; an entry ``fsdp`` or led by it), else None
+    (also for every leaf when ``stage_specs`` is None: weights replicated over ``fsdp``)."""
     if stage_specs is None:
         return (None,) * num_leaves
-    specs = jax.tree.leaves(stage_specs, is_leaf=lambda s: isinstance(s, P) or s is None)
-    if len(specs) != num_leaves:
-        raise ValueError(f"stage_specs has {len(specs)} PartitionSpecs for {num_leaves} stage-param leaves: give "
-                         "one per leaf, in the stage params' structure")
-
-    def dim(spec) -> int | None:
-        for d, entry in enumerate(tuple(spec or ())):
-            lead = entry[0] if isinstance(entry, tuple) and entry else entry
-            if d >= 2 and lead == FSDP:
-                return d
-        return None
-    return tuple(dim(s) for s in specs)
+    lead = lambda entry: entry[0] if isinstance(entry, tuple) and entry else entry
+    return tuple(next((d for d, e in enumerate(tuple(s or ())) if d >= 2 and lead(e) == FSDP), None)
+                 for s in jax.tree.leaves(stage_specs, is_leaf=lambda s: isinstance(s, P) or s is None))
 
 
 @contextlib.contextmanager
@@ -559,11 +552,10 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     Communication (``comm='step'``, the default; see :func:`manual_batch_axes` for when it applies): the
     ``shard_map`` is manual over ``pipe`` and the batch axes, so each device runs its rows of every
     microbatch, accumulates its stage's float32 gradient locally over the microbatches and reduces it once
-    after the tick loop: ``psum_scatter`` over ``fsdp`` (along each leaf's fsdp dim, which ``stage_specs`` gives:
-    the stage params' ``PartitionSpec``\\ s, as the caller's state shards them, see :func:`fsdp_dims`; a leaf
-    not sharded over ``fsdp`` is summed with ``psum``) and ``psum`` over ``data``. ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the
-    ``shard_map``'s entry, for all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B
-    and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
+    after the tick loop: ``psum_scatter`` over ``fsdp`` along the dim :func:`fsdp_dims` reads from ``stage_specs``
+    (the caller's state's specs; ``psum`` for a leaf not sharded over it) and ``psum`` over ``data``.
+    ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the ``shard_map``'s entry, for
+    all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
     """
     manual = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, comm)
     batch_size = int(np.prod([mesh.shape[a] for a in manual], dtype=int))

@@ -27,9 +27,8 @@ from jaxpar.pipeline.checks import (check_batch, check_comm_options, check_loss_
                                     check_mesh_and_schedule, check_stage_fn, check_stage_params)
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
 from jaxpar.pipeline.schedules import Schedule
-from jaxpar.pipeline.stash import STASH_MODES
 
-__all__ = ["AXIS", "STASH_MODES", "apply", "apply_core", "value_and_grad", "value_and_grad_core"]
+__all__ = ["apply", "value_and_grad"]
 
 def _placer(mesh: Mesh, specs: tuple) -> Callable:
     """``place(*args)``: host arrays (or arrays on other devices) put on ``mesh`` with the default spec of their

@@ -44,8 +44,11 @@ tick ``t`` may be written again at tick ``t`` (the runtime reads before it write
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from jaxpar.checks import positive_int
 
 KINDS = ("F", "B", "W")
 Placement = tuple[tuple[int, ...], ...]
@@ -136,7 +139,7 @@ class Schedule:
       ValueError: (from construction) a malformed table or placement, or a table that breaks a dependency,
         misses an action or repeats one; the message names the tick, stage, chunk and action. Sizes may be
         any integral type (numpy's too); a table holds at most
-        :data:`jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` entries.
+        :data:`MAX_TABLE_ENTRIES` entries.
     """
     name: str
     num_stages: int
@@ -146,10 +149,9 @@ class Schedule:
     placement: Placement | None = None
 
     def __post_init__(self):
-        from jaxpar.pipeline import checks   # here, not at the top: checks imports this module
-        checks.schedule_sizes(self)          # numpy integer sizes become ints
+        _int_sizes(self)                     # numpy integer sizes become ints
         object.__setattr__(self, "table", tuple(tuple(row) for row in self.table))
-        if self.placement is None and _positive_int(self.num_stages) and _positive_int(self.num_chunks):
+        if self.placement is None and _sizes_ok(self):
             object.__setattr__(self, "placement", round_robin(self.num_stages, self.num_chunks))
         elif self.placement is not None:
             try:
@@ -280,8 +282,62 @@ class Schedule:
 
 # ------------------------------------------------------------------------------------------- validation
 
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+MAX_TABLE_ENTRIES = 10 ** 7
+"""The most ``num_ticks * num_stages`` entries a schedule table may hold. Plain Python builds, validates and
+analyses a table at about 5 microseconds an entry on one CPU core (a minute at the bound), and the control
+table the runtime scans holds eleven ``[ticks, stages]`` int32 arrays (440 MB at the bound). Real runs sit far
+below it: interleaved 1F1B at ``p = 128, m = 4096, v = 2`` is 2.1 million entries."""
+
+
+def check_table_size(what: str, num_ticks: int, num_stages: int, at_least: bool = False) -> None:
+    """Raises ValueError when ``num_ticks * num_stages`` exceeds :data:`MAX_TABLE_ENTRIES`, naming the sizes."""
+    if num_ticks * num_stages > MAX_TABLE_ENTRIES:
+        raise ValueError(f"{what}: a table of {'at least ' if at_least else ''}{num_ticks} ticks x {num_stages} "
+                         f"stages = {num_ticks * num_stages:,} entries exceeds the bound of {MAX_TABLE_ENTRIES:,} "
+                         "(jp.pipeline.schedules.MAX_TABLE_ENTRIES); use fewer stages or fewer, larger microbatches")
+
+
+def is_index(value) -> bool:
+    """Whether ``value`` is an int ``>= 0`` of any integral type (numpy's too), not a bool: a microbatch or chunk."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+_SIZES = ("num_stages", "num_microbatches", "num_chunks")
+
+
+def _int_sizes(schedule: Schedule) -> None:
+    """Makes ``schedule``'s integral sizes (numpy's too) plain ints, in place; leaves the rest for validation."""
+    for name in _SIZES:
+        value = getattr(schedule, name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            object.__setattr__(schedule, name, int(value))
+
+
+def _check_sizes(schedule: Schedule) -> None:
+    for name in _SIZES:
+        positive_int(f"Schedule.{name}", getattr(schedule, name))
+
+
+def _sizes_ok(schedule: Schedule) -> bool:
+    """Whether the sizes are positive ints (then the default placement can be built); :func:`validate` names a
+    bad one."""
+    try:
+        _check_sizes(schedule)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_table(schedule: Schedule) -> None:
+    """Raises ValueError for a table over :data:`MAX_TABLE_ENTRIES` or an action whose microbatch or chunk is
+    not an int ``>= 0`` (naming the tick, stage and action)."""
+    if isinstance(schedule.num_stages, int):
+        check_table_size(f"schedule {schedule.name!r}", len(schedule.table), schedule.num_stages)
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if isinstance(a, Action) and not (is_index(a.microbatch) and is_index(a.chunk)):
+                raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s} holds {a!r}; its microbatch and "
+                                 "chunk must be ints >= 0")
 
 
 def _tick_index(schedule: Schedule) -> dict[tuple[str, int, int], int]:
@@ -302,10 +358,7 @@ def _check_placement(schedule: Schedule) -> None:
 
 
 def _check_shape(schedule: Schedule) -> None:
-    for name in ("num_stages", "num_microbatches", "num_chunks"):
-        value = getattr(schedule, name)
-        if not _positive_int(value):
-            raise ValueError(f"Schedule.{name}={value!r} must be a positive int")
+    _check_sizes(schedule)
     _check_placement(schedule)
     if not schedule.table:
         raise ValueError(f"schedule {schedule.name!r} has an empty table")
@@ -374,10 +427,9 @@ def validate(schedule: Schedule) -> None:
 
     Raises:
       ValueError: naming the first offending tick, stage (chunk and virtual stage) and action; or a table of
-        more than :data:`jaxpar.pipeline.checks.MAX_TABLE_ENTRIES` ``(tick, stage)`` entries.
+        more than :data:`MAX_TABLE_ENTRIES` ``(tick, stage)`` entries.
     """
-    from jaxpar.pipeline import checks   # here, not at the top: checks imports this module
-    checks.check_table(schedule)
+    _check_table(schedule)
     _check_shape(schedule)
     _check_order(schedule, _check_once(schedule))
 
@@ -391,7 +443,7 @@ def place_in_order(name: str, num_microbatches: int, orders: Sequence[Sequence[A
     ``orders[s]`` is stage ``s``'s actions in the order it runs them; at every tick each stage runs its next
     action if every dependency ran at an earlier tick (else it idles). This is how the 1F1B and interleaved
     builders time their action orders, and how a user's per-stage action lists become a table
-    (:func:`jaxpar.pipeline.builders.from_actions`).
+    (:func:`jaxpar.pipeline.custom.from_actions`).
 
     Raises:
       ValueError: the orders deadlock (a stage's next action waits for one that never comes before it),
@@ -435,5 +487,5 @@ def _deadlock(name, tick, orders, pos, placement, done) -> str:
             + "); reorder them so that every dependency can run first, and list every action once")
 
 
-__all__ = ["Action", "B", "F", "Interval", "Placement", "Schedule", "W", "dependencies", "place_in_order",
-           "round_robin", "v_shape", "validate"]
+__all__ = ["Action", "B", "F", "Interval", "MAX_TABLE_ENTRIES", "Placement", "Schedule", "W", "check_table_size",
+           "dependencies", "is_index", "place_in_order", "round_robin", "v_shape", "validate"]

@@ -23,14 +23,36 @@ module assumes a valid table.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from jaxpar.pipeline.schedules import Interval, Schedule
 
-# Action kinds: the branch indices of the interpreter's ``lax.switch``.
-IDLE, FWD, FWD_LAST, BWD, BWD_INPUT, BWD_WEIGHT = range(6)   # B: fused; BWD_INPUT/BWD_WEIGHT: a split B and W
+
+
+class Kind(enum.IntEnum):
+    """What a (tick, stage) runs, as the table encodes it (:attr:`Actions.kind`) and the interpreter dispatches it.
+
+    The interpreter keys its actions by kind (``{Kind.FWD: fwd, ...}``) and :func:`switch_branches` orders them
+    by value into ``lax.switch``'s list, so no list order ties the compiler to the interpreter.
+    """
+    IDLE = 0        # nothing this tick
+    FWD = 1         # F on a virtual stage before the last
+    FWD_LAST = 2    # F on the last virtual stage: also the loss, its gradient and the loss cotangent
+    BWD = 3         # a fused B: input and weight gradients
+    BWD_INPUT = 4   # a split B (the table has W's): the input gradient only
+    BWD_WEIGHT = 5  # W: the weight gradient of a split B
+
+
+def switch_branches(branches: Mapping[Kind, Callable]) -> list[Callable]:
+    """``lax.switch``'s branch list from ``{Kind: branch}``: entry ``k`` is the branch of ``Kind(k)``, up to the
+    largest kind given (a table that uses the list holds no larger one); a kind below it that is not given gets
+    the ``Kind.IDLE`` branch (required)."""
+    return [branches.get(k, branches[Kind.IDLE]) for k in Kind if k <= max(branches)]
+
 # Message sources (the last axis of the ``arrive_*`` fields) and receive buffers (their values).
 PREV, NEXT, SELF = range(3)
 SOURCES = ("prev", "next", "self")
@@ -44,7 +66,7 @@ class Actions(NamedTuple):
     Arrivals at tick ``t`` are written after the action of tick ``t`` read its slots, so a slot read at tick
     ``t`` may be written again at tick ``t``.
     """
-    kind: np.ndarray          # IDLE, FWD, FWD_LAST, BWD, BWD_INPUT or BWD_WEIGHT
+    kind: np.ndarray          # a :class:`Kind`
     microbatch: np.ndarray    # the microbatch the action works on (0 when idle)
     chunk: np.ndarray         # the chunk (index into the stage's stacked chunk parameters; 0 when idle)
     first: np.ndarray         # 1 where the action's virtual stage is 0: F reads the input, B writes d input
@@ -108,8 +130,8 @@ def _kinds(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
             if a is None:
                 continue
             v = schedule.virtual_stage(s, a.chunk)
-            arrays["kind"][t, s] = {"F": FWD_LAST if v == last else FWD, "W": BWD_WEIGHT,
-                                    "B": BWD_INPUT if split else BWD}[a.kind]
+            arrays["kind"][t, s] = {"F": Kind.FWD_LAST if v == last else Kind.FWD, "W": Kind.BWD_WEIGHT,
+                                    "B": Kind.BWD_INPUT if split else Kind.BWD}[a.kind]
             arrays["microbatch"][t, s], arrays["chunk"][t, s], arrays["first"][t, s] = a.microbatch, a.chunk, v == 0
 
 

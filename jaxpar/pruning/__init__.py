@@ -27,17 +27,14 @@ transformation), ``groups`` (coupled groups from logical names), ``structured`` 
 """
 
 from jaxpar.pruning.compact import Compaction, compact, compact_opt_state, compact_state
-from jaxpar.pruning.groups import PRUNABLE_AXES, GroupPlan, Member, group_plans
 from jaxpar.pruning.schedules import SparsitySchedule, constant_sparsity, one_shot, polynomial_sparsity
 from jaxpar.pruning.select import erk_densities
-from jaxpar.pruning.structure import LeafPlan, make_plans
 from jaxpar.pruning.structured import (STRUCTURED_DISTRIBUTIONS, StructuredPruningState, group_masks, param_masks,
                                        structured_pruning)
 from jaxpar.pruning.transform import (DISTRIBUTIONS, MagnitudePruningState, magnitude_pruning, masks,
                                       sparsity_report)
 
-__all__ = ["Compaction", "DISTRIBUTIONS", "GroupPlan", "LeafPlan", "MagnitudePruningState",
-           "Member", "PRUNABLE_AXES", "STRUCTURED_DISTRIBUTIONS", "SparsitySchedule", "StructuredPruningState",
-           "compact", "compact_opt_state", "compact_state", "constant_sparsity", "erk_densities", "group_masks",
-           "group_plans", "magnitude_pruning", "make_plans", "masks", "one_shot", "param_masks",
+__all__ = ["Compaction", "DISTRIBUTIONS", "MagnitudePruningState", "STRUCTURED_DISTRIBUTIONS", "SparsitySchedule",
+           "StructuredPruningState", "compact", "compact_opt_state", "compact_state", "constant_sparsity",
+           "erk_densities", "group_masks", "magnitude_pruning", "masks", "one_shot", "param_masks",
            "polynomial_sparsity", "sparsity_report", "structured_pruning"]

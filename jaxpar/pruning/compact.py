@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ import optax
 
 from jaxpar import sharding as shd
 from jaxpar import train
+from jaxpar.checks import positive_int
 from jaxpar.models import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
 from jaxpar.pruning.structure import key_name, path_str
@@ -63,15 +63,14 @@ GROUP_AXES = ("mlp", "heads")
 
 def _check_multiple_of(multiple_of: Any) -> None:
     """Raises ValueError unless ``multiple_of`` is an int >= 1 or a dict from :data:`GROUP_AXES` to such ints."""
-    values = multiple_of.values() if isinstance(multiple_of, Mapping) else (multiple_of,)
     if isinstance(multiple_of, Mapping):
         unknown = [k for k in multiple_of if k not in GROUP_AXES]
         if unknown:
             raise ValueError(f"multiple_of has unknown keys {unknown!r}; its keys are the group axes {GROUP_AXES} "
                              "(e.g. multiple_of={'mlp': 2, 'heads': 2})")
-    if any(isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1 for m in values):
-        raise ValueError(f"multiple_of={multiple_of!r} must be an int >= 1 (or a dict axis -> int), e.g. the "
-                         "tensor axis size, so that the kept counts still divide over it")
+    for key, m in multiple_of.items() if isinstance(multiple_of, Mapping) else [(None, multiple_of)]:
+        positive_int("multiple_of" if key is None else f"multiple_of[{key!r}]", m, " (or a dict axis -> int), e.g. "
+                     "the tensor axis size, so that the kept counts still divide over it")
 
 
 def _multiple(multiple_of: Any, axis: str) -> int:

@@ -13,10 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+from jaxpar.checks import nonnegative_int, positive_int
 
 
 def _check_sparsity(name: str, value) -> None:
@@ -55,13 +52,13 @@ class SparsitySchedule:
     def __post_init__(self):
         _check_sparsity("initial", self.initial)
         _check_sparsity("final", self.final)
-        _check_int("begin_step", self.begin_step, 0)
+        nonnegative_int("begin_step", self.begin_step)
         if self.end_step is not None:
-            _check_int("end_step", self.end_step, 0)
+            nonnegative_int("end_step", self.end_step)
             if self.end_step < self.begin_step:
                 raise ValueError(f"end_step={self.end_step} is before begin_step={self.begin_step}; "
                                  "give end_step >= begin_step")
-        _check_int("frequency", self.frequency, 1)
+        positive_int("frequency", self.frequency)
         if isinstance(self.power, bool) or not isinstance(self.power, numbers.Real) or not self.power > 0:
             raise ValueError(f"power={self.power!r} must be a positive number (Zhu & Gupta use 3)")
 
@@ -99,8 +96,8 @@ def polynomial_sparsity(final: float, begin_step: int, end_step: int, initial: f
     stay fixed. Raises ValueError for sparsities outside [0, 1), ``initial > final``, negative or non-int
     steps, ``end_step <= begin_step``, ``frequency < 1`` or ``power <= 0``.
     """
-    _check_int("begin_step", begin_step, 0)
-    _check_int("end_step", end_step, 0)
+    nonnegative_int("begin_step", begin_step)
+    nonnegative_int("end_step", end_step)
     if end_step <= begin_step:
         raise ValueError(f"end_step={end_step} must be after begin_step={begin_step} for a gradual schedule; "
                          "use one_shot(sparsity, step) to prune at a single step")

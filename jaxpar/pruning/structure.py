@@ -132,6 +132,18 @@ def checked_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, .
     return names
 
 
+def flat_update(transform: str, updates: Any, params: Any) -> tuple[list, Any, list]:
+    """``(flat updates, treedef, flat params)`` for a pruning transformation's ``update``, which needs the params.
+
+    Raises:
+      ValueError: ``params`` is None, naming ``transform`` and the call that passes them.
+    """
+    if params is None:
+        raise ValueError(f"{transform} needs the params: call tx.update(updates, state, params)")
+    flat_u, treedef = jax.tree.flatten(updates)
+    return flat_u, treedef, treedef.flatten_up_to(params)
+
+
 def default_prunable(path: Path, shape: tuple[int, ...], names: tuple | None) -> bool:
     """Weight kernels: at least two non-``layers`` axes, and not a bias, norm scale or embedding by name."""
     batch = sum(1 for n in (names or ()) if n in STACKED_AXIS_NAMES)

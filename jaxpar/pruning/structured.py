@@ -14,6 +14,7 @@ from jaxpar.pruning import select
 from jaxpar.pruning.groups import (PRUNABLE_AXES, Chains, GroupPlan, check_axes, expand, group_plans,
                                    group_sumsq, lookup, nest)
 from jaxpar.pruning.schedules import SparsitySchedule, as_schedule
+from jaxpar.pruning.structure import flat_update
 
 STRUCTURED_DISTRIBUTIONS = ("uniform", "global")
 
@@ -136,11 +137,8 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
                                                                  [jnp.ones(p.mask_shape, bool) for p in plans]))
 
     def update_fn(updates, state: StructuredPruningState, params=None):
-        if params is None:
-            raise ValueError("structured_pruning needs the params: call tx.update(updates, state, params)")
+        flat_u, treedef, flat_p = flat_update("structured_pruning", updates, params)
         plans = plans_of(params)
-        flat_u, treedef = jax.tree.flatten(updates)
-        flat_p = treedef.flatten_up_to(params)
         masks = _check_state(state, plans)
         for kind in kinds:
             of_kind = [p for p in plans if p.axis_name == kind]
@@ -240,7 +238,7 @@ def param_masks(params: Any, masks: Any, axis_names: Any, groups: Chains | None 
     to a pruned group (True = kept), None elsewhere. ``masks`` is :func:`group_masks`' dict (or a state).
 
     Raises:
-      ValueError: as :func:`jaxpar.pruning.group_plans`; a mask whose shape differs from its group's.
+      ValueError: as :func:`jaxpar.pruning.groups.group_plans`; a mask whose shape differs from its group's.
     """
     if _find(masks):
         masks = group_masks(masks)

@@ -16,7 +16,7 @@ import optax
 from jaxpar.jit import check_live
 from jaxpar.pruning import select
 from jaxpar.pruning.schedules import SparsitySchedule, as_schedule, constant_sparsity
-from jaxpar.pruning.structure import LeafPlan, Path, ReductionAxes, key_name, make_plans, path_str
+from jaxpar.pruning.structure import LeafPlan, Path, ReductionAxes, flat_update, key_name, make_plans, path_str
 
 DISTRIBUTIONS = ("uniform", "global", "erk")
 
@@ -150,11 +150,8 @@ def magnitude_pruning(sparsity: float | SparsitySchedule | None = None, distribu
         return MagnitudePruningState(count=jnp.zeros((), jnp.int32), masks=treedef.unflatten(masks))
 
     def update_fn(updates, state: MagnitudePruningState, params=None):
-        if params is None:
-            raise ValueError("magnitude_pruning needs the params: call tx.update(updates, state, params)")
+        flat_u, treedef, flat_p = flat_update("magnitude_pruning", updates, params)
         plans = plans_of(params)
-        flat_u, treedef = jax.tree.flatten(updates)
-        flat_p = treedef.flatten_up_to(params)
         flat_m = _check_state(state, params, plans)
         chosen = [i for i, plan in enumerate(plans) if plan]
         old = [flat_m[i] for i in chosen]

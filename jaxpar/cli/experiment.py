@@ -1,4 +1,4 @@
-"""Run tooling for entry points (``experiments/*.py``): what every script shares.
+"""Experiment tooling for entry points (``experiments/*.py``): what every script shares, outside the core.
 
 * start-up: :func:`require_extra` (a script's optional libraries, checked before it imports them),
   :func:`simulate_cpu_devices`, :func:`log_devices`, :func:`check_resumed_config`;
@@ -9,8 +9,9 @@
 * the standard loop hooks (``jp.loop.Hook``): :func:`write_metrics`, :func:`throughput`,
   :func:`progress_bar`, and :func:`say` for a line above the bar.
 
-Optional libraries (tqdm) are imported where used. Importing this module starts no JAX backend, so
-:func:`simulate_cpu_devices` works after ``import jaxpar`` as long as nothing has run on a device yet.
+``import jaxpar`` never imports this package (the cli imports the core, never the reverse). Optional libraries
+(tqdm) are imported where used. Importing this module starts no JAX backend, so :func:`simulate_cpu_devices`
+works after ``import jaxpar`` as long as nothing has run on a device yet.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxpar.mesh import describe, make_mesh
 from jaxpar.metrics import MetricsWriter, Throughput
 from jaxpar.precision import DynamicLossScale, Policy, loss_scaling
 from jaxpar._optional import require, require_extra
+from jaxpar.checks import positive_int
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
 
@@ -41,13 +43,12 @@ def simulate_cpu_devices(n: int) -> None:
     """Asks XLA for ``n`` host CPU devices (``--xla_force_host_platform_device_count``); no effect on GPU/TPU.
 
     Call it before anything runs on a device (importing jax or jaxpar is fine: JAX starts its backends on
-    first use). A device count already in ``XLA_FLAGS`` (e.g. set by ``python -m jaxpar.launch``) is kept.
+    first use). A device count already in ``XLA_FLAGS`` (e.g. set by ``python -m jaxpar.cli.launch``) is kept.
 
     Raises:
       ValueError: ``n`` not an int >= 1.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_devices={n!r} must be an int >= 1 (1: no simulated devices)")
+    n = positive_int("simulate_devices", n, " (1: no simulated devices)")
     if n > 1 and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_DEVICE_FLAG}={n}".strip()
 
@@ -116,7 +117,7 @@ class MeshConfig:
                          devices_per_host=self.devices_per_host or None)
 
 
-PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.Policy.from_string
+PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.precision.Policy.from_string
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +236,7 @@ def throughput(speed: Throughput) -> Hook:
 
 def progress_bar(total: int, initial: int = 0, desc: str = "train") -> Hook:
     """A metrics hook advancing a tqdm bar (process 0 only) with the loss and tokens/s; closed at the end."""
-    tqdm = require("tqdm", "jp.run.progress_bar").tqdm
+    tqdm = require("tqdm", "jaxpar.cli.experiment.progress_bar").tqdm
     bar = tqdm(total=total, initial=initial, desc=desc, disable=jax.process_index() != 0, mininterval=1.0)
 
     def advance(step, _, metrics):
@@ -248,7 +249,7 @@ def progress_bar(total: int, initial: int = 0, desc: str = "train") -> Hook:
 def say(text: str) -> None:
     """Process 0 prints ``text`` on stdout, above a progress bar if one is shown, and flushes."""
     if jax.process_index() == 0:
-        require("tqdm", "jp.run.say").tqdm.write(text, file=sys.stdout)
+        require("tqdm", "jaxpar.cli.experiment.say").tqdm.write(text, file=sys.stdout)
         sys.stdout.flush()
 
 

@@ -7,28 +7,16 @@ that trains: ``step.lower(jp.train.abstract_state(...), batch).compile()``; a pi
 ``jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule)``), and reports per device:
 
 * memory: XLA's ``memory_analysis()`` of the compiled step (arguments + outputs - donated + temporaries) beside
-  the analytic estimate of :mod:`jaxpar.plan_memory` (params, optimizer state, gradients, activations), and
+  the analytic estimate of :mod:`jaxpar.plan.memory` (params, optimizer state, gradients, activations), and
   whether it fits the GPU (datasheet capacity times ``memory_fraction``);
 * FLOPs: ``cost_analysis()`` (which counts a loop body once) and the HLO's matmul FLOPs with every loop body
-  counted by its trip count (:mod:`jaxpar.plan_hlo`), beside the model's ``6 N`` per token;
+  counted by its trip count (:mod:`jaxpar.plan.hlo`), beside the model's ``6 N`` per token;
 * collectives: payload bytes by kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute)
   and mesh axis, read from the HLO's replica groups;
-* a roofline step time from :data:`jaxpar.metrics.GPU_DATASHEETS`: compute ``t_c = FLOPs / peak``, memory
-  ``t_m = bytes accessed / HBM bandwidth``, communication ``t_x = sum over collectives of f * bytes / link``
-  with ring factors ``f`` (all-reduce ``2 (g - 1) / g``, all-gather / reduce-scatter / all-to-all
-  ``(g - 1) / g``, permute 1; ``g`` the group size; ``f * bytes`` is what one device sends) and the link
-  NVLink when the group lies inside one host, InfiniBand otherwise. The mesh is the one a run on hosts of
-  ``gpus_per_host`` GPUs builds: ``jp.make_mesh(..., hosts=, devices_per_host=gpus_per_host)``, whose default
-  split (:func:`jaxpar.mesh.split_axes`) keeps ``tensor`` and as much of ``fsdp`` as fits inside a host and
-  puts the rest (``pipe``, ``data``, a large ``fsdp``) across hosts; a collective whose mesh axes include one
-  with an across-host part is an InfiniBand one. ``step_s = max(t_c, t_m) + t_x`` and
-  ``step_overlap_s = max(t_c, t_m, t_x)``. The ranking uses ``step_s``, the sum: XLA overlaps compute with
-  memory traffic inside a kernel (hence their max), but whether a collective hides behind compute depends on
-  the latency-hiding scheduler and on data dependencies (a tensor-parallel all-reduce sits between two
-  matmuls of the same layer and cannot hide), so the no-overlap figure is the conservative one and
-  ``step_overlap_s`` the best case. ``mfu = 6 N B L / (step_s * devices * peak)`` with ``N`` the parameter
-  count (embeddings included; attention's ``L^2`` FLOPs and remat's recompute are not model FLOPs), ``B L``
-  the tokens of a step and ``peak`` the dense bf16 FLOP/s per GPU.
+* a roofline step time (:mod:`jaxpar.plan.costs`: compute, HBM traffic and collectives over NVLink or
+  InfiniBand by the GPU's datasheet) and the MFU it implies.
+
+The layout's checks, its split over hosts and the advice when it does not fit are :mod:`jaxpar.plan.layout`'s.
 
 :func:`estimate` gives the analytic memory and step time of a layout without compiling (a sweep ranks and
 prunes its layouts by it before compiling the best).
@@ -63,130 +51,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpar import metrics as _metrics
-from jaxpar import plan_hlo, plan_memory
 from jaxpar.checks import positive_int
-from jaxpar.mesh import AXES, split_axes
+from jaxpar.plan import hlo as plan_hlo
+from jaxpar.plan import memory as plan_memory
+from jaxpar.plan.layout import GiB, check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
+from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
 
-GiB = 2 ** 30
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
-_RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
-         "reduce-scatter": lambda g: (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
-         "collective-permute": lambda g: 1.0}
-
-
-@dataclasses.dataclass(frozen=True)
-class GPU:
-    """Datasheet figures of one GPU (see :data:`jaxpar.metrics.GPU_DATASHEETS` for the sources)."""
-    name: str
-    memory_bytes: float
-    peak_flops: float          # dense bf16 FLOP/s
-    hbm_bytes_per_s: float
-    nvlink_bytes_per_s: float  # per GPU, each direction
-    infiniband_bytes_per_s: float
-
-
-def gpu(name: str) -> GPU:
-    """The :class:`GPU` named ``name`` (``"h100-80gb"``, ``"h200"``, ``"a100-80gb"``); ValueError otherwise."""
-    sheets = _metrics.GPU_DATASHEETS
-    if name not in sheets:
-        raise ValueError(f"device={name!r} is not in the datasheet table; use one of {sorted(sheets)}")
-    d = sheets[name]
-    return GPU(name, d["memory_bytes"], _metrics.datasheet_peak_flops(d["kind"]), d["hbm_bytes_per_s"],
-               d["nvlink_bytes_per_s"], d["infiniband_bytes_per_s"])
-
-
-# ------------------------------------------------------------------------------------------------ checks
-
-def mesh_sizes(mesh_shape: Any, num_devices: int | None = None) -> dict[str, int]:
-    """``{data, pipe, fsdp, tensor}`` from a dict (missing axes are 1) or a 4-tuple in ``jp.AXES`` order.
-
-    Raises:
-      ValueError: an unknown axis, a size that is not a positive int, or (``num_devices`` given) sizes that do
-        not multiply to it.
-    """
-    if isinstance(mesh_shape, (tuple, list)):
-        if len(mesh_shape) != len(AXES):
-            raise ValueError(f"mesh_shape {mesh_shape!r} must give one size per axis {AXES}")
-        mesh_shape = dict(zip(AXES, mesh_shape))
-    if not isinstance(mesh_shape, dict):
-        raise ValueError(f"mesh_shape must be a dict like dict(data=8, fsdp=16, tensor=8), got {mesh_shape!r}")
-    unknown = set(mesh_shape) - set(AXES)
-    if unknown:
-        raise ValueError(f"mesh_shape names unknown axes {sorted(unknown)}; the axes are {AXES}")
-    sizes = {a: positive_int(f"mesh axis {a}", mesh_shape.get(a, 1)) for a in AXES}
-    n = math.prod(sizes.values())
-    if num_devices is not None and n != num_devices:
-        desc = " x ".join(f"{a}={s}" for a, s in sizes.items())
-        raise ValueError(f"mesh {desc} multiplies to {n}, not the {num_devices} devices planned for; change the "
-                         f"axis sizes so they multiply to {num_devices}")
-    return sizes
-
-
-def host_split(sizes: dict[str, int], gpus_per_host: int) -> tuple[dict[str, int], dict[str, int]]:
-    """``(per_host, across_hosts)`` sizes of the mesh on hosts of ``gpus_per_host`` GPUs: the default split of
-    :func:`jaxpar.mesh.split_axes` (what ``jp.make_mesh(..., devices_per_host=gpus_per_host)`` builds); a mesh
-    of at most one host is all within it.
-
-    Raises:
-      ValueError: more devices than one host that are not whole hosts, or the errors of ``split_axes`` (a
-        tensor axis larger than a host).
-    """
-    gpus_per_host = positive_int("gpus_per_host", gpus_per_host)
-    n = math.prod(sizes.values())
-    if n <= gpus_per_host:
-        return dict(sizes), {a: 1 for a in AXES}
-    if n % gpus_per_host:
-        raise ValueError(f"{n} devices are not whole hosts of gpus_per_host={gpus_per_host} GPUs; plan a multiple "
-                         f"of {gpus_per_host} devices, or set gpus_per_host to the GPUs of one node")
-    return split_axes(sizes, n // gpus_per_host)
-
-
-def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: int, schedule: Any,
-                 grad_accum_steps: int, gpus_per_host: int) -> None:
-    """Raises ValueError for a layout that cannot be compiled or cannot be built on hosts of ``gpus_per_host``:
-    a tensor axis spanning hosts, model sizes the axes do not divide, a bad ``seq_len`` / ``global_batch``, a
-    schedule that is not a ``jp.pipeline.Schedule`` matching ``pipe``, a mesh that is not whole hosts."""
-    from jaxpar.pipeline import Schedule
-    gpus_per_host = positive_int("gpus_per_host", gpus_per_host)
-    t, f, p = sizes["tensor"], sizes["fsdp"], sizes["pipe"]
-    if t > gpus_per_host or gpus_per_host % t:
-        raise ValueError(f"tensor={t} would span hosts of {gpus_per_host} GPUs (tensor parallelism all-reduces "
-                         f"inside every layer and needs NVLink): use a tensor size that divides {gpus_per_host}, "
-                         "and more fsdp or data for the rest")
-    host_split(sizes, gpus_per_host)
-    for what, size, axis, n in (("num_heads", cfg.num_heads, "tensor", t), ("mlp_dim", cfg.mlp_dim, "tensor", t),
-                                ("padded vocab", cfg.padded_vocab, "tensor", t), ("d_model", cfg.d_model, "fsdp", f)):
-        if size % n:
-            raise ValueError(f"{what} {size} is not divisible by {axis}={n}; choose a {axis} size dividing it")
-    positive_int("seq_len", seq_len)
-    if seq_len > cfg.max_seq_len:
-        raise ValueError(f"seq_len {seq_len} exceeds GPTConfig.max_seq_len {cfg.max_seq_len}; raise max_seq_len")
-    if schedule is not None and not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule={schedule!r} is not a jp.pipeline.Schedule; build the table, e.g. "
-                         f"jp.pipeline.one_f_one_b({p}, 8) (also gpipe, interleaved_1f1b, zero_bubble, "
-                         "zero_bubble_v), or pass None for pipe=1")
-    if schedule is None and p > 1:
-        raise ValueError(f"pipe={p} needs a pipeline schedule (e.g. jp.pipeline.one_f_one_b({p}, 8)); got "
-                         "schedule=None")
-    if schedule is not None and p == 1:
-        other = (f"a mesh with pipe={schedule.num_stages} (the schedule's num_stages)" if schedule.num_stages > 1
-                 else "a mesh with pipe > 1 and a schedule of that many stages")
-        raise ValueError(f"schedule={schedule.name!r} was given but the mesh has pipe=1 (planned without a "
-                         f"pipeline): pass schedule=None, or {other}")
-    m = 1
-    if schedule is not None:
-        m, stages = schedule.num_microbatches, schedule.num_stages * schedule.num_chunks
-        if schedule.num_stages != p or cfg.num_layers % stages:
-            raise ValueError(f"the schedule has {schedule.num_stages} stages x {schedule.num_chunks} chunks; it needs "
-                             f"num_stages = pipe = {p} and num_layers ({cfg.num_layers}) divisible by {stages}")
-    rows = grad_accum_steps * m * sizes["data"] * f
-    if (isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1
-            or global_batch % rows):
-        raise ValueError(f"global_batch {global_batch!r} must be a positive int multiple of grad_accum_steps x "
-                         f"microbatches x data x fsdp = {grad_accum_steps} x {m} x {sizes['data']} x {f} = {rows}")
 
 
 # ------------------------------------------------------------------------------------------------ result
@@ -197,7 +69,7 @@ class Plan:
 
     ``memory``: ``compiled_bytes`` (XLA:CPU ``memory_analysis``: arguments + outputs - aliased + temporaries) and
     its parts, ``params_bytes`` / ``opt_state_bytes`` (the sharded state exactly), ``analytic`` (the
-    :mod:`jaxpar.plan_memory` parts) and ``analytic_bytes``, ``ratio`` (compiled / analytic),
+    :mod:`jaxpar.plan.memory` parts) and ``analytic_bytes``, ``ratio`` (compiled / analytic),
     ``cpu_upcast_bytes`` (the largest float32 copy of a bf16 buffer in the program). ``flops``: ``hlo`` (matmul
     FLOPs, loops by trip count), ``cost_analysis`` (XLA's, loop bodies once), ``model`` (``6 N`` per token times
     the device's tokens). ``collectives``: ``{kind: {axes: bytes}}`` per step. ``time``: the roofline terms
@@ -259,117 +131,6 @@ def _bytes(b: float) -> str:
         if b >= size or unit == "KiB":
             return f"{b / size:.3g} {unit}"
 
-
-def does_not_fit_message(needed: float, available: float, suggestions: list[str]) -> str:
-    return (f"does not fit: {needed / GiB:.1f} GiB needed per device, {available / GiB:.1f} available; try "
-            + ", or ".join(suggestions))
-
-
-def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_accum_steps: int,
-                global_batch: int, seq_len: int, schedule: Any, gpus_per_host: int, available: float) -> list[str]:
-    """Concrete changes that lower per-device memory, each keeping the device count and, but for a deeper
-    pipeline (which needs its own schedule), passing :func:`check_layout`: remat, moving a factor of ``data``
-    to ``fsdp`` (the smallest that fits ``available`` bytes by the analytic ``parts``, else all of it), twice
-    the accumulation steps, doubling ``pipe`` or ``tensor`` (the factor taken from ``data``, else ``fsdp``)."""
-    out = [] if cfg.remat == "full" else ["remat='full' (GPTConfig.remat: saves only each block's input)"]
-
-    def valid(new_sizes: dict[str, int], accum: int = grad_accum_steps) -> bool:
-        try:
-            check_layout(cfg, new_sizes, global_batch, seq_len, schedule, accum, gpus_per_host)
-        except ValueError:
-            return False
-        return True
-
-    def moved(axis: str, source: str) -> dict[str, int] | None:
-        return None if sizes[source] % 2 else {**sizes, axis: sizes[axis] * 2, source: sizes[source] // 2}
-
-    state = parts["params"] + parts["grads"] + parts["opt_state"] + parts["compute_params"] + parts["grad_accumulator"]
-    fixed = parts["activations"] + parts.get("pipeline_buffers", 0.0)   # not divided by a larger fsdp
-    d = sizes["data"]
-    moves = [{**sizes, "fsdp": sizes["fsdp"] * k, "data": d // k} for k in range(2, d + 1) if d % k == 0]
-    moves = [m for m in moves if valid(m)]
-    if moves:
-        new = next((m for m in moves if state * sizes["fsdp"] / m["fsdp"] + fixed <= available),
-                   moves[-1])
-        out.append(f"fsdp={new['fsdp']}, data={new['data']} (params, gradients and optimizer state sharded "
-                   f"{new['fsdp'] // sizes['fsdp']} times as finely)")
-    if valid(sizes, accum=grad_accum_steps * 2):
-        out.append(f"grad_accum_steps={grad_accum_steps * 2} (half the activations)")
-    for axis, why in (("pipe", " (half the layers per device)"), ("tensor", "")):
-        if axis == "tensor" and state <= parts["activations"]:
-            continue
-        for source in ("data", "fsdp"):
-            new = moved(axis, source)
-            if new and (axis == "pipe" and cfg.num_layers % new["pipe"] == 0 or axis == "tensor" and valid(new)):
-                out.append(f"{axis}={new[axis]}, {source}={new[source]}{why}")
-                break
-    n = math.prod(sizes.values())
-    whole = state * n / sizes["data"]        # the state once, over all shards
-    if whole / n + fixed > available:
-        room = available - fixed
-        least = math.ceil(whole / room / gpus_per_host) * gpus_per_host if room > 0 else None
-        out.append(f"more devices (the state alone is {whole / GiB:.0f} GiB: at least {least} GPUs sharding it)"
-                   if least else "fewer tokens per device (the activations alone exceed the memory)")
-    return out or ["more devices"]
-
-
-# ------------------------------------------------------------------------------------------------ costs
-
-def _link(axes: tuple[str, ...], across: dict[str, int], spec: GPU) -> float:
-    """Bytes/s per GPU of a collective over ``axes``: InfiniBand when one of them has an across-host part."""
-    return spec.infiniband_bytes_per_s if any(across[a] > 1 for a in axes) else spec.nvlink_bytes_per_s
-
-
-def roofline(stats: plan_hlo.HloStats, sizes: dict[str, int], spec: GPU, across: dict[str, int],
-             model_flops_total: float) -> dict:
-    """The step-time terms of the module docstring (seconds) and the MFU they imply; ``across`` the mesh's
-    across-host sizes (:func:`host_split`)."""
-    comm: dict[str, float] = {}
-    for c in stats.collectives:
-        label = "+".join(c.axes)
-        comm[label] = comm.get(label, 0.0) + _RING[c.kind](c.group_size) * c.bytes * c.count / _link(c.axes, across,
-                                                                                                      spec)
-    t_c, t_m, t_x = stats.flops / spec.peak_flops, stats.bytes_accessed / spec.hbm_bytes_per_s, sum(comm.values())
-    step = max(t_c, t_m) + t_x
-    n = math.prod(sizes.values())
-    return {"compute_s": t_c, "hbm_s": t_m, "comm_s": t_x, "comm_s_by_axes": comm, "step_s": step,
-            "step_overlap_s": max(t_c, t_m, t_x), "mfu": model_flops_total / (step * n * spec.peak_flops),
-            "mfu_formula": "6 * num_params * global_batch * seq_len / (step_s * num_devices * peak_bf16_flops)"}
-
-
-def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], global_batch: int, seq_len: int,
-                  schedule: Any, spec: GPU, grad_accum_steps: int = 1) -> dict:
-    """A step time from the model's sizes alone (seconds, per device; no compilation), to rank layouts.
-
-    Compute: ``k N T / (devices * peak) / (1 - bubble)`` with ``T = B L`` the step's tokens, ``k = 8`` under
-    ``remat="full"`` (the forward runs twice), else 6, and the schedule's unit-tick bubble fraction. Traffic
-    per device (ring factors and links as in :func:`roofline`; ``c``/``b`` the compute/param dtype bytes,
-    ``T_d = T / (data fsdp)`` the tokens through a device's layers, ``N_s = N / (pipe tensor)`` a stage's
-    parameters on one tensor shard): tensor, 4 all-reduces of ``T_d D c`` per layer (2 forward, 2 backward;
-    Megatron's column/row split, Shoeybi et al. 2019, sec. 3); fsdp, the compute params gathered twice per
-    accumulation step (forward, backward) and the gradients reduce-scattered once, ``(2 k_acc c + b) N_s``;
-    data, an all-reduce of the ``N_s b / fsdp`` gradient shard; pipe, each chunk boundary's activations and
-    their gradients, ``2 v T_d D c``. ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
-    """
-    n, t, f, d, p = (math.prod(sizes.values()), sizes["tensor"], sizes["fsdp"], sizes["data"], sizes["pipe"])
-    c, b = (np.dtype(x or jnp.float32).itemsize for x in (cfg.dtype, cfg.param_dtype))
-    N, tokens = float(cfg.num_params()), float(global_batch * seq_len)
-    bubble = 0.0 if schedule is None else schedule.bubble_fraction
-    compute = (8 if cfg.remat == "full" else 6) * N * tokens / (n * spec.peak_flops) / (1 - bubble)
-    t_d, n_s, ring = tokens / (d * f), N / (p * t), lambda g: (g - 1) / g
-    link = lambda axis: _link((axis,), across, spec)
-    comm = {}
-    if t > 1:
-        comm["tensor"] = 4 * cfg.num_layers / p * t_d * cfg.d_model * c * 2 * ring(t) / link("tensor")
-    if f > 1:
-        comm["fsdp"] = (2 * grad_accum_steps * c + b) * n_s * ring(f) / link("fsdp")
-    if d > 1:
-        comm["data"] = n_s / f * b * 2 * ring(d) / link("data")
-    if p > 1:
-        comm["pipe"] = 2 * schedule.num_chunks * t_d * cfg.d_model * c / link("pipe")
-    step = compute + sum(comm.values())
-    return {"compute_s": compute, "comm_s_by_axis": comm, "step_s": step,
-            "mfu": 6 * N * tokens / (step * n * spec.peak_flops)}
 
 
 def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> dict:
@@ -495,9 +256,9 @@ def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
         inp, out = os.path.join(tmp, "in.pkl"), os.path.join(tmp, "out.pkl")
         with open(inp, "wb") as f:
             pickle.dump(args, f)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        code = "import sys; from jaxpar.plan import _subprocess_main; _subprocess_main(sys.argv[1:])"
+        code = "import sys; from jaxpar.plan.planner import _subprocess_main; _subprocess_main(sys.argv[1:])"
         try:
             proc = subprocess.run([sys.executable, "-c", code, inp, out], env=env, capture_output=True, text=True,
                                   timeout=timeout)
@@ -537,7 +298,7 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
              device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
              gpus_per_host: int = 8, memory_fraction: float = 0.9) -> dict:
     """The analytic side of :func:`plan` without compiling (a fraction of a second): the state's exact sharded
-    bytes and the :mod:`jaxpar.plan_memory` estimate, per device, and :func:`analytic_time`.
+    bytes and the :mod:`jaxpar.plan.memory` estimate, per device, and :func:`analytic_time`.
 
     Arguments and errors as for :func:`plan`; the process must hold ``prod(mesh_shape)`` CPU devices (the
     state's shardings are built on the planning mesh), else ValueError.

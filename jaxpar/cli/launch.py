@@ -2,7 +2,7 @@
 
 Command::
 
-    python -m jaxpar.launch -n 2 experiments/charlm.py --steps 100 --out-dir runs/mh
+    python -m jaxpar.cli.launch -n 2 experiments/charlm.py --steps 100 --out-dir runs/mh
 
 Each process gets ``JAXPAR_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAXPAR_NUM_PROCESSES`` and
 ``JAXPAR_PROCESS_ID``, which :func:`jaxpar.initialize_distributed` reads, and its own simulated CPU devices
@@ -83,7 +83,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int | No
     if num_processes < 1:
         raise ValueError(f"-n {num_processes}: need at least one process")
     if not command:
-        raise ValueError("no script given: python -m jaxpar.launch -n 2 script.py [args ...]")
+        raise ValueError("no script given: python -m jaxpar.cli.launch -n 2 script.py [args ...]")
     per = devices_per_process or max(1, 8 // num_processes)
     port = port or free_port()
     procs: list[subprocess.Popen] = []
@@ -148,7 +148,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxpar.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxpar.cli.launch", description=__doc__.split("\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--devices-per-process", type=int, default=None,
                         help="simulated CPU devices per process (default: 8 split over the processes)")
@@ -165,3 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = ["launch", "main"]

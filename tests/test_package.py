@@ -1,0 +1,266 @@
+"""The package's shape: no import cycle, no module over 600 lines, a core that never loads the tooling, and a
+README whose "Public API" and "Code map" sections are the package as it is.
+
+Each check is a function of what it reads (a source tree, a README text) so that it is also run on a small
+broken input here, to show it can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxpar"
+MAX_LINES = 600
+# What ``import jaxpar`` must not load: the experiment tooling and the optional libraries it needs.
+TOOLING = ("jaxpar.cli", "tyro", "tqdm", "matplotlib", "tensorboardX")
+CLI = ("jaxpar.cli", "jaxpar.cli.experiment", "jaxpar.cli.launch")
+
+
+# ------------------------------------------------------------------------------------------------ imports
+
+def module_files(package: Path) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every ``.py`` file under ``package`` (a package is its ``__init__``)."""
+    out = {}
+    for f in sorted(package.rglob("*.py")):
+        parts = list(f.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, from every ``import`` / ``from ... import`` statement at any
+    level (module, function, class, ``if TYPE_CHECKING``: a lazy import is a dependence too).
+
+    ``from P import N`` is an edge to ``P.N`` when that is a module, else to ``P`` (a name defined in ``P``'s
+    ``__init__``, which needs all of ``P``); ``import P.Q`` is an edge to ``P.Q``. The parent packages Python
+    initialises on the way are not edges: a package's ``__init__`` importing its submodules would otherwise
+    close a loop with every submodule importing a sibling, a loop Python resolves (the submodule is found by
+    name) and that no code runs through.
+    """
+    files = module_files(package)
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, f in files.items():
+        here = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                graph[mod] |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:   # relative: drop level - 1 trailing parts of this module's package
+                    parts = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for a in node.names:
+                    target = f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                    if target in files:
+                        graph[mod].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: each strongly connected component of more than one module (or a module importing
+    itself), as a closed path through it, e.g. ``['a', 'b', 'a']``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:      # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(_closed_path(graph, set(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _closed_path(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A cycle through the component's first module, by breadth-first search back to it."""
+    start = min(component)
+    paths = {w: [start, w] for w in sorted(graph[start]) if w in component}
+    while start not in paths:
+        paths = {w: path + [w] for path in paths.values() for w in sorted(graph[path[-1]])
+                 if w in component and w not in path[1:]} or {start: [start, start]}
+    return paths[start]
+
+
+def test_no_import_cycle_in_jaxpar():
+    assert cycles(import_graph(PACKAGE)) == []
+
+
+def test_the_cycle_check_finds_cycles_at_any_level(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg import a\n")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .. import c   # lazy, relative\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg import a, c\n")          # imports into a cycle: not part of it
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+    (pkg / "c.py").write_text("X = 1\n")
+    assert cycles(import_graph(pkg)) == []
+    (pkg / "c.py").write_text("from pkg import X\n")   # a name of the package's __init__: needs all of it
+    assert cycles(import_graph(pkg)) == [["pkg", "pkg.a", "pkg.sub.b", "pkg.c", "pkg"]]
+
+
+# ------------------------------------------------------------------------------------------------ size
+
+def long_modules(package: Path, limit: int = MAX_LINES) -> dict[str, int]:
+    return {str(f.relative_to(package.parent)): n for f in sorted(package.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > limit}
+
+
+def test_no_module_over_600_lines(tmp_path):
+    assert long_modules(PACKAGE) == {}
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules(tmp_path / "pkg") == {"pkg/big.py": MAX_LINES + 1}
+
+
+# ------------------------------------------------------------------------------------------------ core
+
+def loaded_by(code: str) -> list[str]:
+    """The modules of :data:`TOOLING` (and their submodules) in ``sys.modules`` after ``code`` ran in a fresh
+    interpreter on this checkout."""
+    check = (f"{code}\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules if any(m == t or "
+             f"m.startswith(t + '.') for t in {TOOLING!r}))))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_jaxpar_loads_no_tooling():
+    assert loaded_by("import jaxpar") == []
+    assert "jaxpar.cli.experiment" in loaded_by("from jaxpar.cli import experiment")   # the check sees them
+
+
+# ------------------------------------------------------------------------------------------------ README
+
+def readme_section(text: str, title: str) -> str:
+    """The text of the README's ``## <title>`` section (up to the next ``## `` heading)."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"README has no '## {title}' section"
+    return match.group(1)
+
+
+def listed_api(text: str) -> dict[str, list[str]]:
+    """``{module: names}`` from the "Public API" section's lines ``* `jp.train`: TrainState, init_state, ...``
+    (``jp`` is ``jaxpar``)."""
+    out = {}
+    for label, names in re.findall(r"^\* `([\w.]+)`: (.*)$", readme_section(text, "Public API"), re.M):
+        module = "jaxpar" + label[2:] if label == "jp" or label.startswith("jp.") else label
+        out[module] = [n.strip() for n in names.split(",")]
+    return out
+
+
+def public_namespaces() -> list[str]:
+    """``jaxpar``, the modules in ``jaxpar.__all__``, and the cli's modules."""
+    import jaxpar
+    mods = [f"jaxpar.{n}" for n in jaxpar.__all__ if isinstance(getattr(jaxpar, n), types.ModuleType)]
+    return ["jaxpar", *mods, *CLI]
+
+
+def exported() -> dict[str, list[str]]:
+    return {m: list(importlib.import_module(m).__all__) for m in public_namespaces()}
+
+
+def api_mismatches(listed: dict[str, list[str]], actual: dict[str, list[str]]) -> list[str]:
+    problems = [f"README lists {m}, which is not a public namespace" for m in sorted(set(listed) - set(actual))]
+    problems += [f"README does not list {m}" for m in sorted(set(actual) - set(listed))]
+    for m in sorted(set(listed) & set(actual)):
+        if sorted(listed[m]) != sorted(actual[m]):
+            problems.append(f"{m}: README {sorted(listed[m])} != __all__ {sorted(actual[m])}")
+    return problems
+
+
+def test_readme_public_api_is_the_packages_all():
+    readme = (ROOT / "README.md").read_text()
+    assert api_mismatches(listed_api(readme), exported()) == []
+    broken = readme.replace("* `jp.optim`: adamw, decay_mask", "* `jp.optim`: adamw")
+    assert api_mismatches(listed_api(broken), exported()) == [
+        "jaxpar.optim: README ['adamw'] != __all__ ['adamw', 'decay_mask']"]
+
+
+def test_each_public_name_is_exported_once():
+    """No object is in the ``__all__`` of two public namespaces (``jp.train.adamw`` beside ``jp.optim.adamw``),
+    and every name an ``__all__`` lists exists."""
+    for m in CLI[1:]:
+        importlib.import_module(m)
+    homes: dict[int, list[str]] = {}
+    for m, names in exported().items():
+        module = importlib.import_module(m)
+        for n in names:
+            assert hasattr(module, n), f"{m}.__all__ lists {n!r}, which {m} does not define"
+            homes.setdefault(id(getattr(module, n)), []).append(f"{m}.{n}")
+    assert [h for h in homes.values() if len(h) > 1] == []
+
+
+def test_package_inits_import_only_their_public_names():
+    """A package's ``__init__`` imports what its ``__all__`` lists and nothing more (an internal imported there
+    would be reachable as ``jp.pkg.name`` without being public)."""
+    for f in sorted(PACKAGE.rglob("__init__.py")):
+        module = importlib.import_module(".".join(f.relative_to(ROOT).parent.parts))
+        tree = ast.parse(f.read_text())
+        imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                    for a in node.names}
+        assert imported <= set(module.__all__), f"{f.relative_to(ROOT)}: {sorted(imported - set(module.__all__))}"
+
+
+def mapped_files(text: str) -> list[str]:
+    """The files the "Code map" section names in its lines ``* `jaxpar/...py`: ...``."""
+    return re.findall(r"^\* `(jaxpar/[\w/]+\.py)`: \S", readme_section(text, "Code map"), re.M)
+
+
+def code_map_mismatches(listed: list[str], package: Path) -> list[str]:
+    actual = {str(f.relative_to(package.parent)) for f in package.rglob("*.py")}
+    problems = [f"Code map names {f}, which does not exist" for f in sorted(set(listed) - actual)]
+    problems += [f"Code map does not name {f}" for f in sorted(actual - set(listed))]
+    problems += [f"Code map names {f} twice" for f in sorted({f for f in listed if listed.count(f) > 1})]
+    return problems
+
+
+def test_readme_code_map_names_every_module():
+    readme = (ROOT / "README.md").read_text()
+    assert code_map_mismatches(mapped_files(readme), PACKAGE) == []
+    broken = readme.replace("* `jaxpar/plan/hlo.py`:", "* `jaxpar/plan_hlo.py`:")
+    assert code_map_mismatches(mapped_files(broken), PACKAGE) == [
+        "Code map names jaxpar/plan_hlo.py, which does not exist", "Code map does not name jaxpar/plan/hlo.py"]
+
+
+@pytest.mark.parametrize("section", ["Public API", "Code map"])
+def test_readme_sections_exist(section):
+    assert readme_section((ROOT / "README.md").read_text(), section).strip()
