@@ -77,3 +77,15 @@ def test_shape_suffixes_of_every_model_are_in_the_legend():
     assert used, "no shape-suffixed name found: the scan is broken"
     unknown = {s: f for s, f in used.items() if any(letter not in legend for letter in s)}
     assert not unknown, f"suffix letters outside jp.models.SHAPE_LEGEND: {unknown}"
+
+
+def test_pipeline_actions_are_named_in_the_compiled_program(mesh_factory):
+    mesh = mesh_factory(pipe=2)
+    model, tx = GPT(CFG), optax.sgd(0.1)
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.zero_bubble(2, 2))
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
+    step = jp.train.make_train_step(pipe, tx, mesh=mesh)
+    text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, CFG)).compile().as_text()
+    scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
+    want = {"pipeline_fwd", "pipeline_fwd_last", "pipeline_bwd_input", "pipeline_bwd_weight"}
+    assert want <= scopes, sorted(s for s in scopes if s.startswith("pipeline"))

@@ -27,6 +27,7 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from jaxpar.pipeline.schedules import Interval, Schedule
@@ -47,11 +48,21 @@ class Kind(enum.IntEnum):
     BWD_WEIGHT = 5  # W: the weight gradient of a split B
 
 
+def _named(kind: Kind, branch: Callable) -> Callable:
+    """``branch`` traced under ``jax.named_scope("pipeline_<kind>")``, so profiles and HLO dumps name the action."""
+    def run(*args):
+        with jax.named_scope(f"pipeline_{kind.name.lower()}"):
+            return branch(*args)
+    return run
+
+
 def switch_branches(branches: Mapping[Kind, Callable]) -> list[Callable]:
     """``lax.switch``'s branch list from ``{Kind: branch}``: entry ``k`` is the branch of ``Kind(k)``, up to the
     largest kind given (a table that uses the list holds no larger one); a kind below it that is not given gets
-    the ``Kind.IDLE`` branch (required)."""
-    return [branches.get(k, branches[Kind.IDLE]) for k in Kind if k <= max(branches)]
+    the ``Kind.IDLE`` branch (required). Each branch runs under the named scope ``pipeline_<kind>`` (e.g.
+    ``pipeline_fwd``, ``pipeline_bwd_weight``)."""
+    return [_named(k if k in branches else Kind.IDLE, branches.get(k, branches[Kind.IDLE]))
+            for k in Kind if k <= max(branches)]
 
 # Message sources (the last axis of the ``arrive_*`` fields) and receive buffers (their values).
 PREV, NEXT, SELF = range(3)
