@@ -138,3 +138,26 @@ def test_multisteps_is_accepted_as_optax_users_pass_it(mesh_factory, np_rng):
     g = sum(grads) / 4
     update, _ = ref_tx.update(g, ref_tx.init(jnp.asarray(w0)))
     np.testing.assert_allclose(np.asarray(state.params["w"]), w0 + np.asarray(update), rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------- adamw's arguments
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(clip_norm=-1.0), "clip_norm"), (dict(learning_rate=-1e-3), "learning_rate"),
+    (dict(learning_rate=float("nan")), "learning_rate"), (dict(b2=1.5), "b2"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(warmup_steps=100), "warmup_steps"),
+])
+def test_adamw_rejects_out_of_range_hyperparameters(kwargs, match):
+    args = {"learning_rate": 1e-3, "total_steps": 100, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        jp.train.adamw(args.pop("learning_rate"), **args)
+
+
+@pytest.mark.parametrize("kwargs", [dict(learning_rate=optax.constant_schedule(1e-3)),
+                                    dict(learning_rate=1e-3, weight_decay=None),
+                                    dict(learning_rate=1e-3, total_steps=10.5)])
+def test_adamw_names_a_hyperparameter_that_is_not_a_number(kwargs):
+    kwargs.setdefault("total_steps", 10)
+    with pytest.raises(TypeError, match=r"adamw \w+=.* must be"):
+        jp.train.adamw(**kwargs)

@@ -1,4 +1,4 @@
-"""Compaction (jp.pruning.compact / compact_opt_state / compact_state): the smaller dense model computes what the
+"""jaxpar/pruning/compact.py, compaction (jp.pruning.compact / compact_opt_state / compact_state): the smaller dense model computes what the
 masked model computes, on one device and on data=2 x fsdp=2 x tensor=2; the optimizer state follows its weights;
 training continues through the normal step.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +21,10 @@ import jaxpar as jp
 from jaxpar.models import GPT, MLP
 
 from helpers import MLP_FEATURES, assert_tree_close, gpt_batch, max_rel_err
-from test_structured_pruning import (MLP_GROUPS, MLP_HIDDEN, TINY, gpt_names, leaf_names, np_groups, np_param_mask,
-                                     pruned_leaves, pruned_run, random_params)
+
+from .test_structure import TRANSFORMS, other_names
+from .test_structured import (MLP_GROUPS, MLP_HIDDEN, TINY, gpt_names, leaf_names, np_groups, np_param_mask,
+                              pruned_leaves, pruned_run, random_params)
 
 MLP_MODEL = MLP(hidden=MLP_HIDDEN, num_classes=10)
 
@@ -319,3 +322,75 @@ def test_compact_opt_state_refuses_factored_moments_it_cannot_carry():
     state = optax.adafactor(1e-2, min_dim_size_to_factor=2).init(params)
     with pytest.raises(ValueError, match=r"out_kernel.*re-initialise"):
         jp.pruning.compact_opt_state(state, params, masks, TINY)
+
+
+# -------------------------------------------------------------------------- boxed params, multiple_of
+
+
+def _kept_mlp(seed: int, keep: int = 16):
+    """Per layer, ``keep`` random mlp neurons (sorted) and the bool [layers, d_mlp] mask keeping them."""
+    rng = np.random.default_rng(seed)
+    index = np.stack([np.sort(rng.choice(TINY.d_mlp, keep, replace=False)) for _ in range(TINY.num_layers)])
+    mask = np.zeros((TINY.num_layers, TINY.d_mlp), bool)
+    np.put_along_axis(mask, index, True, axis=1)
+    return index, {"blocks": {"mlp": mask}}
+
+
+@pytest.mark.parametrize("multiple_of", [{"mpl": 2}, {"mlp": 2, "head": 2}, {"mlp": 0}])
+def test_compact_rejects_unknown_or_bad_multiple_of(multiple_of):
+    boxed = GPT(TINY).init(jax.random.key(0))
+    _, masks = _kept_mlp(0)
+    match = (r"multiple_of has unknown keys \['(mpl|head)'\]; its keys are the group axes \('mlp', 'heads'\)"
+             if set(multiple_of) - {"mlp"} else "must be an int >= 1")
+    with pytest.raises(ValueError, match=match):
+        jp.pruning.compact(boxed, masks, TINY, multiple_of=multiple_of)
+
+
+def test_compact_unboxes_boxed_params_as_init_state_does():
+    boxed = GPT(TINY).init(jax.random.key(1))
+    box = lambda x: isinstance(x, nn.Partitioned)
+    assert any(box(x) for x in jax.tree.leaves(boxed, is_leaf=box))
+    index, masks = _kept_mlp(1)
+    new, cfg = jp.pruning.compact(boxed, masks, TINY, multiple_of={"mlp": 2})
+    assert cfg.mlp_dim == 16 and cfg.num_heads == TINY.num_heads
+    # the reference: each layer's leaves gathered by hand along their mlp axis (numpy, no jaxpar code)
+    for (path, b), got in zip(jax.tree_util.tree_flatten_with_path(boxed, is_leaf=box)[0], jax.tree.leaves(new)):
+        raw = np.asarray(b.value if box(b) else b)
+        names = tuple(b.names) if box(b) else ()
+        if "mlp" in names:
+            axis = names.index("mlp") - 1       # within one layer (names[0] is "layers")
+            want = np.stack([np.take(raw[l], index[l], axis=axis) for l in range(TINY.num_layers)])
+        else:
+            want = raw
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
+
+
+# ------------------------------------------------------------------------------------ another model's
+
+
+def test_names_of_the_compacted_model_may_differ_along_mlp_and_heads_only():
+    """Training continues after compaction with the transform built from the original names: sizes along mlp and
+    heads may differ (the compacted model), no other axis."""
+    params = random_params(gpt_names(), seed=5)
+    small, cfg = jp.pruning.compact(params, masks_for(params, gpt_names(), 0.5, "uniform"), TINY)
+    for kind, make in TRANSFORMS.items():
+        tx = make(gpt_names())
+        updates, _ = tx.update(jax.tree.map(jnp.zeros_like, small), tx.init(small), small)
+        assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, small), kind
+
+
+def test_compaction_with_another_models_state_names_the_leaf():
+    params, other = random_params(gpt_names(), seed=6), random_params(other_names(), seed=7)
+    masks = masks_for(params, gpt_names(), 0.5, "uniform")
+    with pytest.raises(ValueError, match=r"mask blocks/\w+ has shape \(3, "):
+        jp.pruning.compact(params, masks_for(other, other_names(), 0.5, "uniform"), TINY)
+    with pytest.raises(ValueError, match=r"mask blocks/\w+ has shape \(3, "):
+        jp.pruning.param_masks(params, masks_for(other, other_names(), 0.5, "uniform"), gpt_names())
+    for opt in (optax.adam(1e-3), optax.adafactor(1e-3, min_dim_size_to_factor=4)):
+        with pytest.raises(ValueError, match=r"\[0\]\.\w+\['blocks'\]\['\w+'\] .*param blocks/\w+ of shape \(2, .*"
+                                             r"optimizer state of these params"):
+            jp.pruning.compact_opt_state(opt.init(other), params, masks, TINY)
+    # a state of these params compacts (leaves of another shape are only refused for another model)
+    state = optax.adafactor(1e-3).init(params)
+    new = jp.pruning.compact_opt_state(state, params, masks, TINY)
+    assert np.shape(new[0].v["blocks"]["up_kernel"])[-1] == TINY.d_mlp // 2

@@ -1,4 +1,6 @@
-"""Pruning masks against numpy references (one ``magnitude_pruning`` update, one mask refresh).
+"""jaxpar/pruning/select.py: which weights magnitude pruning keeps: the global and ERK targets, exact counts with
+ties, ERK densities against RigL's, N:M groups, and the masks of one update against numpy references.
+
 
 What jaxpar documents (``jp.pruning.magnitude_pruning`` and ``jaxpar/pruning/select.py``), written out here:
 
@@ -19,7 +21,7 @@ What jaxpar documents (``jp.pruning.magnitude_pruning`` and ``jaxpar/pruning/sel
 Two value sets: ``continuous`` (normal draws, no tie at any threshold: asserted) and ``ties`` (small integers:
 many ties at the thresholds and inside N:M groups, asserted, so the documented tie-break is what is tested).
 
-Sharding: ``test_pruning.py::test_pruning_harness`` already checks bit-identical masks on fsdp=8, tensor=8 and
+Sharding: ``tests/pruning/test_transform.py::test_pruning_harness`` already checks bit-identical masks on fsdp=8, tensor=8 and
 an Explicit fsdp=8 mesh for two steps of a tiny GPT; here one test adds the 2x2x2 mesh and the MLP, and
 checks the sharded masks against the same numpy references.
 """
@@ -35,11 +37,174 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mlp_parts
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
 
-from helpers import mlp_parts
+from .test_transform import KERNELS, host_init, names, prune_once, random_tree
+
+
+# ------------------------------------------------------------------------ distributions and N:M structure
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9, 0.95])
+def test_global_and_erk_hit_the_target(sparsity):
+    params = random_tree()
+    total = sum(p.size for p in jax.tree.leaves(params))
+    target_kept = round((1 - sparsity) * total)
+    g = prune_once(params, sparsity=jp.pruning.one_shot(sparsity), distribution="global")
+    assert sum(int(m.sum()) for m in jax.tree.leaves(g)) == target_kept
+    threshold = min(np.abs(np.asarray(params[k]))[g[k]].min() for k in g)   # one threshold for all tensors
+    assert all(np.all(np.abs(np.asarray(params[k]))[~g[k]] < threshold) for k in g)
+    e = prune_once(params, sparsity=jp.pruning.one_shot(sparsity), distribution="erk")
+    assert abs(sum(int(m.sum()) for m in jax.tree.leaves(e)) - target_kept) <= len(params) / 2
+    u = prune_once(params, sparsity=jp.pruning.one_shot(sparsity))
+    for k, m in u.items():
+        assert int(m.sum()) == round((1 - sparsity) * m.size), k
+
+
+def test_exact_counts_with_ties_and_bf16():
+    """Heavy ties (bf16 and a small set of values): counts stay exact, ties broken by flat index."""
+    rng = np.random.default_rng(3)
+    params = {"a": jnp.asarray(rng.integers(-3, 4, size=(64, 48)), jnp.bfloat16),
+              "b": jnp.asarray(rng.integers(-3, 4, size=(48, 40)), jnp.float32)}
+    g = prune_once(params, sparsity=jp.pruning.one_shot(0.7), distribution="global")
+    assert sum(int(m.sum()) for m in g.values()) == round(0.3 * (64 * 48 + 48 * 40))
+    u = prune_once(params, sparsity=jp.pruning.one_shot(0.7))
+    for k, m in u.items():
+        assert int(m.sum()) == round(0.3 * m.size), k
+        mag = np.abs(np.asarray(params[k], np.float32))
+        t = mag[m].min()
+        assert np.all(mag[~m] <= t) and np.all(m[mag > t])
+        ties_kept = np.flatnonzero((mag == t).ravel() & m.ravel())
+        ties_dropped = np.flatnonzero((mag == t).ravel() & ~m.ravel())
+        assert ties_dropped.size == 0 or ties_kept.max() < ties_dropped.min()   # earlier indices win
+
+
+def test_erk_densities_match_a_hand_computed_example():
+    """Evci et al. 2020 sec. 3: density_i = eps * sum(shape_i) / prod(shape_i), dense-layer fix-up.
+
+    Shapes (8,16), (16,16), (16,4), (3,3,4,8): sizes 128, 256, 64, 288 (736 weights); at sparsity 0.5 keep 368.
+    sum(shape) = 24, 32, 20, 18, so eps = 368 / (24 + 32 + 20 + 18) = 3.915 would give (16,4) density
+    3.915 * 20 / 64 = 1.22 > 1: it is made dense, and eps = (368 - 64) / (24 + 32 + 18) = 304 / 74 for the rest.
+    """
+    eps = 304 / 74
+    expected = [eps * 24 / 128, eps * 32 / 256, 1.0, eps * 18 / 288]   # 0.7703, 0.5135, 1, 0.2568
+    shapes = [(8, 16), (16, 16), (16, 4), (3, 3, 4, 8)]
+    np.testing.assert_allclose(jp.pruning.erk_densities(shapes, 0.5), expected, rtol=1e-6)
+    rng = np.random.default_rng(0)
+    params = {f"t{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
+    masks = prune_once(params, sparsity=jp.pruning.one_shot(0.5), distribution="erk")
+    assert [int(masks[f"t{i}"].sum()) for i in range(4)] == [99, 131, 64, 74]   # round(density * size)
+    np.testing.assert_allclose(jp.pruning.erk_densities([(10, 10)], 0.3), [0.7], rtol=1e-6)
+
+
+def rigl_erk(layers: dict[str, tuple[int, ...]], sparsity: float) -> tuple[dict[str, float], set[str]]:
+    """Reference: RigL's ``sparse_utils.get_sparsities`` ERK loop (Evci et al. 2020), in float64 numpy.
+
+    ``layers`` maps a layer to the shape RigL's formula sees: a dense layer's 2-D ``(fan_in, fan_out)``, a conv
+    kernel's full shape. ``eps`` is solved so the kept count is ``(1 - sparsity) * total``; while the largest
+    ``eps * raw`` exceeds 1, the layers with the largest raw scale are made dense and ``eps`` is solved again.
+    Returns the densities and the set of dense layers.
+    """
+    dense: set[str] = set()
+    while True:
+        rhs, divisor, raw = 0.0, 0.0, {}
+        for name, shape in layers.items():
+            n = float(np.prod(shape))
+            if name in dense:
+                rhs -= sparsity * n
+            else:
+                rhs += (1.0 - sparsity) * n
+                raw[name] = float(np.sum(shape)) / n
+                divisor += raw[name] * n
+        eps = rhs / divisor
+        max_raw = max(raw.values())
+        if eps * max_raw <= 1.0:
+            return {k: 1.0 if k in dense else eps * raw[k] for k in layers}, dense
+        dense |= {k for k, v in raw.items() if v == max_raw}
+
+
+def assert_counts(got: dict[str, int], layers: dict[str, tuple[int, ...]], density: dict[str, float]):
+    """Kept counts are ``round(density * size)`` per layer; +-1 only where the product is within 0.02 of a .5."""
+    for name, shape in layers.items():
+        want = density[name] * float(np.prod(shape))
+        near_half = abs(want - math.floor(want) - 0.5) < 0.02
+        assert abs(got[name] - round(want)) <= (1 if near_half else 0), (
+            f"{name}: kept {got[name]}, RigL's ERK keeps {want:.2f} of {int(np.prod(shape))}")
+
+
+@pytest.mark.parametrize("sparsity", [0.9, 0.3])
+def test_erk_on_the_default_gpt_matches_rigl_2d_views(sparsity):
+    """The main job's GPT (4 layers, d=128): each stacked kernel's layer slice is one RigL layer, seen as the
+    2-D matrix it multiplies by (qkv: embed x 3*heads*kv, out: heads*kv x embed). At 0.9: eps = 9.6 and qkv
+    keeps 4915 a layer (the all-axes sum/prod gave 2038); at 0.3 the out kernels would exceed density 1 and are
+    made dense (RigL's re-solve loop)."""
+    cfg = GPTConfig(num_layers=4, num_heads=4, d_model=128, max_seq_len=128)     # experiments/charlm.py
+    D, H, F, N = 128, 4, 512, 4
+    fans = {"qkv_kernel": (D, 3 * H * (D // H)), "out_kernel": (H * (D // H), D),
+            "up_kernel": (D, F), "down_kernel": (F, D)}
+    layers = {f"{k}/{i}": fans[k] for k in KERNELS for i in range(N)}
+    density, dense = rigl_erk(layers, sparsity)
+    assert dense == ({f"out_kernel/{i}" for i in range(N)} if sparsity == 0.3 else set())
+    init = lambda rng: GPT(cfg).init(rng)
+    params = jax.tree.map(jnp.asarray, nn.meta.unbox(jax.jit(init)(jax.random.key(1))))
+    masks = prune_once(params, jax.eval_shape(init, jax.random.key(1)),
+                       sparsity=jp.pruning.one_shot(sparsity), distribution="erk")
+    got = {}
+    for k in KERNELS:
+        mask = masks["blocks"][k]
+        assert mask.shape[0] == N and mask[0].size == math.prod(fans[k])
+        got |= {f"{k}/{i}": int(c) for i, c in enumerate(mask.reshape(N, -1).sum(1))}
+    assert_counts(got, layers, density)
+    if sparsity == 0.9:
+        assert got["qkv_kernel/0"] == 4915 and got["out_kernel/0"] == 2458 and got["up_kernel/0"] == 6144
+
+
+def test_erk_on_unnamed_kernels_matches_rigl():
+    """A user model without names: 2-D (in, out) kernels, a conv kernel (RigL's rule: its full shape), and a 3-D
+    ``[in, heads, head_dim]`` kernel whose input axis is given by ``reduction_axes=`` (2-D view in x heads*dim).
+    At 0.9 the gate would exceed density 1 and is made dense; the re-solved eps then pushes the head (density
+    0.88 at the first eps) over 1 too: RigL's loop needs both rounds."""
+    rng = np.random.default_rng(5)
+    shapes = {"inp": (64, 256), "attn": (256, 4, 16), "conv": (3, 3, 8, 16), "gate": (256, 2), "head": (96, 4)}
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    layers = {"inp": (64, 256), "attn": (256, 64), "conv": (3, 3, 8, 16), "gate": (256, 2), "head": (96, 4)}
+    density, dense = rigl_erk(layers, 0.9)
+    eps0 = 0.1 * sum(math.prod(v) for v in layers.values()) / sum(sum(v) for v in layers.values())
+    assert dense == {"gate", "head"} and eps0 * 100 / 384 < 0.9          # head: (96 + 4) / (96 * 4)
+    axes = lambda path, shape: (0,) if path == ("attn",) else None
+    masks = prune_once(params, sparsity=jp.pruning.one_shot(0.9), distribution="erk", reduction_axes=axes)
+    assert_counts({k: int(m.sum()) for k, m in masks.items()}, layers, density)
+
+
+def groups(mask: np.ndarray, axes: tuple[int, ...], m: int) -> np.ndarray:
+    moved = np.moveaxis(mask, axes, tuple(range(mask.ndim - len(axes), mask.ndim)))
+    return moved.reshape(-1, m)
+
+
+def test_n_m_keeps_exactly_n_of_every_m_along_the_reduction_axes():
+    params = jax.tree.map(jnp.asarray, host_init())
+    masks = prune_once(params, names(), n_m=(2, 4))
+    plans = {p.path: p for p in jp.pruning.make_plans(params, names()) if p}
+    for path, plan in plans.items():
+        mask = masks[path[0]][path[1]]
+        per_group = groups(mask, plan.reduction_axes, 4).sum(-1)
+        assert np.all(per_group == 2), f"{plan.name}: groups keep {np.unique(per_group)}"
+        value = np.abs(np.asarray(params[path[0]][path[1]]))
+        g_val, g_mask = groups(value, plan.reduction_axes, 4), groups(mask, plan.reduction_axes, 4)
+        assert np.all(g_val[g_mask].reshape(-1, 2).min(-1) >= g_val[~g_mask].reshape(-1, 2).max(-1)), plan.name
+    # Gradual N:M: below 1 - N/M every group keeps at least N, and the tensor exactly its target.
+    masks = prune_once(params, names(), sparsity=jp.pruning.polynomial_sparsity(0.5, 0, 4, initial=0.25), n_m=(2, 4))
+    for path, plan in plans.items():
+        mask = masks[path[0]][path[1]]
+        assert groups(mask, plan.reduction_axes, 4).sum(-1).min() >= 2
+        assert int(mask.sum()) == plan.num_slices * round(0.75 * plan.slice_size)
+
+
+# ---------------------------------------------------------------------------------- numpy references
+
 
 CFG = GPTConfig(vocab_size=37, num_layers=2, num_heads=2, d_model=32, max_seq_len=8)
 L, D, H, K, F = 2, 32, 2, 16, 128

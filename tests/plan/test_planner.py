@@ -1,42 +1,21 @@
-"""jp.plan: AOT planning on simulated meshes (memory, FLOPs, collectives by axis, fit, errors)."""
+"""jax/plan.py (jp.plan): AOT planning on simulated meshes (memory, FLOPs, collectives by axis, fit, errors)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar import plan_hlo
 from jaxpar.models import GPTConfig
 
+
 TINY = GPTConfig(vocab_size=61, num_layers=2, num_heads=2, d_model=32, max_seq_len=16, remat="full",
                  scan_layers=True)
-
-
-def test_psum_over_one_axis_is_attributed_to_it(mesh_factory):
-    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
-    for axis in ("data", "fsdp", "tensor"):
-        f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis), mesh=mesh, in_specs=P(("data", "fsdp", "tensor")),
-                                  out_specs=P(("data", "fsdp", "tensor"))))
-        x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp", "tensor"))))
-        stats = plan_hlo.analyze(f.lower(x).compile().as_text(), dict(mesh.shape))
-        assert stats.bytes_by("kind/axes") == {f"all-reduce/{axis}": 128 * 4}, (axis, stats.collectives)
-        assert [c.group_size for c in stats.collectives] == [2]
-
-
-def test_loop_collectives_count_by_trip_count(mesh_factory):
-    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
-    spec = P(("data", "fsdp", "tensor"))
-
-    def body(x):
-        return jax.lax.fori_loop(0, 5, lambda i, y: jax.lax.pcast(jax.lax.psum(y, "fsdp") * 0.5, "fsdp", to="varying"), x)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, spec))
-    stats = plan_hlo.analyze(f.lower(x).compile().as_text(), dict(mesh.shape))
-    assert stats.bytes_by("kind/axes") == {"all-reduce/fsdp": 5 * 64 * 4}
 
 
 def test_plan_memory_equals_the_step_that_runs(mesh_factory, np_rng):
@@ -70,8 +49,74 @@ def test_does_not_fit_gives_a_message_not_a_crash():
     assert p.advice in p.report()
 
 
+def test_huge_model_does_not_fit_with_advice():
+    cfg = GPTConfig(vocab_size=32000, num_layers=80, num_heads=64, d_model=8192, max_seq_len=2048, remat="full",
+                    scan_layers=True, dtype=jnp.bfloat16)
+    est = jp.plan.estimate(cfg, dict(data=8), global_batch=8, seq_len=2048)
+    p = jp.plan.plan(cfg, dict(data=8), global_batch=8, seq_len=2048)
+    gib = 2 ** 30
+    state = cfg.num_params() * (4 + 4 + 8 + 2) / gib  # f32 params, grads, 2 moments, a bf16 compute copy
+    assert not est["fits"] and not p.fits and p.needed_bytes / gib > state > 1000
+    for needed, advice in ((est["needed_bytes"], est["advice"]), (p.needed_bytes, p.advice)):
+        assert advice.startswith(f"does not fit: {needed / gib:.1f} GiB needed per device, {0.9 * 80e9 / gib:.1f} "
+                                 "available; try ")
+        assert "fsdp=8, data=1" in advice and "more devices" in advice
+    assert p.advice in p.report()
+
+
+@pytest.mark.slow
+def test_plan_64_devices_in_a_subprocess():
+    cfg = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16, remat="full",
+                    scan_layers=True, dtype=jnp.bfloat16)
+    p = jp.plan.plan(cfg, dict(data=2, fsdp=4, tensor=8), global_batch=16, seq_len=16)
+    assert p.mesh == dict(data=2, pipe=1, fsdp=4, tensor=8) and p.memory["compiled_bytes"] > 0
+    assert "tensor" in p.collectives["all-reduce"]
+
+
+# ------------------------------------------------------------------------------------------------ hosts
+
+
+def test_host_split_is_the_hybrid_mesh_split():
+    # 3 hosts of 8: tensor (2) inside, fsdp=3 cannot share a host of 8 with it, data=4 fills the rest
+    per, across = jp.plan.host_split(dict(data=4, pipe=1, fsdp=3, tensor=2), 8)
+    assert per == dict(data=4, pipe=1, fsdp=1, tensor=2) and across == dict(data=1, pipe=1, fsdp=3, tensor=1)
+    per, across = jp.plan.host_split(dict(data=2, pipe=2, fsdp=8, tensor=2), 8)
+    assert per == dict(data=1, pipe=1, fsdp=4, tensor=2) and across == dict(data=2, pipe=2, fsdp=2, tensor=1)
+    assert jp.plan.host_split(dict(data=2, pipe=1, fsdp=1, tensor=2), 8)[1] == dict(data=1, pipe=1, fsdp=1, tensor=1)
+
+
+def test_planning_mesh_puts_hosts_across_data():
+    mesh = jp.plan.planning_mesh(dict(data=2, pipe=1, fsdp=2, tensor=2), gpus_per_host=4)
+    host = np.vectorize(lambda d: d.id // 4)(mesh.devices)   # simulated hosts: 4 consecutive devices
+    assert dict(mesh.shape) == dict(data=2, pipe=1, fsdp=2, tensor=2)
+    assert (host[0] == host[0].flat[0]).all() and (host[1] == host[1].flat[0]).all()   # data=0 on one host, 1 on another
+    assert host[0].flat[0] != host[1].flat[0]
+
+
+def test_collectives_across_hosts_are_timed_on_infiniband():
+    p = jp.plan.plan(TINY, dict(data=2, fsdp=2, tensor=2), global_batch=8, seq_len=16, gpus_per_host=4)
+    assert p.hosts["across_hosts"] == dict(data=2, pipe=1, fsdp=1, tensor=1)
+    spec = jp.plan.gpu("h100-80gb")
+    ring = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
+            "reduce-scatter": lambda g: (g - 1) / g, "collective-permute": lambda g: 1.0}
+    group = {"data": 2, "fsdp": 2, "tensor": 2, "data+fsdp": 4, "fsdp+tensor": 4, "data+tensor": 4,
+             "data+fsdp+tensor": 8}
+    expected = {}
+    for kind, by_axes in p.collectives.items():
+        for axes, nbytes in by_axes.items():
+            link = spec.infiniband_bytes_per_s if "data" in axes else spec.nvlink_bytes_per_s
+            expected[axes] = expected.get(axes, 0.0) + ring[kind](group[axes]) * nbytes / link
+    assert "data" in expected and "tensor" in expected
+    assert p.time["comm_s_by_axes"] == pytest.approx(expected, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
 TINY4 = GPTConfig(vocab_size=61, num_layers=4, num_heads=2, d_model=32, max_seq_len=16, remat="full",
                   scan_layers=True)
+
+
 BAD_INPUTS = [   # (mesh_shape, plan kwargs, exception, message)
     (dict(data=8), dict(num_devices=16), ValueError, "multiplies to 8, not the 16 devices"),
     (dict(data=8), dict(num_devices=0), ValueError, "num_devices=0 must be a positive int"),
@@ -129,72 +174,40 @@ def test_bad_models_and_schedules_raise_before_compiling(no_compiling):
                      schedule=jp.pipeline.one_f_one_b(2, 4))
 
 
-def test_host_split_is_the_hybrid_mesh_split():
-    # 3 hosts of 8: tensor (2) inside, fsdp=3 cannot share a host of 8 with it, data=4 fills the rest
-    per, across = jp.plan.host_split(dict(data=4, pipe=1, fsdp=3, tensor=2), 8)
-    assert per == dict(data=4, pipe=1, fsdp=1, tensor=2) and across == dict(data=1, pipe=1, fsdp=3, tensor=1)
-    per, across = jp.plan.host_split(dict(data=2, pipe=2, fsdp=8, tensor=2), 8)
-    assert per == dict(data=1, pipe=1, fsdp=4, tensor=2) and across == dict(data=2, pipe=2, fsdp=2, tensor=1)
-    assert jp.plan.host_split(dict(data=2, pipe=1, fsdp=1, tensor=2), 8)[1] == dict(data=1, pipe=1, fsdp=1, tensor=1)
+def test_plan_subprocess_timeout_is_a_runtime_error_naming_the_fix():
+    # 16 devices > the 8 of this process: planning needs the subprocess, which cannot start jax in 10 ms
+    with pytest.raises(RuntimeError, match=r"did not finish within timeout=0.01 s; raise timeout="):
+        jp.plan.plan(TINY, dict(data=16), global_batch=16, seq_len=16, gpus_per_host=16, timeout=0.01)
 
 
-def test_planning_mesh_puts_hosts_across_data():
-    mesh = jp.plan.planning_mesh(dict(data=2, pipe=1, fsdp=2, tensor=2), gpus_per_host=4)
-    host = np.vectorize(lambda d: d.id // 4)(mesh.devices)   # simulated hosts: 4 consecutive devices
-    assert dict(mesh.shape) == dict(data=2, pipe=1, fsdp=2, tensor=2)
-    assert (host[0] == host[0].flat[0]).all() and (host[1] == host[1].flat[0]).all()   # data=0 on one host, 1 on another
-    assert host[0].flat[0] != host[1].flat[0]
+@pytest.mark.parametrize("timeout", [-1, 0, math.nan, math.inf, "10", True])
+def test_plan_rejects_bad_timeouts_up_front(no_compiling, timeout):
+    with pytest.raises(ValueError, match=r"timeout=.* must be a positive finite number of seconds"):
+        jp.plan.plan(TINY, dict(data=8), global_batch=8, seq_len=16, timeout=timeout)
 
 
-def test_collectives_across_hosts_are_timed_on_infiniband():
-    p = jp.plan.plan(TINY, dict(data=2, fsdp=2, tensor=2), global_batch=8, seq_len=16, gpus_per_host=4)
-    assert p.hosts["across_hosts"] == dict(data=2, pipe=1, fsdp=1, tensor=1)
-    spec = jp.plan.gpu("h100-80gb")
-    ring = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
-            "reduce-scatter": lambda g: (g - 1) / g, "collective-permute": lambda g: 1.0}
-    group = {"data": 2, "fsdp": 2, "tensor": 2, "data+fsdp": 4, "fsdp+tensor": 4, "data+tensor": 4,
-             "data+fsdp+tensor": 8}
-    expected = {}
-    for kind, by_axes in p.collectives.items():
-        for axes, nbytes in by_axes.items():
-            link = spec.infiniband_bytes_per_s if "data" in axes else spec.nvlink_bytes_per_s
-            expected[axes] = expected.get(axes, 0.0) + ring[kind](group[axes]) * nbytes / link
-    assert "data" in expected and "tensor" in expected
-    assert p.time["comm_s_by_axes"] == pytest.approx(expected, rel=1e-9)
+@pytest.mark.parametrize("fraction", [np.float32(0.5), np.float64(0.5), 0.5])
+def test_memory_fraction_takes_any_real_number_type(fraction):
+    got = jp.plan.estimate(TINY, dict(data=np.int64(8)), global_batch=np.int32(8), seq_len=np.int64(16),
+                           memory_fraction=fraction, gpus_per_host=np.int32(8), grad_accum_steps=np.int8(1))
+    assert type(got["available_bytes"]) is float
+    assert got["available_bytes"] == jp.plan.gpu("h100-80gb").memory_bytes * 0.5
 
 
-def test_pipeline_activations_count_stash_chunks_and_fsdp():
-    sched = jp.pipeline.zero_bubble_v(2, 4)           # 2 chunks a stage, peak stash 2p = 4 chunk-microbatches
-    est = jp.plan.estimate(TINY4, dict(pipe=2, fsdp=2, tensor=2), global_batch=8, seq_len=16, schedule=sched)
-    D, H, K, F, V, c, t, L = 32, 2, 16, TINY4.mlp_dim, TINY4.padded_vocab, 4, 2, 16
-    tokens = 8 * 16 / (2 * 4)                         # a microbatch over fsdp (data = 1)
-    keys = (8 * 8 + 8 * 16) / 16                      # blocked attention, 2 query blocks: mean keys per query
-    block = c * (2 * D + 4 * H * K / t + 2 * F / t) + 4 * H * keys / t   # one block recomputed (remat full)
-    saved = max(sched.peak_stash) * (4 / (2 * 2)) * c * D               # block inputs of one layer per chunk
-    head = c * D + 2 * 4 * V / t
-    assert max(sched.peak_stash) == 4
-    assert est["memory"]["activations"] == pytest.approx(tokens * (saved + block + head), rel=1e-12)
+@pytest.mark.parametrize("fraction", [np.float32(0.0), np.float32(np.nan), True, "0.5"])
+def test_memory_fraction_still_refuses_values_outside_the_range(no_compiling, fraction):
+    with pytest.raises(ValueError, match=r"memory_fraction=.* must be a number in \(0, 1\]"):
+        jp.plan.estimate(TINY, dict(data=8), global_batch=8, seq_len=16, memory_fraction=fraction)
 
 
-def test_huge_model_does_not_fit_with_advice():
-    cfg = GPTConfig(vocab_size=32000, num_layers=80, num_heads=64, d_model=8192, max_seq_len=2048, remat="full",
-                    scan_layers=True, dtype=jnp.bfloat16)
-    est = jp.plan.estimate(cfg, dict(data=8), global_batch=8, seq_len=2048)
-    p = jp.plan.plan(cfg, dict(data=8), global_batch=8, seq_len=2048)
-    gib = 2 ** 30
-    state = cfg.num_params() * (4 + 4 + 8 + 2) / gib  # f32 params, grads, 2 moments, a bf16 compute copy
-    assert not est["fits"] and not p.fits and p.needed_bytes / gib > state > 1000
-    for needed, advice in ((est["needed_bytes"], est["advice"]), (p.needed_bytes, p.advice)):
-        assert advice.startswith(f"does not fit: {needed / gib:.1f} GiB needed per device, {0.9 * 80e9 / gib:.1f} "
-                                 "available; try ")
-        assert "fsdp=8, data=1" in advice and "more devices" in advice
-    assert p.advice in p.report()
+def test_global_batch_refuses_a_bool(no_compiling):
+    with pytest.raises(ValueError, match="global_batch True must be a positive int"):
+        jp.plan.estimate(TINY, dict(data=1), global_batch=True, seq_len=16, num_devices=1)
 
 
-@pytest.mark.slow
-def test_plan_64_devices_in_a_subprocess():
-    cfg = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16, remat="full",
-                    scan_layers=True, dtype=jnp.bfloat16)
-    p = jp.plan.plan(cfg, dict(data=2, fsdp=4, tensor=8), global_batch=16, seq_len=16)
-    assert p.mesh == dict(data=2, pipe=1, fsdp=4, tensor=8) and p.memory["compiled_bytes"] > 0
-    assert "tensor" in p.collectives["all-reduce"]
+def test_schedule_with_pipe_1_names_both_fixes(no_compiling):
+    with pytest.raises(ValueError, match=r"schedule='1f1b' was given but the mesh has pipe=1 .*: pass "
+                                         r"schedule=None, or a mesh with pipe > 1 and a schedule of that many stages"):
+        jp.plan.estimate(TINY, dict(data=8), global_batch=16, seq_len=16, schedule=jp.pipeline.one_f_one_b(1, 2))
+    with pytest.raises(ValueError, match=r"was given but the mesh has pipe=1 .*: pass schedule=None, or a mesh with pipe=2"):
+        jp.plan.plan(TINY, dict(data=8), global_batch=16, seq_len=16, schedule=jp.pipeline.one_f_one_b(2, 2))

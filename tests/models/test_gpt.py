@@ -1,4 +1,5 @@
-"""The GPT against an independent reference written here in plain ``jax.numpy``.
+"""jaxpar/models/gpt.py: the GPT against an independent reference written here in plain ``jax.numpy``, its
+attention options, its config checks and the batch checks of its loss.
 
 The reference reuses no jaxpar function: attention with the softmax written out and an explicit causal mask,
 LayerNorm (eps 1e-5), the tanh GELU (``jax.nn.gelu``'s default ``approximate=True``) written out, learned or
@@ -10,6 +11,11 @@ param tree that ``GPT(cfg).init`` produces (unboxed). Float32 throughout; tolera
 ``init`` sets LayerNorm scales to 1 and every bias to 0, which would hide a missing or swapped bias, and its
 small weights make attention nearly uniform, which would hide a wrong mask or position encoding; most tests
 therefore add random noise to every leaf of the init params (same tree, same shapes).
+
+``causal_attention`` (query blocks that skip masked key blocks) is checked, forward and gradients, against a
+plain full-matrix softmax attention in float32 with an explicit mask, for block counts that divide the
+sequence and that do not; the ``attention`` options of the GPT give the same loss and gradients; bad options
+raise before tracing.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import RTOL, SMALL_GPT, SMALL_GPT_VARIANT, assert_scalar_close, assert_tree_close, gpt_batch, max_rel_err
 
-from helpers import RTOL, assert_scalar_close, assert_tree_close, max_rel_err
+import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
+from jaxpar.models.gpt import causal_attention
+
 
 BASE = GPTConfig(vocab_size=37, vocab_multiple=64, num_layers=2, num_heads=4, d_model=32, max_seq_len=16)
 CONFIGS = {
@@ -265,3 +274,204 @@ def test_generate_tiny_temperature_is_greedy(name, np_rng):
     assert len(set(seq[len(prompt):])) >= 4, f"degenerate greedy path {seq[len(prompt):]}; pick another seed"
     assert got == seq[len(prompt):], (got, seq[len(prompt):])
     assert all(0 <= t < cfg.vocab_size for t in got)
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def ref_masked_attention(q, k, v):
+    """q, k, v [B, L, H, K] -> [B, L, H, K]: softmax(q k^T / sqrt(K)) v with query t seeing keys s <= t."""
+    L, K = q.shape[1], q.shape[-1]
+    s = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(K)
+    s = jnp.where(np.tril(np.ones((L, L), bool)), s, -jnp.inf)
+    p = jnp.exp(s - s.max(-1, keepdims=True))
+    return jnp.einsum("bhqs,bshk->bqhk", p / p.sum(-1, keepdims=True), v)
+
+
+def _out_and_grads(f, q, k, v, ct):
+    def run(q, k, v, ct):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(ct)
+    return jax.jit(run)(q, k, v, ct)
+
+
+@pytest.mark.parametrize("L,blocks", [(16, 2), (15, 4), (5, 8)])   # dividing, not dividing, more blocks than rows
+def test_causal_attention_matches_reference(L, blocks, np_rng):
+    q, k, v, ct = (jnp.asarray(np_rng.standard_normal((2, L, 3, 8)), jnp.float32) for _ in range(4))
+    got = _out_and_grads(lambda *t: causal_attention(*t, num_blocks=blocks), q, k, v, ct)
+    assert_tree_close(got, _out_and_grads(ref_masked_attention, q, k, v, ct))
+
+
+def test_causal_attention_bf16_keeps_dtype_and_is_close(np_rng):
+    q, k, v = (jnp.asarray(np_rng.standard_normal((2, 16, 2, 8)), jnp.bfloat16) for _ in range(3))
+    got = jax.jit(causal_attention)(q, k, v)
+    assert got.dtype == jnp.bfloat16
+    ref = ref_masked_attention(*(t.astype(jnp.float32) for t in (q, k, v)))
+    # bf16 inputs and probabilities: 8 mantissa bits, so ~1e-2 relative, not the f32 tolerance
+    assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref))) <= 2e-2 * float(jnp.max(jnp.abs(ref)))
+
+
+def test_gpt_attention_options_agree(np_rng):
+    base = GPTConfig(vocab_size=37, vocab_multiple=64, num_layers=2, num_heads=2, d_model=16, max_seq_len=12)
+    params = nn.meta.unbox(GPT(base).init(jax.random.key(0, impl="rbg")))
+    params = jax.tree.map(lambda a: a + 0.1 * np_rng.standard_normal(a.shape).astype(np.float32), params)
+    batch = {k: np_rng.integers(0, 37, (3, 12), dtype=np.int32) for k in ("inputs", "targets")}
+
+    def loss_grad(cfg):
+        return jax.jit(jax.value_and_grad(lambda p: GPT(cfg).loss(p, batch)[0]))(params)
+
+    ref = loss_grad(dataclasses.replace(base, attention="xla"))
+    for cfg in (base, dataclasses.replace(base, attention_blocks=3)):
+        assert_tree_close(loss_grad(cfg), ref)
+
+
+def test_attention_options_are_validated():
+    with pytest.raises(ValueError, match="attention='flash'"):
+        GPTConfig(attention="flash")
+    with pytest.raises(ValueError, match="attention_blocks"):
+        GPTConfig(attention_blocks=0)
+    cfg = GPTConfig(vocab_size=37, vocab_multiple=64, num_layers=1, num_heads=2, d_model=16, max_seq_len=8,
+                    attention="cudnn")
+    params = nn.meta.unbox(jax.eval_shape(GPT(cfg).init, jax.random.key(0)))
+    batch = {k: jax.ShapeDtypeStruct((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    if jax.devices()[0].platform != "gpu":
+        with pytest.raises(ValueError, match="needs a GPU and float16/bfloat16"):
+            jax.eval_shape(lambda p, b: GPT(cfg).loss(p, b), params, batch)
+
+
+# ------------------------------------------------------------------------------------------ GPTConfig
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(vocab_size=0), r"GPTConfig.vocab_size=0 must be a positive int"),
+    (dict(num_layers=-1), r"GPTConfig.num_layers=-1 must be a positive int"),
+    (dict(num_heads=2.0), r"GPTConfig.num_heads=2.0 must be a positive int"),
+    (dict(max_seq_len=0), r"GPTConfig.max_seq_len=0 must be a positive int"),
+    (dict(vocab_multiple=0), r"GPTConfig.vocab_multiple=0 must be a positive int"),
+    (dict(d_model=64, num_heads=3), r"d_model 64 is not divisible by num_heads 3"),
+    (dict(d_model=12, num_heads=4, positions="rotary"), r"rotary positions need an even head dim, got 3"),
+    (dict(positions="alibi"), r"positions='alibi'; use 'learned' or 'rotary'"),
+    (dict(remat="some"), r"remat='some'; use one of \['dots', 'full', 'none'\]"),
+    (dict(d_mlp=-1), r"d_mlp=-1 must be an int >= 0"),
+    # d_mlp is the one int field without a type check: 2.5 is accepted and fails later inside Flax
+    (dict(d_mlp=2.5), r"d_mlp=2.5"),
+], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "")
+def test_invalid_gpt_config(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        GPTConfig(**kwargs)
+
+
+def test_gpt_config_derived_sizes():
+    cfg = GPTConfig(vocab_size=103, d_model=128, num_heads=4)
+    assert (cfg.head_dim, cfg.mlp_dim, cfg.padded_vocab) == (32, 512, 128)
+    assert GPTConfig(vocab_size=129).padded_vocab == 256
+    assert GPTConfig(d_mlp=100).mlp_dim == 100
+    for cfg in (SMALL_GPT, SMALL_GPT_VARIANT):
+        shapes = jax.eval_shape(lambda k: nn.meta.unbox(GPT(cfg).init(k)), jax.random.key(0))
+        assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params()
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype=jnp.int32), dict(init_std=float("nan")), dict(rope_base=0.0),
+                                    dict(tie_embeddings="no")])
+def test_gpt_config_rejects(kwargs):
+    with pytest.raises(ValueError, match="GPTConfig"):
+        GPTConfig(**kwargs)
+
+
+def test_generate_rejects_bad_arguments():
+    model = GPT(GPTConfig(vocab_size=11, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
+    params = jax.tree.map(lambda x: x.value, model.init(jax.random.key(0)), is_leaf=lambda x: hasattr(x, "value"))
+    for kwargs in (dict(temperature=0.0), dict(temperature=-1.0), dict(num_tokens=-1), dict(prompt=[11]),
+                   dict(prompt=[])):
+        args = {"prompt": [1, 2], "num_tokens": 3, "temperature": 1.0, **kwargs}
+        with pytest.raises(ValueError):
+            model.generate(params, args["prompt"], args["num_tokens"], jax.random.key(0), args["temperature"])
+    assert len(model.generate(params, [1, 2], 3, jax.random.key(0))) == 3
+
+
+# ------------------------------------------------------------------------------------- the loss's batch
+
+
+@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_GPT_VARIANT], ids=["learned", "rotary"])
+def test_sequence_longer_than_max_seq_len(mesh_factory, cfg):
+    """``GPT.apply`` refuses a sequence longer than ``max_seq_len``; the training loss must too.
+
+    (``GPT.loss`` skips the check: learned positions fail with a broadcasting TypeError from inside the
+    model, rotary positions silently train past ``max_seq_len``.)
+    """
+    model = GPT(cfg)
+    batch = gpt_batch(np.random.default_rng(0), 4, cfg, seq_len=cfg.max_seq_len + 4)
+    params = jax.device_get(jp.train.init_state(model.init, optax.sgd(0.1), 0, mesh=mesh_factory()).params)
+    with pytest.raises(ValueError, match=r"sequence length 20 exceeds max_seq_len 16"):
+        model.apply(params, jnp.asarray(batch["inputs"]))
+    with pytest.raises(ValueError, match=r"sequence length 20 exceeds max_seq_len 16"):
+        model.loss(params, batch)
+
+
+def _gpt_setup(mesh):
+    model = GPT(GPTConfig(vocab_size=50, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
+    tx = optax.sgd(0.1)
+    return model, tx, jp.train.init_state(model.init, tx, 0, mesh=mesh)
+
+
+def _tokens(rng, shape=(8, 8)):
+    return {"inputs": rng.integers(0, 50, shape).astype(np.int32),
+            "targets": rng.integers(0, 50, shape).astype(np.int32)}
+
+
+@pytest.mark.parametrize("key", ["inputs", "targets"])
+@pytest.mark.parametrize("bad", [-1, 50, 127, 128, 10_000])   # vocab 50 is padded to 128
+def test_out_of_range_token_ids_on_the_host_are_a_clear_error(mesh, key, bad):
+    model, tx, state = _gpt_setup(mesh)
+    batch = _tokens(np.random.default_rng(0))
+    batch[key][3, 5] = bad
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id {bad} at index \(3, 5\).*\[0, "
+                                         r"vocab_size=50\)"):
+        step(state, batch)
+    evaluate = jp.train.make_eval_step(model.loss, mesh=mesh, check_batch=model.check_batch)
+    with pytest.raises(ValueError, match="holds token id"):
+        evaluate(state, batch)
+
+
+@pytest.mark.parametrize("key", ["inputs", "targets"])
+@pytest.mark.parametrize("bad", [-1, 50, 128])
+def test_out_of_range_token_ids_on_the_devices_give_nan_not_a_wrong_loss(mesh, key, bad):
+    """A batch already on the devices is checked in the step: loss and gradient norm become NaN."""
+    model, tx, state = _gpt_setup(mesh)
+    batch = _tokens(np.random.default_rng(1))
+    batch[key][2, 1] = bad
+    batch = jax.tree.map(jnp.asarray, batch)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch, donate=False)
+    _, metrics = step(state, batch)
+    assert np.isnan(float(metrics["loss"])) and np.isnan(float(metrics["grad_norm"])), metrics
+    good = jax.tree.map(lambda x: jnp.clip(x, 0, 49), batch)
+    _, metrics = step(state, good)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+
+
+def test_float_token_ids_are_a_clear_error(mesh):
+    model, _, _ = _gpt_setup(mesh)
+    batch = _tokens(np.random.default_rng(2))
+    batch["inputs"] = batch["inputs"].astype(np.float32)
+    with pytest.raises(ValueError, match="must be integers"):
+        model.check_batch(batch)
+
+
+@pytest.mark.parametrize("shapes", [((8, 8), (8, 7)), ((8, 0), (8, 0)), ((8,), (8,)), ((8, 9), (8, 9))])
+def test_gpt_check_batch_names_bad_shapes(mesh, shapes):
+    model, _, _ = _gpt_setup(mesh)   # max_seq_len 8
+    batch = {"inputs": np.zeros(shapes[0], np.int32) + 1, "targets": np.zeros(shapes[1], np.int32) + 2}
+    with pytest.raises(ValueError, match=r"\[batch, seq\]|exceeds max_seq_len"):
+        model.check_batch(batch)
+
+
+def test_gpt_step_on_an_explicit_mesh_is_a_clear_error(devices):
+    from jax.sharding import AxisType
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2, axis_types=(AxisType.Explicit,) * 4)
+    model = GPT(GPTConfig(vocab_size=50, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
+    tx = optax.sgd(0.1)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
+    with pytest.raises(ValueError, match="Auto axes only.*axis_types"):
+        step(state, _tokens(np.random.default_rng(3)))
