@@ -177,7 +177,7 @@ def permutes_outside_loops(hlo: str) -> tuple[list[str], int]:
 
 
 def pipeline_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_memory.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_memory.py"
     spec = importlib.util.spec_from_file_location("pipeline_memory", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
