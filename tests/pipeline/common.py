@@ -141,7 +141,8 @@ def gpt_step_parity(schedule, mesh, seed, params_layout="model"):
     model, tx = gpt(schedule.num_virtual_stages), optax.sgd(0.1, momentum=0.9)
     batch = gpt_batch(np.random.default_rng(seed), 16, model.cfg)
     pipeline = gpt_pipeline(model, schedule, params_layout=params_layout)
-    state = jp.train.init_state(model.init, tx, GPT_STEP_SEED, mesh=mesh, pipeline=None if params_layout == "model" else pipeline)
+    state = jp.train.init_state(model.init, tx, GPT_STEP_SEED, mesh=mesh,
+                                pipeline=None if params_layout == "model" else pipeline)
     to_model = (lambda t: t) if params_layout == "model" else pipeline.from_stage_layout
     params = jax.device_put(to_model(jax.device_get(state.params)), jax.devices()[0])
     (loss, _), grads = jax.jit(jax.value_and_grad(model.loss, has_aux=True))(params, batch)

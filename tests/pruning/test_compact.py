@@ -1,6 +1,6 @@
-"""jaxpar/pruning/compact.py, compaction (jp.pruning.compact / compact_opt_state / compact_state): the smaller dense model computes what the
-masked model computes, on one device and on data=2 x fsdp=2 x tensor=2; the optimizer state follows its weights;
-training continues through the normal step.
+"""jaxpar/pruning/compact.py, compaction (jp.pruning.compact / compact_opt_state / compact_state): the smaller
+dense model computes what the masked model computes, on one device and on data=2 x fsdp=2 x tensor=2; the
+optimizer state follows its weights; training continues through the normal step; bad input is refused.
 
 The masked reference is the original model applied to ``params * mask``, the mask broadcast in the test (numpy,
 axes found from the logical names) from the group masks; the compacted model is applied with its new config.

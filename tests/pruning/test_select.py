@@ -1,7 +1,6 @@
 """jaxpar/pruning/select.py: which weights magnitude pruning keeps: the global and ERK targets, exact counts with
 ties, ERK densities against RigL's, N:M groups, and the masks of one update against numpy references.
 
-
 What jaxpar documents (``jp.pruning.magnitude_pruning`` and ``jaxpar/pruning/select.py``), written out here:
 
 * At a refresh the candidates are ``|params + updates|`` (float32), and the returned updates are
@@ -21,7 +20,7 @@ What jaxpar documents (``jp.pruning.magnitude_pruning`` and ``jaxpar/pruning/sel
 Two value sets: ``continuous`` (normal draws, no tie at any threshold: asserted) and ``ties`` (small integers:
 many ties at the thresholds and inside N:M groups, asserted, so the documented tie-break is what is tested).
 
-Sharding: ``tests/pruning/test_transform.py::test_pruning_harness`` already checks bit-identical masks on fsdp=8, tensor=8 and
+Sharding: ``test_transform.py::test_pruning_harness`` already checks bit-identical masks on fsdp=8, tensor=8 and
 an Explicit fsdp=8 mesh for two steps of a tiny GPT; here one test adds the 2x2x2 mesh and the MLP, and
 checks the sharded masks against the same numpy references.
 """
@@ -403,7 +402,7 @@ def test_masks_match_numpy_reference(model, dist, kind):
     check_update(model, kind, single_device(model, dist, kind), reference_masks(model, dist, kind))
 
 
-# fsdp=8 on a GPT is in test_pruning.py::test_pruning_harness (all four configs); ERK runs the same per-slice
+# fsdp=8 on a GPT is in test_transform.py::test_pruning_harness (all four configs); ERK runs the same per-slice
 # selection as uniform with other (static, sharding-independent) counts, so it is left out here.
 SHARDED = {"fsdp8": ("mlp",), "2x2x2": ("gpt", "mlp")}
 
