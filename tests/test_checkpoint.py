@@ -492,7 +492,6 @@ def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
 
 # -------------------------------------------------------------------------------------------- bad input
 
-
 def test_a_file_where_the_checkpoint_trash_goes_is_a_clear_error(tmp_path):
     (tmp_path / jp.checkpoint.TRASH).write_text("not a directory")
     with pytest.raises(jp.checkpoint.CheckpointError, match="is a file"):

@@ -137,7 +137,6 @@ def test_process_batch_rows_follow_the_sharding(mesh_factory):
 
 # ------------------------------------------------------------------------------------------- text files
 
-
 def _text_loaders():
     return [jp.data.load_text, jp.data.CharCorpus.load]
 

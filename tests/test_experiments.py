@@ -116,7 +116,6 @@ def test_charlm_header_names_the_pipeline():
 
 # ------------------------------------------------------------------------------------- charlm pipelined
 
-
 def _charlm():
     path = Path(__file__).resolve().parents[1] / "experiments" / "charlm.py"
     spec = importlib.util.spec_from_file_location("experiments_charlm_pipe", path)

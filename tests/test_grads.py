@@ -124,7 +124,6 @@ def test_grad_accumulation_on_an_explicit_mesh_matches_auto(devices, np_rng):
 
 # ----------------------------------------------------------------------------------------------- errors
 
-
 @pytest.mark.parametrize("bad, match", [
     (lambda loss, aux: loss, "must return \\(loss, aux\\)"),
     (lambda loss, aux: (jnp.stack([loss, loss]), aux), "floating scalar"),

@@ -130,7 +130,6 @@ def test_make_mesh_rejects_duplicated_devices():
 
 # ------------------------------------------------------------------------------------- the hybrid form
 
-
 def expected_device_index(coord, per_host, across):
     """Position in ``jax.devices()`` of the device at mesh coordinate ``coord`` (the documented layout)."""
     per, acr = [per_host[a] for a in AXES], [across[a] for a in AXES]
@@ -246,7 +245,6 @@ def test_host_groups_follow_processes():
 
 
 # ------------------------------------------------------------------------------------------ distributed
-
 
 def test_initialize_distributed_is_a_no_op_alone(monkeypatch):
     for var in (jp.mesh.ENV_COORDINATOR, "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):

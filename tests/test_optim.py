@@ -142,7 +142,6 @@ def test_multisteps_is_accepted_as_optax_users_pass_it(mesh_factory, np_rng):
 
 # ----------------------------------------------------------------------------------- adamw's arguments
 
-
 @pytest.mark.parametrize("kwargs, match", [
     (dict(clip_norm=-1.0), "clip_norm"), (dict(learning_rate=-1e-3), "learning_rate"),
     (dict(learning_rate=float("nan")), "learning_rate"), (dict(b2=1.5), "b2"), (dict(weight_decay=-0.1), "weight_decay"),

@@ -508,7 +508,6 @@ def test_clipping_acts_on_unscaled_gradients(mesh_factory):
 
 # ---------------------------------------------------------------------------------- bad input, policies
 
-
 @pytest.mark.parametrize("text, pattern", [
     ("", r"empty policy string ''; e.g. 'params=float32,compute=bfloat16,output=float32'"),
     ("   ", r"empty policy string"),
@@ -549,7 +548,6 @@ def test_policy_rejects_float8():
 
 # ----------------------------------------------------------------------------- bad input, loss scaling
 
-
 @pytest.mark.parametrize("make, match", [
     (lambda: DynamicLossScale(initial_scale=2.0 ** 16, dtype=jnp.float16), "exceed the largest float16"),
     (lambda: DynamicLossScale(initial_scale=float("inf"), max_scale=float("inf")), "finite"),
@@ -589,7 +587,6 @@ def test_loss_scaling_must_be_outermost(mesh):
 
 
 # ------------------------------------------------------------------------ through the train step, numerically
-
 
 SEED = 41
 LR, MOMENTUM = 0.05, 0.9

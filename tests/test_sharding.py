@@ -264,7 +264,6 @@ def test_malformed_rules(mesh, rules):
 
 # -------------------------------------------------------------------------- model sizes vs the mesh
 
-
 def _gpt_cfg(**kw):
     return GPTConfig(**{**dict(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16), **kw})
 
@@ -298,7 +297,6 @@ def test_mlp_width_not_divisible(mesh_factory):
 
 
 # ------------------------------------------------------------------------------ optimizer-state shardings
-
 
 HIDDEN = (256, 128, 128)
 FACTORED = ("['dense_1']['kernel']", "['dense_2']['kernel']")

@@ -26,7 +26,6 @@ from jaxpar.models import GPT, GPTConfig
 
 # ------------------------------------------------------------------------------- init_state, abstract_state
 
-
 def test_tx_must_be_a_gradient_transformation(mesh):
     init_fn, loss_fn = mlp_parts()
     for tx in (None, optax.adam):
@@ -83,7 +82,6 @@ def nn_unbox(tree):
 
 
 # ----------------------------------------------------------------------- the step's inputs, before tracing
-
 
 class _CountingLoss:
     """A loss_fn that counts how often it is traced, to show that a bad batch is refused before tracing."""
@@ -176,7 +174,6 @@ def test_state_that_does_not_fit_the_step(adam_mlp):
 
 # ------------------------------------------------------------------- lowering from shapes; the state's policy
 
-
 GPT_SEED = 5
 
 
@@ -228,7 +225,6 @@ def test_the_policy_travels_on_the_state(mesh_factory):
 
 
 # ------------------------------------------------------------------------------ evaluation and randomness
-
 
 SEED = 17
 LAYOUTS = {"1dev": {}, "data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},

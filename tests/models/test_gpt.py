@@ -278,7 +278,6 @@ def test_generate_tiny_temperature_is_greedy(name, np_rng):
 
 # ------------------------------------------------------------------------------------------- attention
 
-
 def ref_masked_attention(q, k, v):
     """q, k, v [B, L, H, K] -> [B, L, H, K]: softmax(q k^T / sqrt(K)) v with query t seeing keys s <= t."""
     L, K = q.shape[1], q.shape[-1]
@@ -341,7 +340,6 @@ def test_attention_options_are_validated():
 
 # ------------------------------------------------------------------------------------------ GPTConfig
 
-
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(vocab_size=0), r"GPTConfig.vocab_size=0 must be a positive int"),
     (dict(num_layers=-1), r"GPTConfig.num_layers=-1 must be a positive int"),
@@ -390,7 +388,6 @@ def test_generate_rejects_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------- the loss's batch
-
 
 @pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_GPT_VARIANT], ids=["learned", "rotary"])
 def test_sequence_longer_than_max_seq_len(mesh_factory, cfg):

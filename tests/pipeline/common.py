@@ -31,7 +31,6 @@ from jaxpar.models import GPT
 
 # ------------------------------------------------------------------------------- the user's stage function
 
-
 D, FF, S, C, MB = 16, 32, 4, 8, 4          # model width, hidden width, sequence, head outputs, microbatch rows
 
 
@@ -118,7 +117,6 @@ BUILD = {"zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v}
 
 # ------------------------------------------------------------------------------------- the GPT, train step
 
-
 GPT_STEP_SEED = 41
 
 
@@ -175,7 +173,6 @@ def permutes_outside_loops(hlo: str) -> tuple[list[str], int]:
 
 
 # ------------------------------------------------------------------------------------------- benchmarks
-
 
 def pipeline_benchmark():
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_memory.py"

@@ -27,7 +27,6 @@ P = jp.pipeline
 
 # ------------------------------------------------------------------------------ a Schedule where one is needed
 
-
 def test_timing_and_friends_need_a_schedule():
     with pytest.raises(TypeError, match=r"timing takes a jp.pipeline.Schedule, got str '1f1b'; build one with a "
                                         r"builder \(e.g. jp.pipeline.one_f_one_b"):
@@ -57,7 +56,6 @@ def test_compare_needs_a_list_of_schedules():
 
 
 # ------------------------------------------------------------------------------------------------ costs
-
 
 BAD_COST_VALUES = [float("nan"), float("inf"), -float("inf"), -1, 0, 0.0, True, "1", None, np.float64("nan")]
 
@@ -103,7 +101,6 @@ def test_numpy_costs_are_numbers():
 
 
 # ---------------------------------------------------------------------------------------------- compare
-
 
 UNIT = {"F": 1, "B": 1, "W": 1}
 

@@ -18,7 +18,6 @@ P = jp.pipeline
 
 # ------------------------------------------------------------------------------------------ GPipe, 1F1B
 
-
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
 
 
@@ -106,7 +105,6 @@ def test_gpipe_with_numpy_sizes_matches_its_definition():
 
 # --------------------------------------------------------------------------------------- interleaved 1F1B
 
-
 def test_interleaved_bubble_ticks_and_stash_over_a_grid():
     """Unit-cost ticks: ``2 (v m + p - 1)`` ticks, bubble ``(p-1)/(v m + p - 1)`` (Narayanan et al. 2021, sec.
     2.2.2: v times below 1F1B's), peak stash ``2 (p-1-s) + (v-1) p + 1`` chunk-microbatches on device ``s``."""
@@ -152,7 +150,6 @@ def test_interleaved_errors():
 
 
 # ------------------------------------------------------------------------------------------ zero bubble
-
 
 def test_zb_h1_ticks_memory_and_bubble_over_a_grid():
     """ZB-H1 with F = B = W = one tick: ``3 m + p - 1`` ticks; every stage holds at most ``p`` microbatches from
@@ -209,7 +206,6 @@ def test_zero_bubble_errors():
 
 
 # -------------------------------------------------------------------------------- every builder's arguments
-
 
 ALL_BUILDERS = {"gpipe": lambda p, m: P.gpipe(p, m), "one_f_one_b": lambda p, m: P.one_f_one_b(p, m),
             "interleaved_1f1b": lambda p, m: P.interleaved_1f1b(p, m, np.int16(2)),

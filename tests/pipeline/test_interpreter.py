@@ -121,7 +121,6 @@ def test_apply_matches_sequential_forward(mesh_factory):
 
 # ---------------------------------------------------------------------------------------- interleaved 1F1B
 
-
 INTERLEAVED = [pytest.param(2, 4, 2, "d2p2t2", id="p2-m4-v2-d2p2t2"),
                pytest.param(4, 8, 2, "d2p4", id="p4-m8-v2-d2p4", marks=pytest.mark.slow),
                pytest.param(4, 8, 2, "p4t2", id="p4-m8-v2-p4t2", marks=pytest.mark.slow),
@@ -145,7 +144,6 @@ def test_interleaved_apply_matches_sequential_forward(mesh_factory):
 
 
 # ------------------------------------------------------------------------------------------ zero bubble
-
 
 ZB_CASES = [pytest.param("zb", 2, 4, "d2p2t2", id="zb-p2-m4-d2p2t2"),
             pytest.param("zb", 4, 8, "d2p4", id="zb-p4-m8-d2p4", marks=pytest.mark.slow),
@@ -172,7 +170,6 @@ def test_zero_bubble_v_apply_matches_sequential_forward(mesh_factory):
 
 
 # ---------------------------------------------------------------------------------------------- memory
-
 
 @pytest.mark.slow  # four compiles; benchmarks/pipeline_memory.py and memory.py report the same figures; .ci/run runs it
 def test_memory_1f1b_stash_grows_with_stages_not_microbatches(devices):

@@ -56,7 +56,6 @@ def test_to_stage_layout_needs_a_schedule():
 
 # ------------------------------------------------------------------------------ the state in the stage layout
 
-
 SEED = 23
 
 

@@ -147,7 +147,6 @@ def test_zero_bubble_gpt_train_step_matches_single_device(name, p, m, mesh_name,
 
 # ----------------------------------------------------------------------------------------------- errors
 
-
 def test_errors(mesh_factory):
     mesh = mesh_factory(**MESH)
     model, tx = GPT(SMALL_GPT), optax.sgd(0.1)

@@ -38,7 +38,6 @@ def test_one_stage_runs_without_shard_map(mesh_factory):
 
 # ----------------------------------------------------------------------------------------------- errors
 
-
 def _f(mesh, p=2, m=2, schedule="1f1b", stage_fn=mlp_block, loss_fn=head_loss, **kw):
     return jp.pipeline.value_and_grad(stage_fn, loss_fn, SCHEDULES[schedule](p, m), mesh=mesh, **kw)
 

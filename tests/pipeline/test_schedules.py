@@ -46,7 +46,6 @@ def test_schedule_takes_numpy_sizes_and_refuses_float_actions():
 
 # ------------------------------------------------------------------------------------------- validator
 
-
 BAD_TABLES = [
     ([(F(0), None), (None, F(0)), (None, B(0))], r"B0 never runs on stage 0"),
     ([(F(0), None), (None, F(0)), (None, B(0)), (B(0), None), (F(0), None)], r"F0 on stage 0 appears twice"),

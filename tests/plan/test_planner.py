@@ -75,7 +75,6 @@ def test_plan_64_devices_in_a_subprocess():
 
 # ------------------------------------------------------------------------------------------------ hosts
 
-
 def test_host_split_is_the_hybrid_mesh_split():
     # 3 hosts of 8: tensor (2) inside, fsdp=3 cannot share a host of 8 with it, data=4 fills the rest
     per, across = jp.plan.host_split(dict(data=4, pipe=1, fsdp=3, tensor=2), 8)
@@ -111,7 +110,6 @@ def test_collectives_across_hosts_are_timed_on_infiniband():
 
 
 # ----------------------------------------------------------------------------------------------- errors
-
 
 TINY4 = GPTConfig(vocab_size=61, num_layers=4, num_heads=2, d_model=32, max_seq_len=16, remat="full",
                   scan_layers=True)

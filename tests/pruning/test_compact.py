@@ -326,7 +326,6 @@ def test_compact_opt_state_refuses_factored_moments_it_cannot_carry():
 
 # -------------------------------------------------------------------------- boxed params, multiple_of
 
-
 def _kept_mlp(seed: int, keep: int = 16):
     """Per layer, ``keep`` random mlp neurons (sorted) and the bool [layers, d_mlp] mask keeping them."""
     rng = np.random.default_rng(seed)
@@ -366,7 +365,6 @@ def test_compact_unboxes_boxed_params_as_init_state_does():
 
 
 # ------------------------------------------------------------------------------------ another model's
-
 
 def test_names_of_the_compacted_model_may_differ_along_mlp_and_heads_only():
     """Training continues after compaction with the transform built from the original names: sizes along mlp and

@@ -46,7 +46,6 @@ from .test_transform import KERNELS, host_init, names, prune_once, random_tree
 
 # ------------------------------------------------------------------------ distributions and N:M structure
 
-
 @pytest.mark.parametrize("sparsity", [0.5, 0.9, 0.95])
 def test_global_and_erk_hit_the_target(sparsity):
     params = random_tree()
@@ -203,7 +202,6 @@ def test_n_m_keeps_exactly_n_of_every_m_along_the_reduction_axes():
 
 
 # ---------------------------------------------------------------------------------- numpy references
-
 
 CFG = GPTConfig(vocab_size=37, num_layers=2, num_heads=2, d_model=32, max_seq_len=8)
 L, D, H, K, F = 2, 32, 2, 16, 128

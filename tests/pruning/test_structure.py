@@ -32,7 +32,6 @@ def test_reduction_axes_from_logical_names():
 
 # ------------------------------------------------------------------------------------ another model's
 
-
 OTHER = dataclasses.replace(TINY, num_layers=3, d_mlp=128)   # another model: 3 layers, wider MLP
 
 

@@ -98,7 +98,7 @@ def prune_once(params, names, sparsity, distribution, **kw):
     return jax.device_get(state.masks)
 
 
-# ---------------------------------------------------------------------------------------- masks
+# ------------------------------------------------------------------------------------------------- masks
 
 
 @pytest.mark.parametrize("distribution", ["uniform", "global"])

@@ -196,7 +196,7 @@ def test_pruned_weights_stay_exactly_zero_for_50_steps(optimizer, mesh_factory, 
     assert all(kept_moved) and np.isfinite(float(metrics["loss"]))
 
 
-# ------------------------------------------------------------------------ distributions and N:M structure
+# ----------------------------------------------------------------------------- one refresh, random trees
 
 
 def prune_once(params, axis_names=None, **kwargs):
@@ -213,7 +213,6 @@ def random_tree(seed: int = 0, dtype=jnp.float32):
 
 
 # ------------------------------------------------------------------------------ schedules and retracing
-
 
 def test_schedule_does_not_retrace():
     params = random_tree()
@@ -235,7 +234,6 @@ def test_schedule_does_not_retrace():
 
 
 # ------------------------------------------------------------------------ composition and inspection
-
 
 def test_skipped_loss_scaling_step_prunes_nothing():
     if not hasattr(jp.precision, "loss_scaling"):
@@ -296,7 +294,6 @@ def test_sparsity_report_counts_only_pruned_leaves_fresh_and_after_pruning():
 
 
 # ---------------------------------------------------------------------------------------------- errors
-
 
 def test_bad_input_raises_clear_errors():
     P = jp.pruning
