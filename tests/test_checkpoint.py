@@ -1,4 +1,4 @@
-"""Checkpoints: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
+"""jaxpar/checkpoint.py: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
 
 The training job is ``tests/ckpt_worker.py`` (small GPT on data=2 x fsdp=2 x tensor=2, mixed fp16 with
 dynamic loss scaling, magnitude pruning), run in this process or as a subprocess that a test kills.

@@ -1,4 +1,5 @@
-"""Step-indexed data: deterministic batches, shifted targets, the default corpus, digits, row slicing."""
+"""jaxpar/data.py: step-indexed data (deterministic batches, shifted targets, the default corpus, digits, row
+slicing) and the text files it refuses, each with a clear error naming the file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Weight decay reaches every weight matrix, decided by what a leaf is (logical names), not its leaf name.
+"""jaxpar/optim.py: weight decay reaches every weight matrix, decided by what a leaf is (logical names), not its
+leaf name; the learning-rate schedule; adamw's argument checks.
 
 The check is the AdamW update itself: with zero gradients optax's AdamW moves a decayed leaf by exactly
 ``-lr * weight_decay * p`` (the moments stay zero) and leaves every other leaf unchanged. The expected sets
