@@ -84,3 +84,21 @@ def no_compiling(monkeypatch):
         raise AssertionError("the planner started building a step: the error should have come first")
     monkeypatch.setattr(jp.plan.planner, "build_step", refuse)
     monkeypatch.setattr(jp.plan.planner, "_plan_in_subprocess", refuse)
+
+
+@pytest.fixture
+def mesh(mesh_factory):
+    """The suite's 3-D mesh, data=2 x fsdp=2 x tensor=2 (a test file may define its own ``mesh``)."""
+    return mesh_factory(data=2, fsdp=2, tensor=2)
+
+
+@pytest.fixture(scope="session")
+def adam_mlp():
+    """``(init_fn, loss_fn, mesh, tx, batch)``: the suite's MLP on data=2 x fsdp=4 with ``optax.adam(1e-3)`` and a
+    batch of 16 (nothing placed or compiled: tests build their own states and steps)."""
+    import optax
+    from helpers import mlp_batch, mlp_parts
+    import jaxpar as jp
+    init_fn, loss_fn = mlp_parts()
+    mesh, tx = jp.make_mesh(data=2, fsdp=4, devices=jax.devices()[:8]), optax.adam(1e-3)
+    return init_fn, loss_fn, mesh, tx, mlp_batch(np.random.default_rng(0), 16)

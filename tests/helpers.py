@@ -1,12 +1,18 @@
-"""Shared test helpers: tree comparison with the suite's parity tolerance, small models and batches."""
+"""Shared test helpers: tree comparison with the suite's parity tolerance, small models and batches, the launcher."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig, MLP, classification_loss
@@ -87,3 +93,22 @@ def gpt_parts(cfg: GPTConfig = SMALL_GPT):
 def gpt_pipeline(model, schedule, **kwargs):
     """The GPT as a ``jp.pipeline.Pipeline`` of its three parts (``kwargs``: e.g. ``stash="inputs"``)."""
     return jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------- launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT = 240  # seconds for the whole two-process job (the launcher kills its processes at TIMEOUT - 20)
+
+
+def launch(args: list[str], timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    """Runs ``python -m jaxpar.cli.launch ...`` in its own process group; kills the whole group on timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.cli.launch", "--timeout", str(timeout - 20), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"the two-process job did not finish in {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)

@@ -1,4 +1,4 @@
-"""Checkpoints: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
+"""jaxpar/checkpoint.py: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
 
 The training job is ``tests/ckpt_worker.py`` (small GPT on data=2 x fsdp=2 x tensor=2, mixed fp16 with
 dynamic loss scaling, magnitude pruning), run in this process or as a subprocess that a test kills.
@@ -488,3 +488,31 @@ def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
     assert a.metadata()["leaves"] == b.metadata()["leaves"]  # same shapes, dtypes and checksums of every leaf
     with pytest.raises(jp.checkpoint.CheckpointError, match="asked to resume"):
         charlm.main(charlm.Config(**small, out_dir=str(tmp_path / "fresh"), resume=True))
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+def test_a_file_where_the_checkpoint_trash_goes_is_a_clear_error(tmp_path):
+    (tmp_path / jp.checkpoint.TRASH).write_text("not a directory")
+    with pytest.raises(jp.checkpoint.CheckpointError, match="is a file"):
+        jp.checkpoint.CheckpointManager(tmp_path)
+
+
+def test_donated_state_is_refused_by_save_and_sparsity_report(adam_mlp, tmp_path):
+    """jaxlib 0.10's CPU client segfaults when a compiled function meets a donated array: refuse first."""
+    init_fn, loss_fn, mesh, tx, batch = adam_mlp
+    ckpt = jp.checkpoint.CheckpointManager(tmp_path, max_to_keep=2)
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    ckpt.save(1, state)
+    ckpt.wait()
+    new, _ = jp.train.make_train_step(loss_fn, tx, mesh=mesh)(state, batch)   # donates state
+    with pytest.raises(ValueError, match="donated"):
+        ckpt.save(2, state)
+    with pytest.raises(ValueError, match="donated"):
+        jp.pruning.sparsity_report(state.params)
+    with pytest.raises(TypeError, match=r"state leaf .*\['junk'\] is a object"):
+        ckpt.save(2, new.replace(params={**new.params, "junk": object()}))
+    assert ckpt.save(2, new, force=True), "a failed save must not block its step"
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.close()

@@ -1,4 +1,5 @@
-"""Step-indexed data: deterministic batches, shifted targets, the default corpus, digits, row slicing."""
+"""jaxpar/data.py: step-indexed data (deterministic batches, shifted targets, the default corpus, digits, row
+slicing) and the text files it refuses, each with a clear error naming the file."""
 
 from __future__ import annotations
 
@@ -123,3 +124,69 @@ def test_digits_epochs_cover_the_training_set(digits):
     key = lambda a: np.lexsort(a.T[::-1])
     np.testing.assert_array_equal(epoch0[key(epoch0)], digits.x_train[key(digits.x_train)])
     assert not np.array_equal(xs[n:n + bs], epoch0[:bs]), "the second epoch repeats the first one's order"
+
+
+def test_process_batch_rows_follow_the_sharding(mesh_factory):
+    """One process: every layout's batch rows are the whole batch (the multi-process split is tested above)."""
+    for sizes in (dict(data=8), dict(data=2, fsdp=2, tensor=2), dict(tensor=8)):
+        mesh = mesh_factory(**sizes)
+        assert jp.data.process_slice(16, mesh) == slice(0, 16)
+        assert jp.sharding.global_batch_rows(16, mesh) == 16
+    with pytest.raises(ValueError, match="not divisible"):
+        jp.data.process_slice(6, mesh_factory(data=8))
+
+
+# ------------------------------------------------------------------------------------------- text files
+
+def _text_loaders():
+    return [jp.data.load_text, jp.data.CharCorpus.load]
+
+
+@pytest.mark.parametrize("load", _text_loaders(), ids=["load_text", "CharCorpus.load"])
+@pytest.mark.parametrize("content, pattern", [
+    (b"", r"is empty; pass a file with some text"),
+    (b" \n\t\n", r"is empty; pass a file with some text"),
+    (b"hello\x00world", r"looks binary \(it holds NUL bytes\); pass a UTF-8 text file"),
+    (b"caf\xe9 latin-1", r"is not UTF-8 text \(invalid continuation byte at byte 3\); pass a UTF-8 text file"),
+    (b"\xff\xfeh\x00i\x00", r"looks binary"),                      # UTF-16 holds NUL bytes
+], ids=["empty", "whitespace", "binary", "latin1", "utf16"])
+def test_bad_text_files(tmp_path, load, content, pattern):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=pattern) as info:
+        load(path)
+    assert "corpus.txt" in str(info.value)
+
+
+@pytest.mark.parametrize("load", _text_loaders(), ids=["load_text", "CharCorpus.load"])
+def test_missing_text_file_and_directory(tmp_path, load):
+    with pytest.raises(ValueError, match=r"'.*nope.txt' does not exist; pass a UTF-8 text file or omit it"):
+        load(tmp_path / "nope.txt")
+    with pytest.raises(ValueError, match=r"is not a file; pass a UTF-8 text file"):
+        load(tmp_path)
+
+
+def test_good_text_file(tmp_path):
+    path = tmp_path / "ok.txt"
+    path.write_text("héllo wörld, " * 50, encoding="utf-8")
+    assert jp.data.load_text(str(path)) == "héllo wörld, " * 50
+    corpus = jp.data.CharCorpus.load(path)
+    assert corpus.vocab_size == len(set("héllo wörld, "))
+
+
+def test_corpus_too_short_for_seq_len():
+    corpus = jp.data.CharCorpus.from_text("abcdefghij" * 10)
+    with pytest.raises(ValueError, match=r"the val split has 10 tokens, too few for seq_len 16"):
+        corpus.batch(0, 0, 4, 16, split="val")
+    with pytest.raises(ValueError, match=r"text is empty"):
+        jp.data.CharCorpus.from_text("")
+    with pytest.raises(ValueError, match=r"val_fraction=1.0 must lie in \(0, 1\)"):
+        jp.data.CharCorpus.from_text("abc", val_fraction=1.0)
+
+
+def test_corpus_batch_rejects_bad_split_and_lengths():
+    corpus = jp.data.CharCorpus.from_text("hello world, " * 50)
+    with pytest.raises(ValueError, match="split"):
+        corpus.batch(0, 0, 4, 8, split="Train")
+    with pytest.raises(ValueError, match="seq_len"):
+        corpus.batch(0, 0, 4, 0)

@@ -8,38 +8,16 @@ spans both processes (data=1 x fsdp=8, tensor=8: the collectives of FSDP and of 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
-import jax
 import pytest
 
 import ckpt_worker as worker
 import jaxpar as jp
-import jaxpar.cli.launch
-from helpers import assert_tree_close
+from helpers import assert_tree_close, launch
 from test_checkpoint import train_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = worker.Spec(mesh=(2, 2, 2), precision="f32", pruning=False, loss_scale=True, interval=10)
 STEPS = 20
-TIMEOUT = 240  # seconds for the whole two-process job (the launcher kills its processes at TIMEOUT - 20)
-
-
-def launch(args: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """Runs ``python -m jaxpar.cli.launch ...`` in its own process group; kills the whole group on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.cli.launch", "--timeout", str(timeout - 20), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-        pytest.fail(f"the two-process job did not finish in {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
 @pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
@@ -105,34 +83,3 @@ def test_fsdp_and_tensor_across_processes_match_one_process(tmp_path):
         # suite's gradient parity (1e-5). (AdamW divides by sqrt(nu): an element whose gradient is at
         # rounding level moves by up to lr either way under another reduction order, 1.6e-4 seen here.)
         assert_tree_close(state.params, ref_state.params, what=f"{layout} params, 2 vs 1 process")
-
-
-def test_process_batch_rows_follow_the_sharding(mesh_factory):
-    """One process: every layout's batch rows are the whole batch (the multi-process split is tested above)."""
-    for sizes in (dict(data=8), dict(data=2, fsdp=2, tensor=2), dict(tensor=8)):
-        mesh = mesh_factory(**sizes)
-        assert jp.data.process_slice(16, mesh) == slice(0, 16)
-        assert jp.sharding.global_batch_rows(16, mesh) == 16
-    with pytest.raises(ValueError, match="not divisible"):
-        jp.data.process_slice(6, mesh_factory(data=8))
-
-
-def test_initialize_distributed_is_a_no_op_alone(monkeypatch):
-    for var in (jp.mesh.ENV_COORDINATOR, "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(jp.mesh, "_cluster_detected", lambda: False)
-    assert jp.initialize_distributed() is False
-    assert jax.process_count() == 1
-
-
-def test_launcher_stops_everything_when_a_process_fails(tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text("import os, sys, time\n"
-                      "if os.environ['JAXPAR_PROCESS_ID'] == '1':\n    sys.exit(3)\n"
-                      "time.sleep(60)\n")
-    job = launch(["-n", "2", str(script)], timeout=60)
-    assert job.returncode == 3 and "process 1 exited with 3" in job.stdout
-    env = jaxpar.cli.launch.process_env(1, 2, 1234, 4, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --x"})
-    assert env["XLA_FLAGS"] == "--x --xla_force_host_platform_device_count=4"
-    assert (env["JAXPAR_COORDINATOR_ADDRESS"], env["JAXPAR_NUM_PROCESSES"], env["JAXPAR_PROCESS_ID"]) == (
-        "127.0.0.1:1234", "2", "1")

@@ -1,0 +1,1 @@
+"""Tests of jaxpar/models/, one file per module."""

@@ -9,6 +9,8 @@ device, a sampler that re-runs ``apply`` on the whole window).
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -224,3 +226,16 @@ def test_missing_part_is_named(feature, part):
             names = jax.eval_shape(MODEL.init, jax.random.key(0))
             tx = jp.pruning.structured_pruning(0.5, axes=("mlp",), axis_names=names)
             jp.pruning.compact(params, tx.init(params), model)
+
+
+def test_shape_suffixes_of_every_model_are_in_the_legend():
+    """Every ``name_SUFFIX`` array name in jaxpar/models uses letters of the one legend (SHAPE_LEGEND)."""
+    legend = jp.models.SHAPE_LEGEND
+    assert all(isinstance(axis, (str, type(None))) for _, axis in legend.values())
+    used = {}
+    for path in (Path(jp.__file__).parent / "models").glob("*.py"):
+        for suffix in re.findall(r"\b[a-z][a-z0-9]*_([A-Z]{1,5})\b", path.read_text()):
+            used.setdefault(suffix, path.name)
+    assert used, "no shape-suffixed name found: the scan is broken"
+    unknown = {s: f for s, f in used.items() if any(letter not in legend for letter in s)}
+    assert not unknown, f"suffix letters outside jp.models.SHAPE_LEGEND: {unknown}"

@@ -1,0 +1,1 @@
+"""Tests of jaxpar/cli/, one file per module."""

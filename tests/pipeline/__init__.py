@@ -1,0 +1,1 @@
+"""Tests of jaxpar/pipeline/, one file per module."""

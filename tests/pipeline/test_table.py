@@ -1,0 +1,122 @@
+"""jaxpar/pipeline/table.py: the interpreter's control table (actions, slots, arrivals) derived from a schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import optax
+import pytest
+
+from helpers import SMALL_GPT, gpt_batch
+
+import jaxpar as jp
+from jaxpar.models import GPT
+from jaxpar.pipeline import gpipe, one_f_one_b
+from jaxpar.pipeline.table import control_table
+
+
+# every builder, at the (p, m) cases below (interleaved with 2 chunks, m a multiple of p)
+TABLES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
+          "zb-h1": jp.pipeline.zero_bubble, "zb-v": jp.pipeline.zero_bubble_v}
+
+
+TABLE_CASES = [(1, 3), (2, 2), (2, 8), (3, 6), (4, 4), (4, 8)]
+
+
+def _cases(name):
+    return [(p, m) for p, m in TABLE_CASES if name == "gpipe" or (m >= p and (name != "interleaved" or m % p == 0))]
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_runtime_buffers_come_from_the_table(name):
+    """The interpreter's slot assignment uses exactly the table's peak counts (maximum over stages); with split
+    backwards the B-only leaves and B's carry to W share the stash's slots (bstash == wstash == stash)."""
+    for p, m in _cases(name):
+        s = TABLES[name](p, m)
+        ct = control_table(s)
+        assert len(ct.actions) == 11
+        for field, a in ct.actions._asdict().items():
+            shape = (s.num_ticks, p, 3) if field.startswith("arrive") else (s.num_ticks, p)
+            assert a.shape == shape and a.dtype == np.int32, (field, a.shape, a.dtype)
+        shared = max(s.peak_stash) if s.split_backward else 1
+        assert ct.sizes._asdict() == {"stash": max(s.peak_stash), "bstash": shared, "wstash": shared,
+                                      "activations": max(max(a for a, _ in s.recv_slots), 1),
+                                      "cotangents": max(c for _, c in s.recv_slots)}, (name, p, m)
+
+
+# buffer -> (the field holding its slot when written, the field holding it when read, the arrival code or None)
+FIELDS = {"stash": ("stash_slot", "stash_slot", None), "bstash": ("bstash_slot", "bstash_slot", None),
+          "wstash": ("wstash_slot", "wstash_slot", None),
+          "activations": ("arrive_slot", "act_read", 1), "cotangents": ("arrive_slot", "cot_read", 2)}
+
+
+PREV, NEXT, SELF = 0, 1, 2
+
+
+def _expected_source(s, iv, buffer):
+    """Where a received value comes from, from the placement: previous stage, next stage or this one."""
+    v = s.virtual_stage(iv.stage, iv.chunk)
+    last = s.num_virtual_stages - 1
+    sender = s.location(v - 1)[0] if buffer == "activations" else iv.stage if v == last else s.location(v + 1)[0]
+    return SELF if sender == iv.stage else PREV if sender == (iv.stage - 1) % s.num_stages else NEXT
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_control_table_follows_the_schedule(name):
+    """Each entry's kind, microbatch and chunk are the table's action; every buffer interval is read from the
+    slot it was written to; intervals live at once on a stage never share a slot; arrivals come from the
+    neighbour that holds the producing virtual stage, over a ppermute pair the table lists."""
+    for p, m in _cases(name):
+        s = TABLES[name](p, m)
+        ct = control_table(s)
+        a_ = ct.actions
+        for t, row in enumerate(s.table):
+            for st, a in enumerate(row):
+                v = None if a is None else s.virtual_stage(st, a.chunk)
+                want = 0 if a is None else {"F": 2 if v == s.num_virtual_stages - 1 else 1, "W": 5,
+                                            "B": 4 if s.split_backward else 3}[a.kind]
+                assert a_.kind[t, st] == want, (name, p, m, t, st, a)
+                assert a_.microbatch[t, st] == (0 if a is None else a.microbatch)
+                assert a_.chunk[t, st] == (0 if a is None else a.chunk) and a_.first[t, st] == (v == 0)
+        arrivals = 0
+        for buffer, ivs in s.lifetimes().items():
+            write, read, code = FIELDS[buffer]
+            slot = {}
+            for iv in ivs:
+                if code is None:
+                    slot[iv] = int(getattr(a_, write)[iv.start, iv.stage])
+                else:
+                    src = _expected_source(s, iv, buffer)
+                    assert a_.arrive_buffer[iv.start, iv.stage, src] == code, (name, buffer, iv, src)
+                    slot[iv] = int(a_.arrive_slot[iv.start, iv.stage, src])
+                    pairs = {PREV: ct.to_next, NEXT: ct.to_prev, SELF: None}[src]
+                    if pairs is not None:
+                        sender = (iv.stage - 1) % p if src == PREV else (iv.stage + 1) % p
+                        assert (sender, iv.stage) in pairs, (name, buffer, iv, ct.to_next, ct.to_prev)
+                    arrivals += 1
+            for iv in ivs:
+                assert getattr(a_, read)[iv.stop, iv.stage] == slot[iv] and 0 <= slot[iv] < getattr(ct.sizes, buffer)
+                clash = [o for o in ivs if o != iv and o.stage == iv.stage and slot[o] == slot[iv]
+                         and o.start < iv.stop and iv.start < o.stop]
+                assert not clash, (name, p, m, buffer, iv, clash)
+        assert int((a_.arrive_buffer > 0).sum()) == arrivals
+        if s.split_backward:   # B reads the stash slot its F wrote (held until its W)
+            when = s.ticks()
+            for (kind, j, v), t in when.items():
+                if kind == "B":
+                    st = s.location(v)[0]
+                    assert a_.stash_slot[t, st] == a_.stash_slot[when[("F", j, v)], st]
+
+
+def test_pipeline_actions_are_named_in_the_compiled_program(mesh_factory):
+    mesh = mesh_factory(pipe=2)
+    model, tx = GPT(dataclasses.replace(SMALL_GPT, num_layers=2, d_model=32, num_heads=4, head_dim=0)), optax.sgd(0.1)
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.zero_bubble(2, 2))
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
+    step = jp.train.make_train_step(pipe, tx, mesh=mesh)
+    text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, SMALL_GPT)).compile().as_text()
+    scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
+    want = {"pipeline_fwd", "pipeline_fwd_last", "pipeline_bwd_input", "pipeline_bwd_weight"}
+    assert want <= scopes, sorted(s for s in scopes if s.startswith("pipeline"))

@@ -1,0 +1,1 @@
+"""Tests of jaxpar/plan/, one file per module."""

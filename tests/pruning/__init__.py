@@ -1,0 +1,1 @@
+"""Tests of jaxpar/pruning/, one file per module."""

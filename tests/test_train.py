@@ -1,0 +1,400 @@
+"""jaxpar/train.py: the train state (``init_state`` / ``abstract_state``), ``make_train_step`` and
+``make_eval_step``, what they check before tracing, lowering from shapes, and the rng a ``loss_fn`` gets.
+
+Evaluation and randomness are checked against losses computed here. The loss_fn is the suite's MLP classifier
+behind inverted dropout on its inputs (``jax.random.bernoulli(rng, 0.5, x.shape)``), so the loss depends on the
+exact key it is given. The key is derived in the test from the seed alone: ``jp.train.init_state`` splits
+``jax.random.key(seed)`` into ``(init_key, state_rng)``; step ``t`` uses ``fold_in(state_rng, t)``; with
+``grad_accum_steps=k``, microbatch ``j`` (rows ``j::k``) uses ``fold_in(fold_in(state_rng, t), j)``. Parity as
+DESIGN.md "Tests": per leaf ``max|got - ref| <= 1e-5 * max|ref|``. Run with ``-s`` to see the errors reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_parts, max_rel_err, mlp_batch,
+                     mlp_parts)
+
+import jaxpar as jp
+from jaxpar.models import GPT, GPTConfig
+
+
+# ------------------------------------------------------------------------------- init_state, abstract_state
+
+def test_tx_must_be_a_gradient_transformation(mesh):
+    init_fn, loss_fn = mlp_parts()
+    for tx in (None, optax.adam):
+        with pytest.raises(TypeError, match="optax.GradientTransformation"):
+            jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+
+
+def test_wrong_argument_types(mesh_factory):
+    init_fn, loss_fn = gpt_parts()
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got dict"):
+        jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh={"data": 8})
+    with pytest.raises(TypeError, match=r"policy must be a jp.precision.Policy or None, got 'bf16'"):
+        jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh=mesh_factory(), policy="bf16")
+    with pytest.raises(TypeError, match=r"rng must be a typed key"):
+        jp.train.init_state(init_fn, optax.sgd(0.1), "seed", mesh=mesh_factory())
+
+
+def test_rules_with_unknown_mesh_axis(mesh_factory):
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    rules = tuple((n, "model" if n == "mlp" else t) for n, t in jp.sharding.DEFAULT_RULES)
+    init_fn, loss_fn = gpt_parts()
+    pattern = (r"rules name mesh axes \['model'\] that the mesh \('data', 'pipe', 'fsdp', 'tensor'\) does not have "
+               r"\(in \[\('mlp', 'model'\)\]\); use axes of the mesh")
+    for build in (lambda: jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh=mesh, rules=rules),
+                  lambda: jp.train.abstract_state(init_fn, optax.sgd(0.1), mesh=mesh, rules=rules),
+                  lambda: jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, rules=rules),
+                  lambda: jp.train.make_eval_step(loss_fn, mesh=mesh, rules=rules)):
+        with pytest.raises(ValueError, match=pattern):
+            build()
+
+
+@pytest.mark.slow  # heavier compile (30 s under load); .ci/run runs it
+def test_init_state_on_an_all_explicit_mesh(devices):
+    """init_state works under Explicit axes: params placed by the rules, values equal to a plain init."""
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2, axis_types=(AxisType.Explicit,) * 4)
+    model = GPT(GPTConfig(vocab_size=50, num_layers=2, num_heads=2, d_model=16, max_seq_len=8))
+    tx = optax.adam(1e-3)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    assert state.params["blocks"]["up_kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    assert state.opt_state[0].mu["blocks"]["up_kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    init_key, _ = jax.random.split(jax.random.key(0))
+    reference = jax.device_get(nn_unbox(jax.jit(model.init)(init_key)))
+    for got, ref in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(reference)):
+        # The same random bits; the partitioned init may round the scaling by the std differently (1 ulp).
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
+    abstract = jp.train.abstract_state(model.init, tx, mesh=mesh)
+    assert abstract.params["blocks"]["up_kernel"].sharding.spec == P(None, "fsdp", "tensor")
+
+
+def nn_unbox(tree):
+    import flax.linen as nn
+    return nn.meta.unbox(tree)
+
+
+# ----------------------------------------------------------------------- the step's inputs, before tracing
+
+class _CountingLoss:
+    """A loss_fn that counts how often it is traced, to show that a bad batch is refused before tracing."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.calls = loss_fn, 0
+
+    def __call__(self, params, batch, rng):
+        self.calls += 1
+        return self.loss_fn(params, batch, rng)
+
+
+@pytest.fixture(scope="module")
+def mlp_on_2x2(mesh_factory):
+    """(mesh, state, init_fn, loss_fn) of the MLP on data=2 x fsdp=2 (4 devices), batch axes data*fsdp = 4."""
+    mesh = mesh_factory(data=2, fsdp=2)
+    init_fn, loss_fn = mlp_parts()
+    return mesh, jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh=mesh), init_fn, loss_fn
+
+
+@pytest.mark.parametrize("batch_size, accum, pattern", [
+    (30, 1, r"batch 30 is not divisible by data\*fsdp = 4; use a batch that is a multiple of 4"),
+    (6, 1, r"batch 6 is not divisible by data\*fsdp = 4"),
+    (30, 4, r"batch 30 is not divisible by grad_accum_steps = 4; use a batch that is a multiple of 16"),
+    (24, 4, r"microbatch 6 \(batch 24 / grad_accum_steps 4\) is not divisible by data\*fsdp = 4; "
+            r"use a batch that is a multiple of 16"),
+], ids=["batch30", "batch6", "batch30-accum4", "batch24-accum4"])
+def test_bad_batch_size_before_tracing(mlp_on_2x2, np_rng, batch_size, accum, pattern):
+    mesh, state, _, loss_fn = mlp_on_2x2
+    counting = _CountingLoss(loss_fn)
+    step = jp.train.make_train_step(counting, optax.sgd(0.1), mesh=mesh, grad_accum_steps=accum, donate=False)
+    with pytest.raises(ValueError, match=pattern):
+        step(state, mlp_batch(np_rng, batch_size))
+    assert counting.calls == 0, "the loss was traced before the batch was checked"
+
+
+def test_bad_batch_size_in_eval_step(mlp_on_2x2, np_rng):
+    mesh, state, _, loss_fn = mlp_on_2x2
+    counting = _CountingLoss(loss_fn)
+    eval_step = jp.train.make_eval_step(counting, mesh=mesh)
+    with pytest.raises(ValueError, match=r"batch 30 is not divisible by data\*fsdp = 4"):
+        eval_step(state, mlp_batch(np_rng, 30))
+    assert counting.calls == 0
+
+
+def test_batch_leaves_disagree(mlp_on_2x2, np_rng):
+    mesh, state, _, loss_fn = mlp_on_2x2
+    step = jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, donate=False)
+    batch = mlp_batch(np_rng, 16)
+    batch["y"] = batch["y"][:8]
+    with pytest.raises(ValueError, match=r"batch leaves disagree on the batch size: \[8, 16\]"):
+        step(state, batch)
+    with pytest.raises(ValueError, match=r"batch has no arrays"):
+        step(state, {})
+    with pytest.raises(ValueError, match=r"has no leading batch axis"):
+        step(state, {"x": np.float32(1.0)})
+
+
+@pytest.mark.parametrize("accum", [0, -1, 2.0, None])
+def test_bad_grad_accum_steps(mlp_on_2x2, accum):
+    mesh, _, _, loss_fn = mlp_on_2x2
+    with pytest.raises(ValueError, match=rf"grad_accum_steps={accum!r} must be a positive int"):
+        jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, grad_accum_steps=accum)
+
+
+def test_good_batch_after_bad_one_still_works(mlp_on_2x2, np_rng):
+    mesh, state, _, loss_fn = mlp_on_2x2
+    step = jp.train.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, donate=False)
+    with pytest.raises(ValueError):
+        step(state, mlp_batch(np_rng, 30))
+    _, metrics = step(state, mlp_batch(np_rng, 32))
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_state_that_does_not_fit_the_step(adam_mlp):
+    init_fn, loss_fn, mesh, tx, batch = adam_mlp
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)
+    with pytest.raises(ValueError, match="opt_state does not have the structure this step's tx gives"):
+        jp.train.make_train_step(loss_fn, optax.sgd(0.1, momentum=0.9), mesh=mesh)(state, batch)
+    with pytest.raises(TypeError, match="policy must be a jp.precision.Policy or None, got 'mixed_bf16'"):
+        step(state.replace(policy="mixed_bf16"), batch)
+    with pytest.raises(TypeError, match="state must be a jp.train.TrainState"):
+        step(state.params, batch)
+    with pytest.raises(TypeError, match=r"use step.lower\(state, batch\)"):
+        step(state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+    with pytest.raises(TypeError, match="check_batch must be a function"):
+        jp.train.make_train_step(loss_fn, tx, mesh=mesh, check_batch=3)
+
+
+# ------------------------------------------------------------------- lowering from shapes; the state's policy
+
+GPT_SEED = 5
+
+
+GPT_MESH = dict(data=2, fsdp=2, tensor=2)
+
+
+def test_lower_from_abstract_state_and_batch_compiles_the_gpt(mesh_factory):
+    init_fn, loss_fn = gpt_parts(SMALL_GPT)
+    mesh, tx = mesh_factory(**GPT_MESH), optax.adamw(1e-3)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh)
+    abstract = jp.train.abstract_state(init_fn, tx, mesh=mesh)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    shapes = {k: jax.ShapeDtypeStruct((16, SMALL_GPT.max_seq_len), jnp.int32) for k in ("inputs", "targets")}
+    lowered = step.lower(abstract, shapes)
+    compiled = lowered.compile()
+    assert compiled.memory_analysis() is not None
+    # the same program as lowered from a real state and batch
+    state = jp.train.init_state(init_fn, tx, GPT_SEED, mesh=mesh)
+    real = step.lower(state, gpt_batch(np.random.default_rng(GPT_SEED), 16, SMALL_GPT))
+    assert lowered.as_text() == real.as_text()
+    # abstract inputs are checked as real ones are
+    with pytest.raises(ValueError, match=r"batch 6 is not divisible by data\*fsdp = 4"):
+        step.lower(abstract, {k: jax.ShapeDtypeStruct((6, 8), jnp.int32) for k in ("inputs", "targets")})
+    with pytest.raises(TypeError, match=r"abstract inputs need shardings"):
+        step.lower(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), abstract), shapes)
+    with pytest.raises(TypeError, match=r"use step.lower\(state, batch\)"):
+        step(abstract, gpt_batch(np.random.default_rng(GPT_SEED), 16, SMALL_GPT))
+
+
+@pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
+def test_the_policy_travels_on_the_state(mesh_factory):
+    """One step built once: a float32 state computes in float32, a mixed_bf16 state in bfloat16 (its loss
+    differs from the float32 one by bf16 rounding, not 0), and the restore target carries the policy."""
+    init_fn, loss_fn = gpt_parts(SMALL_GPT)
+    mesh, tx = mesh_factory(**GPT_MESH), optax.sgd(0.1)
+    batch = gpt_batch(np.random.default_rng(GPT_SEED), 16, SMALL_GPT)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)
+    policy = jp.Policy.from_string("mixed_bf16")
+    f32 = jp.train.init_state(init_fn, tx, GPT_SEED, mesh=mesh)
+    bf16 = jp.train.init_state(init_fn, tx, GPT_SEED, mesh=mesh, policy=policy)
+    assert f32.policy is None and bf16.policy == policy
+    assert jp.train.abstract_state(init_fn, tx, mesh=mesh, policy=policy).policy == policy
+    hlo = step.lower(bf16, batch).as_text()
+    assert "bf16" in hlo and "bf16" not in step.lower(f32, batch).as_text()
+    l32, l16 = float(step(f32, batch)[1]["loss"]), float(step(bf16, batch)[1]["loss"])
+    assert 0 < abs(l32 - l16) < 3e-2 * abs(l32), (l32, l16)
+    new = step(bf16, batch)[0]
+    assert new.policy == policy and all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
+
+
+# ------------------------------------------------------------------------------ evaluation and randomness
+
+SEED = 17
+LAYOUTS = {"1dev": {}, "data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
+           "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}}
+init_fn, base_loss = mlp_parts()
+
+
+def dropout_loss(params, batch, rng):
+    """Inverted dropout (keep probability 0.5) on the inputs, then the MLP's cross-entropy."""
+    keep = jax.random.bernoulli(rng, 0.5, batch["x"].shape)
+    x = jnp.where(keep, batch["x"] / 0.5, 0.0)
+    return base_loss(params, {"x": x, "y": batch["y"]}, rng)
+
+
+def keys(seed=SEED):
+    """(init_key, state_rng) exactly as the docs of jp.train.init_state say: a split of key(seed)."""
+    init_key, state_rng = jax.random.split(jax.random.key(seed))
+    return init_key, state_rng
+
+
+_LOSS = jax.jit(dropout_loss)
+_VALUE_AND_GRAD = jax.jit(jax.value_and_grad(lambda p, b, r: dropout_loss(p, b, r)[0]))
+
+
+def on_one_device(fn, *args):
+    """``fn(*args)`` (fn jitted) with every argument on the first device: plain JAX, no mesh."""
+    return jax.device_get(fn(*jax.device_put(args, jax.devices()[0])))
+
+
+def ref_loss(params, batch, key):
+    return on_one_device(_LOSS, params, batch, key)
+
+
+def ref_loss_and_grads(params, batch, key, k=1):
+    """Plain value_and_grad of the dropout loss; with k microbatches (rows j::k, key fold_in(key, j)) the mean
+    of their losses and gradients (equal sizes: their weights are equal)."""
+    out = [on_one_device(_VALUE_AND_GRAD, params, jax.tree.map(lambda a: a[j::k], batch),
+                         key if k == 1 else jax.random.fold_in(key, j)) for j in range(k)]
+    loss = np.mean([float(l) for l, _ in out])
+    grads = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *[g for _, g in out])
+    return loss, grads
+
+
+def trace_of(opt_state):
+    return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+                if isinstance(s, optax.TraceState)).trace
+
+
+def test_state_rng_is_the_second_half_of_the_split_and_init_is_the_first():
+    init_key, state_rng = keys()
+    state = jp.train.init_state(init_fn, optax.sgd(0.1), SEED, mesh=jp.make_mesh(devices=jax.devices()[:1]))
+    assert np.array_equal(jax.random.key_data(state.rng), jax.random.key_data(state_rng))
+    params = on_one_device(jax.jit(lambda k: nn.meta.unbox(init_fn(k))), init_key)
+    assert_tree_close(state.params, params, rtol=0.0, what="params from init_key")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_eval_step_matches_the_loss_computed_here(layout, mesh_factory):
+    """The eval loss and aux at step 0 and step 3 equal the dropout loss with fold_in(state_rng, step)."""
+    mesh = mesh_factory(**LAYOUTS[layout])
+    _, state_rng = keys()
+    batch = mlp_batch(np.random.default_rng(SEED), 32)
+    state = jp.train.init_state(init_fn, optax.sgd(0.1), SEED, mesh=mesh)
+    params = jax.device_get(state.params)
+    eval_step = jp.train.make_eval_step(dropout_loss, mesh=mesh)
+    errs, losses = [], []
+    for t in (0, 3):
+        s = state.replace(step=jax.device_put(jnp.asarray(t, jnp.int32), state.step.sharding))
+        got = eval_step(s, batch)
+        loss, aux = ref_loss(params, batch, jax.random.fold_in(state_rng, t))
+        errs.append(assert_scalar_close(got["loss"], loss, what=f"{layout} eval loss at step {t}"))
+        assert float(got["weight"]) == float(aux["weight"]) == 32
+        assert_scalar_close(got["accuracy"], aux["accuracy"], what=f"{layout} accuracy at step {t}")
+        losses.append(float(got["loss"]))
+    # the rng matters: another step is another dropout mask, hence another loss
+    assert abs(losses[0] - losses[1]) > 1e-4 * abs(losses[0]), losses   # 10x the parity tolerance
+    print(f"\n[eval {layout}] loss err {max(errs):.2e} (step 0 {losses[0]:.4f}, step 3 {losses[1]:.4f})")
+
+
+TRAIN_LAYOUTS = {"1dev": {}, "data8": {"data": 8}, "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}}
+
+
+@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.slow)])  # k=4: slow
+def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
+    """Two sgd steps: step t's loss and gradient are the dropout loss's with fold_in(state_rng, t), and with
+    grad_accum_steps=k microbatch j gets fold_in(that key, j) (a distinct mask per microbatch); the same
+    numbers on one device, data=8 and data2 x fsdp2 x tensor2."""
+    _, state_rng = keys()
+    rng = np.random.default_rng(SEED + k)
+    batches = [mlp_batch(rng, 32), mlp_batch(rng, 32)]
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = jax.device_get(jp.train.init_state(init_fn, tx, SEED, mesh=mesh_factory()).params)
+    loss0, grads0 = ref_loss_and_grads(params, batches[0], jax.random.fold_in(state_rng, 0), k)
+    params1 = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads0)   # sgd(0.1, momentum) from a zero trace
+    loss1, _ = ref_loss_and_grads(params1, batches[1], jax.random.fold_in(state_rng, 1), k)
+
+    # the test can tell the keys apart: no fold_in of the step, or one key for every microbatch, is another loss
+    # (10x the parity tolerance on the loss; the gradient, where the mask enters directly, by far more)
+    wrong = {"no step fold_in": ref_loss_and_grads(params, batches[0], state_rng, k)}
+    if k > 1:
+        same = [ref_loss_and_grads(params, jax.tree.map(lambda a: a[j::k], batches[0]),
+                                   jax.random.fold_in(state_rng, 0)) for j in range(k)]
+        wrong["same key per microbatch"] = (np.mean([l for l, _ in same]),
+                                            jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *[g for _, g in same]))
+    for what, (w_loss, w_grads) in wrong.items():
+        assert abs(w_loss - loss0) > 1e-4 * abs(loss0), (what, loss0, w_loss)
+        assert max(max_rel_err(a, b) for a, b in zip(jax.tree.leaves(w_grads), jax.tree.leaves(grads0))) > 1e-2, what
+
+    losses, errs = {}, []
+    for name, sizes in TRAIN_LAYOUTS.items():
+        mesh = mesh_factory(**sizes)
+        state = jp.train.init_state(init_fn, tx, SEED, mesh=mesh)
+        step = jp.train.make_train_step(dropout_loss, tx, mesh=mesh, grad_accum_steps=k)
+        new_state, metrics = step(state, batches[0])
+        errs += [assert_scalar_close(metrics["loss"], loss0, what=f"{name} k={k} step 0 loss"),
+                 assert_tree_close(trace_of(new_state.opt_state), grads0, what=f"{name} k={k} step 0 grads")]
+        assert_tree_close(new_state.params, params1, what=f"{name} k={k} params after step 0")
+        _, metrics1 = step(new_state, batches[1])
+        errs.append(assert_scalar_close(metrics1["loss"], loss1, what=f"{name} k={k} step 1 loss"))
+        losses[name] = (float(metrics["loss"]), float(metrics1["loss"]))
+    for name, got in losses.items():       # equal across layouts, directly
+        for t in (0, 1):
+            assert_scalar_close(got[t], losses["1dev"][t], what=f"k={k} step {t}: {name} vs 1dev")
+    print(f"\n[train rng k={k}] max err {max(errs):.2e}; losses {losses}")
+
+
+# ------------------------------------------- defaults: the model's batch check; the step's phases are named
+
+CHECK_CFG = dataclasses.replace(SMALL_GPT, num_layers=2, d_model=32, num_heads=4, head_dim=0)
+
+def _bad_batch(rows):
+    batch = gpt_batch(np.random.default_rng(0), rows, CHECK_CFG)
+    batch["inputs"][1, 3] = CHECK_CFG.vocab_size   # one id >= vocab
+    return batch
+
+def test_gpt_loss_step_rejects_out_of_range_ids_by_default(mesh_factory):
+    mesh = mesh_factory(data=2)
+    model, tx = GPT(CHECK_CFG), optax.sgd(0.1)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    with pytest.raises(ValueError, match=r"token id 61 at index \(1, 3\)"):
+        jp.train.make_train_step(model.loss, tx, mesh=mesh)(state, _bad_batch(4))
+    with pytest.raises(ValueError, match="token id 61"):
+        jp.train.make_eval_step(model.loss, mesh=mesh)(state, _bad_batch(4))
+    # told not to check: the NaN the model gives for a bad id, never a finite wrong loss
+    _, metrics = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=None, donate=False)(state, _bad_batch(4))
+    assert np.isnan(float(metrics["loss"]))
+    # a batch already on the devices is not pulled back to the host to be checked
+    placed = jp.train.shard_batch(_bad_batch(4), mesh)
+    _, metrics = jp.train.make_train_step(model.loss, tx, mesh=mesh, donate=False)(state, placed)
+    assert np.isnan(float(metrics["loss"]))
+
+def test_pipelined_gpt_step_rejects_out_of_range_ids_by_default(mesh_factory):
+    mesh = mesh_factory(pipe=2)
+    model, tx = GPT(CHECK_CFG), optax.sgd(0.1)
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 2))
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
+    with pytest.raises(ValueError, match="token id 61"):
+        jp.train.make_train_step(pipe, tx, mesh=mesh, grad_accum_steps=2)(state, _bad_batch(4))
+
+def test_check_batch_rejects_a_bad_value(mesh_factory):
+    with pytest.raises(TypeError, match="check_batch"):
+        jp.train.make_train_step(GPT(CHECK_CFG).loss, optax.sgd(0.1), mesh=mesh_factory(), check_batch="yes")
+
+def test_step_phases_are_named_in_the_compiled_program(mesh_factory):
+    mesh = mesh_factory(data=2)
+    model, tx = GPT(CHECK_CFG), optax.adam(1e-3)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, grad_accum_steps=2)
+    text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, CHECK_CFG)).compile().as_text()
+    scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
+    assert {"forward_backward", "optimizer_update", "accumulation"} <= scopes, sorted(scopes)[:40]
