@@ -322,8 +322,8 @@ def _check_batch_fn(check_batch: Any, grad_fn: GradFn | None) -> Callable[[Any],
     if isinstance(check_batch, str) and check_batch == "auto":
         return None if grad_fn is None else grad_fn.model_check_batch()
     if check_batch is not None and not callable(check_batch):
-        raise TypeError(f"check_batch must be \"auto\" (the model's own check_batch, when the loss is a method of a "
-                        f"model that has one), a function check_batch(batch) that raises on a bad batch, or None (no "
+        raise TypeError(f"check_batch must be a function check_batch(batch) that raises on a bad batch, \"auto\" (the "
+                        f"model's own check_batch, when the loss is a method of a model that has one) or None (no "
                         f"check); got {check_batch!r}")
     return check_batch
 
