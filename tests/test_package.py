@@ -119,6 +119,14 @@ def test_no_import_cycle_in_jaxpar():
     assert cycles(import_graph(PACKAGE)) == []
 
 
+def test_the_core_never_imports_the_cli():
+    """Dependencies point from ``jaxpar.cli`` to the core, never back (at any level, lazy imports included)."""
+    graph = import_graph(PACKAGE)
+    inward = {(m, t) for m, targets in graph.items() if not m.startswith("jaxpar.cli") for t in targets
+              if t.startswith("jaxpar.cli")}
+    assert inward == set()
+
+
 def test_the_cycle_check_finds_cycles_at_any_level(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)

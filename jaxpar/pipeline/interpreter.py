@@ -356,10 +356,8 @@ class _Interpreter:
             carry = shared.unpack(read(st.bstash, sl.wstash), True)
             dparams = split_lib.backward_weight(split, params, x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
-        actions = {Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd}
-        if split is not None:
-            actions.update({Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight})
-        return switch_branches(actions)
+        split_kinds = {Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight} if split is not None else {}
+        return switch_branches({Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd, **split_kinds})
 
     # --- value and gradient ------------------------------------------------------------------------------
     def _shared(self, plan, split, x0) -> SharedSlots:
