@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -19,7 +20,7 @@ EMBEDDING_AXIS_NAMES = frozenset({"vocab", "seq"})    # a table indexed by token
 
 
 def _decays(path, leaf, names: tuple | None) -> bool:
-    if not np.issubdtype(np.dtype(leaf.dtype), np.floating):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):   # bfloat16 / float8 included (numpy does not count them)
         return False
     if names is not None:
         core = [n for n in names if n not in shd.STACKED_AXIS_NAMES]

@@ -227,3 +227,10 @@ def test_decay_mask_is_optax_adamw_mask():
     got, _ = ours.update(grads, ours.init(params), params)
     want, _ = ref.update(grads, ref.init(params), params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+
+
+def test_adamw_decays_bfloat16_matrices():
+    """bfloat16 is floating for jax, not for numpy: its matrices decay like float32 ones."""
+    params = {"kernel": jnp.full((4, 4), 2.0, jnp.bfloat16), "bias": jnp.full((4,), 2.0, jnp.bfloat16)}
+    assert jp.optim.decay_mask(params) == {"kernel": True, "bias": False}
+    assert _decayed(jp.optim.adamw(1e-2, total_steps=10, clip_norm=None), params) == {"kernel"}

@@ -403,6 +403,12 @@ class GPT:
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
 
+    def __eq__(self, other: Any) -> bool:   # a GPT is its config: equal configs compute the same functions
+        return isinstance(other, GPT) and other.cfg == self.cfg
+
+    def __hash__(self) -> int:
+        return hash(self.cfg)
+
     def init(self, rng: jax.Array) -> dict:
         """Flax-boxed params (``nn.LogicallyPartitioned`` leaves carrying logical axis names)."""
         c = self.cfg

@@ -26,8 +26,10 @@ Structured pruning and compaction (``jp.pruning.compact`` / ``compact_state``):
   across modules (``jp.pruning.structured_pruning(..., groups=)``), or None when the groups follow from the
   logical names alone (one module holds each ``mlp`` / ``heads`` axis, e.g. the GPT's ``blocks``).
   ``replace(sizes) -> config``: the smaller model's config after compaction; ``sizes`` maps each compacted
-  group (its key path, e.g. ``("blocks", "heads")`` or ``("dense_0", "mlp")``) to its kept count. The config
-  returned is the same kind the caller passed (a model, or a config with ``as_model``).
+  group (its key path, e.g. ``("blocks", "heads")`` or ``("dense_0", "mlp")``) to its kept count. It returns
+  the smaller model's config: anything :func:`as_model` turns into the smaller model (the GPT returns a
+  ``GPTConfig``, ``MLPModel`` an ``MLP``); compaction checks that it builds params of the compacted shapes.
+  (A flax.struct or chex dataclass model inherits a ``replace(**fields)``: give it ``as_model()`` instead.)
   A config object that is not itself a model (the GPT's ``GPTConfig``; the MLP's Linen module, whose ``init``
   needs an input) provides ``as_model(params=None) -> model``; :func:`as_model` resolves either.
 

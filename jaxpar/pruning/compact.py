@@ -38,6 +38,36 @@ def _model(config: Any, params: Any) -> Any:
                             "; jaxpar's own: a jp.models.GPTConfig or a jp.models.MLP instance")
 
 
+def _replaced(model: Any, sizes: dict) -> Any:
+    """``model.replace(sizes)``, the smaller model's config; TypeError naming the part when it cannot be called
+    so (e.g. a flax.struct / chex dataclass model, whose ``replace(**fields)`` is the dataclass')."""
+    try:
+        return model.replace(sizes)
+    except TypeError as e:
+        raise TypeError(f"compaction calls {type(model).__name__}.replace(sizes) with sizes {{group: kept count}} "
+                        f"(the model protocol) and it raised: {e}. A flax.struct or chex dataclass model's replace "
+                        "is the dataclass' replace(**fields): give the model an as_model() returning an object with "
+                        "the protocol's replace(sizes)") from e
+
+
+def _check_replaced(c: "Compaction", model: Any, params: Any) -> None:
+    """The config ``replace`` returned builds params of the compacted shapes (ValueError naming the first leaf)."""
+    name = f"{type(model).__name__}.replace(sizes)"
+    new = protocol.as_model(c.config, params)
+    if not callable(getattr(new, "init", None)):
+        raise TypeError(f"{name} returned {c.config!r:.80}, which is neither a model nor a config with as_model(): "
+                        "return the smaller model's config")
+    want = jax.eval_shape(new.init, jax.random.key(0))
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(want))[0]
+    if len(flat) != len(c.param_shapes):
+        raise ValueError(f"{name} returned a config whose params have {len(flat)} leaves, not {len(c.param_shapes)}")
+    for i, (path, leaf) in enumerate(flat):
+        if tuple(leaf.shape) != c.new_shape(i):
+            raise ValueError(f"{name} returned a config whose {jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(leaf.shape)}, but the compacted params have {c.new_shape(i)}: replace must "
+                             f"set the kept counts it is given ({ {'/'.join(k): v.shape[-1] for k, v in c.index.items()} })")
+
+
 def _groups(model: Any) -> Any:
     prune_groups = getattr(model, "prune_groups", None)
     return prune_groups() if callable(prune_groups) else None
@@ -145,9 +175,11 @@ class Compaction:
                 raise ValueError(f"mask {path_str(key)} has shape {mask.shape}; this model's groups have "
                                  f"{plans[key].mask_shape}: pass the masks of these params")
             index[key], kept[key] = _indices(mask, _multiple(multiple_of, key[-1]))
-        new_config = model.replace({k: v.shape[-1] for k, v in index.items()})
+        new_config = _replaced(model, {k: v.shape[-1] for k, v in index.items()})
         shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(params))
-        return cls(tuple(plans[k] for k in keys), index, kept, new_config, shapes)
+        c = cls(tuple(plans[k] for k in keys), index, kept, new_config, shapes)
+        _check_replaced(c, model, params)
+        return c
 
     def members(self) -> dict[int, tuple[GroupPlan, Member]]:
         return {m.index: (p, m) for p in self.plans for m in p.members}

@@ -3,6 +3,8 @@ against a sampler written out here that re-runs ``apply`` on the whole window (n
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,7 @@ def _reference_sample(model, params, prompt, num_tokens, rng, temperature):
     tokens = list(prompt)
     for i in range(num_tokens):
         logits = model.apply(params, jnp.asarray(tokens[-model.cfg.max_seq_len:], jnp.int32)[None])[0, -1]
-        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature)))
+        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:model.cfg.vocab_size] / temperature)))
     return tokens[len(prompt):]
 
 
@@ -63,3 +65,53 @@ def test_generate_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         jp.models.generate(model, params, args["prompt"], args["num_tokens"], jax.random.key(0), args["temperature"])
     assert len(jp.models.generate(model, params, [1, 2], 0, jax.random.key(0))) == 0
+
+
+@pytest.mark.parametrize("prompt", [[1.7, 2.9], np.array([1.5, 2.5]), "12", [True, 2], {1: "a", 2: "b"}, [[1, 2]]])
+def test_generate_rejects_prompts_that_are_not_int_ids(prompt):
+    model, params = _gpt("learned")
+    with pytest.raises(ValueError, match="prompt"):
+        jp.models.generate(model, params, prompt, 2, jax.random.key(0))
+
+
+def test_generate_accepts_numpy_and_jax_scalars_seeds_and_boxed_params():
+    model, params = _gpt("learned")
+    want = jp.models.generate(model, params, [1, 2], 3, jax.random.key(4), 0.8)
+    boxed = model.init(jax.random.key(3))   # the same params, still Flax-boxed
+    assert jp.models.generate(model, boxed, np.array([1, 2]), np.int64(3), 4, np.float32(0.8)) == want
+    assert jp.models.generate(model, params, jnp.asarray([1, 2]), 3, jax.random.key(4), jnp.float32(0.8)) == want
+    for bad in (dict(temperature=1e-300), dict(rng="seed")):
+        with pytest.raises((ValueError, TypeError)):
+            jp.models.generate(model, params, [1], 2, bad.get("rng", 0), bad.get("temperature", 1.0))
+
+
+def test_generate_recompiles_for_a_changed_model():
+    """Programs are shared between equal models only: a GPT whose config changed samples from the new config."""
+    model, params = _gpt("learned")
+    assert max(jp.models.generate(model, params, [1], 60, 0, 3.0)) >= 33
+    model.cfg = dataclasses.replace(model.cfg, vocab_size=33)   # same padded vocab (40): the params still fit
+    assert max(jp.models.generate(model, params, [1], 60, 0, 3.0)) < 33
+
+
+class _Counter:
+    """A model whose decode_step returns what the test says (its cache: a step count)."""
+    vocab_size, max_seq_len = 5, 4
+
+    def __init__(self, logits_shape=(1, 5), cache_dtype=jnp.int32, pair=True):
+        self.logits_shape, self.cache_dtype, self.pair = logits_shape, cache_dtype, pair
+
+    def init_cache(self, params, batch_size, max_len):
+        return {"n": jnp.zeros((), jnp.int32)}
+
+    def decode_step(self, params, tokens_B, cache, pos):
+        logits = jnp.zeros(self.logits_shape, jnp.float32)
+        return (logits, {"n": (cache["n"] + 1).astype(self.cache_dtype)}) if self.pair else logits
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(logits_shape=(5,)), "logits"), (dict(logits_shape=(1, 1, 5)), "logits"),
+                                          (dict(logits_shape=(1, 3)), "V >= vocab_size"),
+                                          (dict(cache_dtype=jnp.float32), "cache"), (dict(pair=False), r"\(logits_BV, cache\)")])
+def test_generate_names_a_bad_decode_step(kwargs, match):
+    with pytest.raises(TypeError, match=f"_Counter.decode_step.*{match}|{match}.*_Counter"):
+        jp.models.generate(_Counter(**kwargs), {}, [1], 2, 0)
+    assert len(jp.models.generate(_Counter(), {}, [1], 2, 0)) == 2

@@ -174,7 +174,7 @@ def _reference_sample(model, params, prompt, num_tokens, rng, temperature):
     for i in range(num_tokens):
         ctx = jnp.asarray(tokens[-model.max_seq_len:], jnp.int32)[None]
         logits = model.apply(params, ctx)[0, -1]
-        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature)))
+        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:model.vocab_size] / temperature)))
     return tokens[len(prompt):]
 
 
@@ -239,3 +239,20 @@ def test_shape_suffixes_of_every_model_are_in_the_legend():
     assert used, "no shape-suffixed name found: the scan is broken"
     unknown = {s: f for s, f in used.items() if any(letter not in legend for letter in s)}
     assert not unknown, f"suffix letters outside jp.models.SHAPE_LEGEND: {unknown}"
+
+
+@pytest.mark.parametrize("replace,error,match", [
+    (lambda self, sizes: None, TypeError, "neither a model nor a config"),
+    (lambda self, sizes: self, ValueError, "must set the kept counts"),
+    (lambda self, **fields: self, TypeError, "flax.struct or chex dataclass"),
+])
+def test_compaction_checks_what_replace_returns(replace, error, match):
+    """A model whose replace returns no model, forgets to shrink, or is a dataclass' replace(**fields)."""
+    Bad = type("Bad", (CumLM,), {"replace": replace})
+    model = Bad()
+    params = _unboxed(model, 0)
+    keep = np.zeros((model.num_layers, model.d_mlp), bool)
+    keep[:, ::2] = True                      # half the mlp units of every layer
+    masks = {"blocks": {"mlp": keep}}        # group masks, as jp.pruning.group_masks gives them
+    with pytest.raises(error, match=match):
+        jp.pruning.compact(params, masks, model)
