@@ -29,9 +29,9 @@ def test_decode_step_equals_apply(positions):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (3, 12)), jnp.int32)
     cache = model.init_cache(params, 3, 12)
     assert cache["k"].shape == (2, 3, 12, 2, 8)
-    steps = []
+    steps, decode = [], jax.jit(model.decode_step)
     for pos in range(12):
-        logits, cache = jax.jit(model.decode_step)(params, tokens[:, pos], cache, jnp.int32(pos))
+        logits, cache = decode(params, tokens[:, pos], cache, jnp.int32(pos))
         steps.append(logits)
     valid = np.arange(model.cfg.padded_vocab) < 37
     assert_tree_close(jnp.stack(steps, 1)[..., valid], model.apply(params, tokens)[..., valid],
@@ -39,10 +39,15 @@ def test_decode_step_equals_apply(positions):
 
 
 def _reference_sample(model, params, prompt, num_tokens, rng, temperature):
+    """Every token from ``apply`` over the last ``max_seq_len`` tokens, padded to that length (jitted once; by
+    causality the padding after the window is not seen), at the window's last real position."""
+    L, V = model.cfg.max_seq_len, model.cfg.vocab_size
+    apply = jax.jit(model.apply)
     tokens = list(prompt)
     for i in range(num_tokens):
-        logits = model.apply(params, jnp.asarray(tokens[-model.cfg.max_seq_len:], jnp.int32)[None])[0, -1]
-        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:model.cfg.vocab_size] / temperature)))
+        window = tokens[-L:]
+        logits = apply(params, jnp.asarray(window + [0] * (L - len(window)), jnp.int32)[None])[0, len(window) - 1]
+        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:V] / temperature)))
     return tokens[len(prompt):]
 
 
