@@ -26,6 +26,7 @@ def load(name):
     return module
 
 
+@pytest.mark.slow  # ~17 s: a whole digits run; .ci/run runs it
 def test_digits_reaches_95_percent(tmp_path):
     digits = load("digits")
     accuracy = digits.main(digits.Config(out_dir=str(tmp_path)))

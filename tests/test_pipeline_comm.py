@@ -43,6 +43,7 @@ def _grad_reductions_in_loop(mesh, m, **kwargs):
     return comm.summarize(colls)
 
 
+@pytest.mark.slow  # ~18 s; test_fsdp_gather_options checks the same on fsdp meshes; .ci/run runs it
 def test_no_gradient_reduction_inside_tick_loop(mesh_factory):
     """data=2 x pipe=2 x tensor=2: the old path (GSPMD inside each B) has batch-axis gradient all-reduces in the
     while body; the default path has none there (only a scalar loss-weight psum) and one after the loop."""

@@ -32,6 +32,7 @@ def _rows(stdout: str) -> list[list[str]]:
     return [line.split() for line in lines[start + 1:] if re.match(r"^\s+\d+\s", line)]
 
 
+@pytest.mark.slow  # ~35 s: a planner sweep in subprocesses; .ci/run runs it
 def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
     proc = _run([*TINY_SWEEP, "--max-layouts", "3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -170,10 +170,10 @@ def test_pipelined_1f1b_matches_one_device(mesh_factory):
 
 def _reference_sample(model, params, prompt, num_tokens, rng, temperature):
     """Sampling without a cache: every token from ``apply`` over the last ``max_seq_len`` tokens."""
-    tokens = list(prompt)
+    L, apply, tokens = model.max_seq_len, jax.jit(model.apply), list(prompt)
     for i in range(num_tokens):
-        ctx = jnp.asarray(tokens[-model.max_seq_len:], jnp.int32)[None]
-        logits = model.apply(params, ctx)[0, -1]
+        window = tokens[-L:]   # padded to L (one compile); causal: the padding after it is not seen
+        logits = apply(params, jnp.asarray(window + [0] * (L - len(window)), jnp.int32)[None])[0, len(window) - 1]
         tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:model.vocab_size] / temperature)))
     return tokens[len(prompt):]
 
@@ -184,9 +184,9 @@ def test_generates_with_its_own_cache():
     params = _unboxed(MODEL, 7)
     tokens = jnp.asarray(_batch(8, 2)["inputs"])
     cache = MODEL.init_cache(params, 2, MODEL.max_seq_len)
-    steps = []
+    steps, decode = [], jax.jit(MODEL.decode_step)
     for pos in range(MODEL.max_seq_len):
-        logits, cache = MODEL.decode_step(params, tokens[:, pos], cache, jnp.int32(pos))
+        logits, cache = decode(params, tokens[:, pos], cache, jnp.int32(pos))
         steps.append(logits)
     assert_tree_close(jnp.stack(steps, 1), MODEL.apply(params, tokens), what="decode_step vs apply")
     rng = jax.random.key(9)

@@ -101,6 +101,7 @@ def state_arrays(state):
     return (state.step, state.params, state.opt_state, jax.random.key_data(state.rng))
 
 
+@pytest.mark.slow  # ~55 s: three layouts, a checkpoint each; .ci/run runs it
 def test_interleaved_checkpoint_restores_under_1f1b_and_without_pipeline(mesh_factory, tmp_path):
     """Interleaved 1F1B (p=2, v=2) on data=2 x pipe=2 x tensor=2, state in its stage layout: 3 steps equal the
     plain step's (loss 1e-5 relative, params/opt_state 1e-5 of the max per leaf); the staged leaves (params,
@@ -151,6 +152,7 @@ def test_interleaved_checkpoint_restores_under_1f1b_and_without_pipeline(mesh_fa
           f"{max(errs):.2e}")
 
 
+@pytest.mark.slow  # ~16 s: three pipelined steps compiled; .ci/run runs it
 def test_steps_refuse_a_state_in_another_layout(mesh_factory):
     """A staged state is refused (ValueError, before tracing) by a pipeline of another schedule, by a plain
     loss's train and eval steps and by ``params_layout='model'``; a model-order state by

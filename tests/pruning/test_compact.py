@@ -127,6 +127,7 @@ def kept_groups(x, g, lay, mask):
     return [x[l][np.asarray(mask)[l]] for l in range(x.shape[0])]
 
 
+@pytest.mark.slow  # ~25 s; the fast set compacts and trains on in tests/models/test_protocol.py; .ci/run runs it
 def test_compact_state_keeps_adamw_moments_and_training_continues():
     """Prune (global, one-shot at step 2), train 3 steps, compact onto the same 2x2x2 mesh; AdamW's mu and nu
     of every kept group move with it; 3 more steps of the compacted model give the losses the masked model
