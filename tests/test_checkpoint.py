@@ -252,12 +252,14 @@ def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
         import jaxpar as jp
         directory = os.path.abspath(sys.argv[1])
         write = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+        first = threading.Lock()   # orbax writes several JSON items at once, from several threads
 
         async def write_then_block(self, item, path):  # orbax's writer (a background thread), one JSON item
             await write(self, item, path)
             if os.path.relpath(str(path), directory).startswith("2."):
-                print(f"wrote {os.path.relpath(str(path), directory)}", flush=True)
-                print("SYNC step 2 mid-save", flush=True)
+                if first.acquire(blocking=False):   # one thread announces, in one write: lines never interleave
+                    sys.stdout.write(f"wrote {os.path.relpath(str(path), directory)}\\nSYNC step 2 mid-save\\n")
+                    sys.stdout.flush()
                 threading.Event().wait(600)  # until killed (a hang guard only)
                 os._exit(3)
         json_checkpoint_handler.JsonCheckpointHandler._save_fn = write_then_block
