@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -112,3 +113,13 @@ def launch(args: list[str], timeout: float = LAUNCH_TIMEOUT) -> subprocess.Compl
         out = proc.communicate()[0]
         pytest.fail(f"the two-process job did not finish in {timeout} s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+def load_script(relpath: str, name: str):
+    """The repository file ``relpath`` (e.g. ``"experiments/charlm.py"``) executed as a fresh module ``name``,
+    registered in ``sys.modules`` (dataclasses and pickling look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / relpath)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

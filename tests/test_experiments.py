@@ -1,12 +1,13 @@
 """The experiment entry points run end to end (short configurations) and write what they promise."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers import load_script
 
 import jaxpar as jp
 from jaxpar.cli import experiment
@@ -19,10 +20,7 @@ def load(name):
     experiments/ on sys.path (Python puts a script's directory there; prune_sweep imports digits)."""
     if str(ROOT / "experiments") not in sys.path:
         sys.path.append(str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script(f"experiments/{name}.py", f"experiments_{name}")
     return module
 
 
@@ -119,12 +117,7 @@ def test_charlm_header_names_the_pipeline():
 # ------------------------------------------------------------------------------------- charlm pipelined
 
 def _charlm():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "charlm.py"
-    spec = importlib.util.spec_from_file_location("experiments_charlm_pipe", path)
-    charlm = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = charlm
-    spec.loader.exec_module(charlm)
-    return charlm
+    return load_script("experiments/charlm.py", "experiments_charlm_pipe")
 
 
 def test_charlm_pipeline_config_errors():

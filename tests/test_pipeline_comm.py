@@ -8,21 +8,17 @@ evidence: collectives inside/outside the loop, replica groups, executed bytes, b
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch
+from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, load_script
 
 import jaxpar as jp
 from jaxpar.models import GPT
 
-_spec = importlib.util.spec_from_file_location("pipeline_comm", Path(__file__).parents[1] / "benchmarks" / "pipeline_comm.py")
-comm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(comm)
+comm = load_script("benchmarks/pipeline_comm.py", "pipeline_comm")
 
 CFG = dataclasses.replace(SMALL_GPT, num_layers=2, d_model=32, num_heads=4, head_dim=0)
 SEED = 5

@@ -9,9 +9,7 @@ Run with ``-s`` to see the errors reached.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -19,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline
+from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline, load_script
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
@@ -213,11 +211,7 @@ def test_one_stage_pipeline_runs_without_shard_map(mesh_factory):
 # -------------------------------------------------------------------------------------------------- (f)
 
 def load_charlm():
-    spec = importlib.util.spec_from_file_location("experiments_charlm_users", ROOT / "experiments" / "charlm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/charlm.py", "experiments_charlm_users")
 
 
 # Tolerance for later steps: AdamW divides each gradient entry by its running RMS, so float rounding from the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -11,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("experiments_plan", ROOT / "experiments" / "plan.py")
-plan_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_cli)
+plan_cli = load_script("experiments/plan.py", "experiments_plan")
 
 TINY_SWEEP = ["--model", "tiny", "--devices", "4", "--global-batch", "8", "--seq-len", "16", "--remat", "full"]
 

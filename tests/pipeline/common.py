@@ -12,16 +12,13 @@ come back through ``from_stage_layout``. For the GPT the reference is ``model.lo
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline
+from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_pipeline, load_script
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -175,9 +172,4 @@ def permutes_outside_loops(hlo: str) -> tuple[list[str], int]:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 def pipeline_benchmark():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_memory.py"
-    spec = importlib.util.spec_from_file_location("pipeline_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/pipeline_memory.py", "pipeline_memory")
