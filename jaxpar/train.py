@@ -316,11 +316,11 @@ def param_specs(params: Any) -> Any:
     return jax.tree.map(spec, params)
 
 
-def _check_batch_fn(check_batch: Any, grad_fn: GradFn | None) -> Callable[[Any], None] | None:
-    """``check_batch`` resolved: ``"auto"`` is the model's own check (``grad_fn.model_check_batch()``: a protocol
-    model's ``check_batch`` when the loss is its bound method), None is no check."""
+def _check_batch_fn(check_batch: Any, fn: Any) -> Callable[[Any], None] | None:
+    """``check_batch`` resolved for the step's gradient function or loss ``fn``: ``"auto"`` is the model's own
+    check (a protocol model's ``check_batch`` when ``fn`` is its bound method, or built from one), None none."""
     if isinstance(check_batch, str) and check_batch == "auto":
-        return None if grad_fn is None else grad_fn.model_check_batch()
+        return fn.model_check_batch() if isinstance(fn, GradFn) else protocol.batch_checker(fn)
     if check_batch is not None and not callable(check_batch):
         raise TypeError(f"check_batch must be a function check_batch(batch) that raises on a bad batch, \"auto\" (the "
                         f"model's own check_batch, when the loss is a method of a model that has one) or None (no "
@@ -494,9 +494,7 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         with a bad batch, before tracing): as for :func:`make_train_step`.
     """
     _check_common(mesh, rules)
-    grad_fn, check = None, _check_batch_fn(check_batch, None)
-    if isinstance(check_batch, str) and check_batch == "auto":
-        check = loss_fn.model_check_batch() if isinstance(loss_fn, GradFn) else protocol.batch_checker(loss_fn)
+    grad_fn, check = None, _check_batch_fn(check_batch, loss_fn)
     if isinstance(loss_fn, GradFn):
         if not callable(getattr(loss_fn, "eval_loss", None)):
             raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux) or a "
