@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
 from jaxpar.checks import positive_int
-from jaxpar.models import protocol
+from jaxpar.models import nnx_bridge, protocol
 from jaxpar.precision import Policy
 
 LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -46,12 +47,21 @@ class Context(NamedTuple):
     ``jaxpar.pipeline.layout.StateLayout`` a pipelined gradient function reads; the step refuses a staged state
     for a gradient function without ``uses_pipe``), and ``param_specs``: the state's params' ``PartitionSpec``\\ s
     (a tree of the params' structure, None where a leaf has no named sharding; None when unknown), from which a
-    pipeline reads which dim of a stage leaf is sharded over ``fsdp``."""
+    pipeline reads which dim of a stage leaf is sharded over ``fsdp``; ``model_state`` and ``graphdef``: the
+    state's (``TrainState.model_state``, ``TrainState.graphdef``), None without."""
     mesh: Mesh
     rules: shd.Rules = shd.DEFAULT_RULES
     policy: Policy | None = None
     layout: Any = None
     param_specs: Any = None
+    model_state: Any = None
+    graphdef: Any = None
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the state has a model state or an NNX graph definition: the gradient function then returns
+        ``(loss, aux, grads, new_model_state)``."""
+        return self.model_state is not None or self.graphdef is not None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -197,6 +207,51 @@ def check_loss_output(out: Any, what: str = "loss_fn") -> tuple[jax.Array, dict[
     return loss, out_aux
 
 
+def check_stateful_output(out: Any, what: str = "loss_fn") -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """``loss_fn(params, batch, rng, model_state)``'s ``(loss, aux, new_model_state)``, validated (trace time)."""
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError(f"with a model state, {what}(params, batch, rng, model_state) must return (loss, aux, "
+                         f"new_model_state), e.g. (out, updates) = model.apply(variables, x, mutable=['batch_stats']);"
+                         f" return loss, {{}}, updates; got {type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}")
+    return (*check_loss_output(out[:2], what), out[2])
+
+
+def call_loss(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, ctx: Context,
+              train: bool = True) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """``(loss, aux, new_model_state)`` of a user's loss in the form the state asks for (trace time):
+    ``loss_fn(params, batch, rng)``; with a model state ``loss_fn(params, batch, rng, model_state) -> (loss, aux,
+    new_model_state)``; with an NNX ``graphdef`` ``loss_fn(model, batch, rng) -> (loss, aux)`` on the merged
+    model (``model.eval()`` first when not ``train``), whose non-``Param`` variables come back as the new model
+    state. ``new_model_state`` is None without a model state."""
+    if ctx.graphdef is not None:
+        model = nnx_bridge.merge(ctx.graphdef, params, ctx.model_state)
+        if not train:
+            model.eval()
+        loss, aux = check_loss_output(loss_fn(model, batch, rng), "the NNX loss_fn(model, batch, rng)")
+        return loss, aux, nnx_bridge.model_state(model)
+    if ctx.model_state is not None:
+        out = loss_fn(params, batch, rng, ctx.model_state)
+        if not train and isinstance(out, tuple) and len(out) == 2:
+            return (*check_loss_output(out), ctx.model_state)
+        return check_stateful_output(out)
+    return (*check_loss_output(loss_fn(params, batch, rng)), None)
+
+
+def check_loss_arity(loss_fn: Callable, ctx: Context) -> None:
+    """Raises TypeError (before tracing) when ``loss_fn`` cannot take the arguments the state's form passes."""
+    n, form = (4, "loss_fn(params, batch, rng, model_state) -> (loss, aux, new_model_state)") \
+        if ctx.model_state is not None and ctx.graphdef is None else (3, None)
+    try:
+        inspect.signature(loss_fn).bind(*([None] * n))
+    except TypeError:
+        form = form or ("loss_fn(model, batch, rng) -> (loss, aux), model the NNX module" if ctx.graphdef is not None
+                        else "loss_fn(params, batch, rng) -> (loss, aux)")
+        raise TypeError(f"the state's model {'has a model state' if n == 4 else 'takes'} {form}; {loss_fn!r} cannot "
+                        f"be called with {n} arguments") from None
+    except ValueError:      # no signature (a builtin): let the call decide
+        pass
+
+
 @dataclasses.dataclass(frozen=True)
 class _ValueAndGrad(GradFn):
     loss_fn: LossFn
@@ -204,17 +259,20 @@ class _ValueAndGrad(GradFn):
     def model_check_batch(self):
         return protocol.batch_checker(self.loss_fn)
 
+    def check(self, params, batch, ctx):
+        check_loss_arity(self.loss_fn, ctx)
+
     def __call__(self, params, batch, rng, scale, ctx):
         policy = ctx.policy
 
         def f(p):
             if policy is not None:   # cast inside the differentiated function: grads come back in param dtype
                 p = policy.cast_to_compute(p)
-            loss, aux = check_loss_output(self.loss_fn(p, batch, rng))
+            loss, aux, new_state = call_loss(self.loss_fn, p, batch, rng, ctx)
             loss = loss.astype(jnp.float32)
-            return loss * scale, (loss, aux)
-        (_, (loss, aux)), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return loss, aux, grads
+            return loss * scale, (loss, aux, new_state)
+        (_, (loss, aux, new_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return (loss, aux, grads, new_state) if ctx.stateful else (loss, aux, grads)
 
 
 def value_and_grad(loss_fn: LossFn) -> GradFn:
@@ -259,20 +317,25 @@ class _Accumulate(GradFn):
         take = lambda j: jax.tree.map(lambda x: microbatch(x, j), micro)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
 
-        def body(grad_sum, j):
-            loss, aux, grads = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx)
+        def body(carry, j):     # the model state (batch statistics) passes from microbatch to microbatch
+            grad_sum, model_state = carry
+            out = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx._replace(model_state=model_state))
+            loss, aux, grads = out[:3]
             w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
             # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
             wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
             grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
-            return grad_sum, (wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
+            return (grad_sum, out[3] if ctx.stateful else None), (
+                wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
 
         with jax.named_scope("accumulation"):
-            grad_sum, (loss_m, aux_m, w_m) = jax.lax.scan(body, zeros(params), jnp.arange(self.steps))
+            (grad_sum, model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
+                body, (zeros(params), ctx.model_state), jnp.arange(self.steps))
         w_sum = w_m.sum()
         aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
         grads = jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, params)
-        return weighted_mean(loss_m.sum(), w_sum), aux, grads
+        out = weighted_mean(loss_m.sum(), w_sum), aux, grads
+        return (*out, model_state) if ctx.stateful else out
 
 
 def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
@@ -293,5 +356,6 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
     return grad_fn if steps == 1 else _Accumulate(grad_fn, steps)
 
 
-__all__ = ["Context", "GradFn", "LossFn", "RESERVED_METRICS", "accumulate", "check_batch_size", "check_loss_output",
+__all__ = ["Context", "GradFn", "LossFn", "RESERVED_METRICS", "accumulate", "call_loss", "check_batch_size",
+           "check_loss_output",
            "value_and_grad"]

@@ -11,7 +11,9 @@ a mesh axis is used at most once per array (Flax's ``logical_to_mesh_axes`` sema
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,9 +21,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.extend import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.origins import Origins, update_origins
+from jaxpar.reports import LeafReport, ShardingReport, describe_params, key_path
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -68,9 +73,35 @@ def validate_rules(rules: Rules, mesh: Mesh) -> None:
             f"(in {bad}); use axes of the mesh, e.g. jp.make_mesh(...) gives {tuple(mesh.axis_names)}")
 
 
+def batch_name(rules: Rules) -> str:
+    """The logical name of the batch axis in ``rules``: ``batch`` when a rule names it, else the first rule's name
+    that contains ``batch`` (MaxText's ``activation_batch``), else ``batch``."""
+    names = [r[0] for r in rules]
+    return "batch" if "batch" in names else next((n for n in names if "batch" in n), "batch")
+
+
+def with_batch_axis(rules: Rules, batch_axis: str | None) -> Rules:
+    """``rules`` with the input batch placed as the logical axis ``batch_axis`` is (a ``batch`` rule with its
+    target, first); ``rules`` itself for None.
+
+    Raises:
+      ValueError: no rule names ``batch_axis``.
+    """
+    if batch_axis is None:
+        return rules
+    target = next((r[1] for r in rules if r[0] == batch_axis), _MISSING)
+    if target is _MISSING:
+        raise ValueError(f"batch_axis={batch_axis!r} is named by no rule (rules name {[r[0] for r in rules]}); pass "
+                         "the logical name of your batch axis, e.g. 'activation_batch' with MaxText's rules")
+    return (("batch", target), *(r for r in rules if r[0] != "batch"))
+
+
+_MISSING = object()
+
+
 def batch_axes(rules: Rules, mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the ``batch`` logical axis maps to, e.g. ``('data', 'fsdp')``."""
-    spec = nn.logical_to_mesh_axes(("batch",), rules)
+    """The mesh axes the batch axis (:func:`batch_name`) maps to, e.g. ``('data', 'fsdp')``."""
+    spec = nn.logical_to_mesh_axes((batch_name(rules),), rules)
     target = spec[0]
     if target is None:
         return ()
@@ -177,12 +208,39 @@ def mesh_specs(tree: Any, rules: Rules) -> Any:
     return nn.logical_to_mesh(logical_specs(tree), rules)
 
 
+def resolve_names(names: Sequence[Any], rules: Rules, mesh: Mesh) -> tuple[P, list[Any]]:
+    """The mesh ``PartitionSpec`` of an array whose dimensions carry ``names``, and the names nothing resolves.
+
+    A name a rule knows maps as Flax's ``logical_to_mesh_axes`` maps it (rules in order, a mesh axis once per
+    array); a name that is a mesh axis of ``mesh`` (or a tuple of them: Flax's ``nn.with_partitioning(init,
+    ("fsdp", None))``, the scale-up guide's form) is that axis, when no other dimension took it. Any other
+    name is unknown: its dimension stays whole and the name is returned.
+    """
+    keys = {r[0] for r in rules}
+    known = tuple(n if isinstance(n, str) and n in keys else None for n in names)
+    spec = list(nn.logical_to_mesh_axes(known, rules))
+    used = {a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)}
+    unknown = []
+    for d, n in enumerate(names):
+        if n is None or known[d] is not None:
+            continue
+        axes = (n,) if isinstance(n, str) else tuple(n)
+        if all(isinstance(a, str) and a in mesh.axis_names for a in axes) and not used & set(axes):
+            spec[d], used = n if isinstance(n, str) else axes, used | set(axes)
+        else:
+            unknown.append(n)
+    return P(*spec), unknown
+
+
 def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """Tree of ``NamedSharding`` for a tree of Flax-boxed params (or their ``eval_shape``).
 
     Leaves carrying ``nn.LogicallyPartitioned`` metadata are placed by ``rules`` (as :func:`effective_rules`
-    applies them on ``mesh``: with ``pipe > 1``, unsharded stacked ``layers`` go over ``pipe``); plain leaves
-    are replicated. The result has the structure of the **unboxed** tree.
+    applies them on ``mesh``: with ``pipe > 1``, unsharded stacked ``layers`` go over ``pipe``); names that are
+    mesh axes (``nn.Partitioned``, or a logical name no rule knows that is a mesh axis) as
+    :func:`resolve_names` says; plain leaves are replicated. The result has the structure of the **unboxed**
+    tree. (``jp.train.init_state`` places params through ``jaxpar.placement``, which adds path rules and
+    automatic FSDP for leaves nothing names.)
 
     Raises:
       ValueError: a rule names an axis ``mesh`` does not have, or a sharded dimension is not divisible by
@@ -190,8 +248,9 @@ def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """
     validate_rules(rules, mesh)
     rules = effective_rules(rules, mesh)
-    specs = mesh_specs(tree, rules)
-    check_divisible(nn.meta.unbox(tree), specs, mesh, logical_specs(tree))
+    names = logical_specs(tree)
+    specs = jax.tree.map(lambda s: resolve_names(tuple(s), rules, mesh)[0], names, is_leaf=lambda x: isinstance(x, P))
+    check_divisible(nn.meta.unbox(tree), specs, mesh, names)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -232,152 +291,7 @@ def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = N
 
 
 # ------------------------------------------------------------------------------------ optimizer state
-# The origins of a value in a traced program: for each parameter leaf it is computed from along some of its
-# axes, the parameter axis each axis of the value runs along (None: along none). Only aligned axes matter
-# for a sharding: a scalar such as a global norm carries no axis, a mean over rows drops the row axis.
-_Origins = dict[int, tuple[int | None, ...]]
-
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                         "reduce_xor", "argmax", "argmin"})
-
-
-def _merge(*origins: _Origins) -> _Origins:
-    """Union of origins; an axis two of them align with different parameter axes aligns with none."""
-    out: dict[int, tuple[int | None, ...]] = {}
-    for o in origins:
-        for i, dims in o.items():
-            old = out.get(i, dims)
-            out[i] = tuple(a if b is None or a == b else b if a is None else None for a, b in zip(old, dims))
-    return {i: d for i, d in out.items() if any(a is not None for a in d)}
-
-
-def _remap(o: _Origins, axes: Sequence[int | None]) -> _Origins:
-    """Origins of a value whose axis ``k`` is axis ``axes[k]`` of the value ``o`` describes (None: a new axis)."""
-    return _merge({i: tuple(None if a is None else d[a] for a in axes) for i, d in o.items()})
-
-
-def _reshape_axes(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
-    """For each axis of a reshape's output, the input axis it is: size-1 axes aside, a common prefix and suffix."""
-    src, dst = [k for k, n in enumerate(old) if n != 1], [k for k, n in enumerate(new) if n != 1]
-    axes: list[int | None] = [None] * len(new)
-    i = j = 0
-    while i < min(len(src), len(dst)) and old[src[i]] == new[dst[i]]:
-        axes[dst[i]], i = src[i], i + 1
-    while j < min(len(src), len(dst)) - i and old[src[-1 - j]] == new[dst[-1 - j]]:
-        axes[dst[-1 - j]], j = src[-1 - j], j + 1
-    return axes
-
-
-def _dot_origins(dimension_numbers, shapes: list[tuple[int, ...]], ins: list[_Origins]) -> _Origins:
-    """``dot_general``'s output axes: batch axes, then the lhs's free axes, then the rhs's."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    lf = [k for k in range(len(shapes[0])) if k not in lc and k not in lb]
-    rf = [k for k in range(len(shapes[1])) if k not in rc and k not in rb]
-    return _merge(_remap(ins[0], [*lb, *lf, *[None] * len(rf)]), _remap(ins[1], [*rb, *[None] * len(lf), *rf]))
-
-
-def _fixed_point(body, carry: list[_Origins], steps: int = 4) -> list[_Origins]:
-    """A loop carry's origins: merged over iterations of ``body`` (carry -> new carry) until they settle."""
-    for _ in range(steps):
-        new = [_merge(a, b) for a, b in zip(carry, body(carry))]
-        if new == carry:
-            break
-        carry = new
-    return carry
-
-
-def _loop_origins(eqn, ins: list[_Origins]) -> list[_Origins]:
-    """``while``: the carry's origins. ``scan``: the carry's, then the stacked outputs' (leading axis new)."""
-    p = eqn.params
-    if eqn.primitive.name == "while":
-        consts, carry = ins[:p["cond_nconsts"] + p["body_nconsts"]][p["cond_nconsts"]:], \
-            ins[p["cond_nconsts"] + p["body_nconsts"]:]
-        return _fixed_point(lambda c: _walk(p["body_jaxpr"].jaxpr, [*consts, *c]), carry)
-    nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"].jaxpr
-    xs = [_remap(o, range(1, v.aval.ndim)) for o, v in zip(ins[nc + nk:], eqn.invars[nc + nk:])]
-    run = lambda c: _walk(body, [*ins[:nc], *c, *xs])
-    carry = _fixed_point(lambda c: run(c)[:nk], ins[nc:nc + nk])
-    ys = run(carry)[nk:]
-    return carry + [_remap(o, [None, *range(v.aval.ndim - 1)]) for o, v in zip(ys, eqn.outvars[nk:])]
-
-
-def _eqn_origins(eqn, ins: list[_Origins]) -> list[_Origins]:
-    """The origins of one equation's outputs from its inputs'. Unknown primitives: an output is aligned with
-    every input of its shape (elementwise ops, selects, casts, sharding constraints, in-place updates)."""
-    name, p = eqn.primitive.name, eqn.params
-    shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
-    out_shapes = [getattr(v.aval, "shape", ()) for v in eqn.outvars]
-    if name == "transpose":
-        return [_remap(ins[0], p["permutation"])]
-    if name == "broadcast_in_dim":
-        axes = [None] * len(out_shapes[0])
-        for k, d in enumerate(p["broadcast_dimensions"]):
-            axes[d] = k if shapes[0][k] == out_shapes[0][d] else None
-        return [_remap(ins[0], axes)]
-    if name in _REDUCTIONS or name == "squeeze":
-        dropped = p["axes"] if name in _REDUCTIONS else p["dimensions"]
-        return [_remap(ins[0], [k for k in range(len(shapes[0])) if k not in dropped])]
-    if name == "reshape":
-        return [_remap(ins[0], _reshape_axes(shapes[0], out_shapes[0]))]
-    if name in ("stack", "concatenate"):     # stack: a new axis; concatenate: along an axis of every input
-        k = p["axis"] if name == "stack" else p["dimension"]
-        keep = [*range(k), None, *range(k + 1 if name == "concatenate" else k, len(shapes[0]))]
-        return [_merge(*(_remap(o, keep) for o in ins))]
-    if name == "dot_general":
-        return [_dot_origins(p["dimension_numbers"], shapes, ins)]
-    if name == "cond":
-        return [_merge(*outs) for outs in zip(*(_walk(b.jaxpr, ins[1:]) for b in p["branches"]))]
-    if name in ("while", "scan"):
-        return _loop_origins(eqn, ins)
-    subs = [x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x for v in p.values()
-            for x in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr))]
-    if len(subs) == 1 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == len(out_shapes):
-        return _walk(subs[0], ins)           # jit, custom_jvp/vjp calls, remat, shard_map bodies
-    return [_merge(*(o for o, s in zip(ins, shapes) if s == shape)) if shape else {} for shape in out_shapes]
-
-
-def _walk(jaxpr: jcore.Jaxpr, ins: Sequence[_Origins]) -> list[_Origins]:
-    """The origins of ``jaxpr``'s outputs given its inputs' (constants have none)."""
-    env = dict(zip(jaxpr.invars, ins))
-    read = lambda v: {} if isinstance(v, jcore.Literal) else env.get(v, {})
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _eqn_origins(eqn, [read(v) for v in eqn.invars])))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _update_origins(tx: optax.GradientTransformation, param_shapes: Any, opt_shapes: Any,
-                    mesh: Mesh) -> list[_Origins]:
-    """The origins of every leaf of the state ``tx.update(grads, opt_state, params)`` returns.
-
-    The update is traced on shapes only (under ``jax.set_mesh(mesh)``) with gradients and params shaped like
-    the params, and its jaxpr walked: a value computed elementwise from parameter leaf ``i`` (its gradient or
-    itself) along some axes has origin ``{i: (param axis of each of its axes)}``; reductions drop axes,
-    broadcasts, transposes and reshapes move them. State inputs take the origins of the previous walk's state
-    outputs (a leaf passed through a branch unchanged keeps its own), repeated until they settle.
-
-    Returns:
-      One ``{param leaf index: param axis (or None) per axis of the leaf}`` per state leaf, in flattening order.
-
-    Raises:
-      ValueError: the update returns a state whose leaves' shapes differ from ``opt_shapes``.
-    """
-    with jax.set_mesh(mesh):
-        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p)[1])(param_shapes, opt_shapes, param_shapes)
-    want = [tuple(x.shape) for x in jax.tree.leaves(opt_shapes)]
-    if [tuple(a.shape) for a in closed.out_avals] != want:
-        raise ValueError(f"tx.update returns state leaves of shapes {[a.shape for a in closed.out_avals]}; tx.init "
-                         f"gave {want}")
-    seed = [{i: tuple(range(len(x.shape)))} if len(x.shape) else {}
-            for i, x in enumerate(jax.tree.leaves(param_shapes))]
-    state: list[_Origins] = [{} for _ in want]
-    for _ in range(4):
-        new = _walk(closed.jaxpr, [*seed, *state, *seed])
-        if new == state:
-            break
-        state = new
-    return state
-
-
+# (the dependence walk that finds what each state leaf follows: jaxpar.origins)
 def _path_matches(opt_shapes: Any, param_shapes: Any) -> list[int | None]:
     """Per state leaf, the param whose key path its path ends with and whose shape it has (Adam's mu), or None."""
     by_path = {tuple(map(str, path)): (i, tuple(x.shape))
@@ -433,7 +347,7 @@ def _param_specs(param_shapes: Any, param_shardings: Any, mesh: Mesh) -> list[P]
     return [s.spec for s in shardings]
 
 
-def _leaf_sharding(leaf: Any, origins: _Origins, path_hit: int | None, specs: list[P], mesh: Mesh) -> NamedSharding:
+def _leaf_sharding(leaf: Any, origins: Origins, path_hit: int | None, specs: list[P], mesh: Mesh) -> NamedSharding:
     """One state leaf's sharding: along the param it has most axes aligned with (ties: the param its path
     ends with, then the first); else the param its path and shape match; else replicated."""
     rank = lambda kv: (-sum(d is not None for d in kv[1]), kv[0] != path_hit, kv[0])
@@ -485,7 +399,7 @@ def opt_state_shardings(tx: Any, param_shapes: Any, param_shardings: Any, mesh: 
     opt_shapes = jax.eval_shape(tx.init, param_shapes)
     leaves, treedef = jax.tree.flatten(opt_shapes)
     try:
-        origins = _update_origins(tx, param_shapes, opt_shapes, mesh)
+        origins = update_origins(tx, param_shapes, opt_shapes, mesh)
     except Exception as e:  # noqa: BLE001  (a user's update: its own error surfaces at the first step)
         warnings.warn(f"could not trace tx.update on shapes ({type(e).__name__}: {e}); optimizer state leaves "
                       "follow parameters by key path and shape only", stacklevel=2)
@@ -538,34 +452,77 @@ def has_explicit_axes(mesh: Mesh) -> bool:
 
 @contextlib.contextmanager
 def use_for_init(mesh: Mesh, rules: Rules = DEFAULT_RULES):
-    """The context for tracing parameter initialisation (whose outputs are placed by ``out_shardings``).
+    """The context for tracing parameter initialisation, whose outputs ``jit``'s ``out_shardings`` place.
 
-    As :func:`use`, except on a mesh with Explicit axes: there ``with_sharding_constraint`` is an assertion
-    that a value already has the given sharding, so Flax's boxed init (which constrains every new parameter
-    to its logical sharding) would fail on the unsharded values it creates. There the rules are left out,
-    which makes Flax's logical constraints no-ops, and ``jit``'s ``out_shardings`` place the parameters.
+    The mesh without the rules: Flax's logical constraints are no-ops there, so an init that plain Flax runs
+    runs here (``nn.DenseGeneral`` constrains its flattened 2-D kernel by 3-D names under rules; on Explicit
+    axes a constraint is an assertion on the unsharded values init creates), and the params are placed by
+    their names afterwards. ``rules`` is accepted for symmetry with :func:`use` and not entered.
     """
-    if has_explicit_axes(mesh):
-        with jax.set_mesh(mesh):
-            yield
-    else:
-        with use(mesh, rules):
-            yield
+    del rules
+    with jax.set_mesh(mesh):
+        yield
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def describe_params(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
-    """For each parameter leaf: (path, global shape, PartitionSpec as text). Handy in notebooks."""
+# ------------------------------------------------------------------------------------------- path rules
+
+@dataclasses.dataclass(frozen=True)
+class PathRules:
+    """Partition rules over parameter key paths (t5x / EasyLM style), from :func:`path_rules`.
+
+    Attributes:
+      rules: ``(regex, target)`` pairs; ``target`` a tuple of logical axis names (resolved through the logical
+        rules, or taken as mesh axes where they are mesh axis names) or a mesh ``PartitionSpec``.
+    """
+    rules: tuple[tuple[str, Any], ...]
+
+    def match(self, path: str) -> int | None:
+        """The index of the first rule whose regex is found in ``path`` (``re.search``), or None."""
+        return next((i for i, (rx, _) in enumerate(self.rules) if re.search(rx, path)), None)
+
+
+def path_rules(rules: Sequence[tuple[str, Any]]) -> PathRules:
+    """Names parameters by their key path: ``[(regex, logical_names_or_PartitionSpec), ...]``.
+
+    A param's path is its keys joined by ``/`` (``params/Dense_0/kernel``; NNX: ``blocks/0/attn/query/kernel``);
+    the first rule whose regex ``re.search`` finds in it wins, and its target names the param's dimensions: a
+    tuple of logical names (one per dimension; mapped by the logical rules, or mesh axes themselves), or a
+    ``PartitionSpec`` of mesh axes (at most one entry per dimension), or None (replicated). A path rule takes
+    precedence over the model's own annotations (the layout is the rules', never the model's). Pass the result
+    as ``jp.train.init_state(..., param_rules=)``; a rule that matches no parameter is reported there.
+
+    Raises:
+      ValueError: not a sequence of pairs; an invalid regex (naming it); a target that is neither.
+    """
+    if isinstance(rules, PathRules):
+        return rules
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        raise ValueError(f"path_rules takes a list of (regex, logical names | PartitionSpec) pairs, got {rules!r}")
     out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
-        out.append((jax.tree_util.keystr(path), tuple(leaf.shape), str(spec)))
-    return out
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"path rule {rule!r} must be a pair (regex, logical names | PartitionSpec | None)")
+        rx, target = rule
+        try:
+            re.compile(rx)
+        except re.error as e:
+            raise ValueError(f"path rule regex {rx!r} is invalid ({e}); e.g. r'Dense_\\d+/kernel'") from None
+        if isinstance(target, list):
+            target = tuple(target)
+        if not (target is None or isinstance(target, P) or (isinstance(target, tuple) and all(
+                n is None or isinstance(n, str) or (isinstance(n, tuple) and all(isinstance(a, str) for a in n))
+                for n in target))):
+            raise ValueError(f"path rule {rx!r}: target {target!r} must be a tuple of logical axis names (one per "
+                             "dimension, None for whole), a PartitionSpec of mesh axes, or None")
+        out.append((rx, target))
+    return PathRules(tuple(out))
 
 
-__all__ = ["DEFAULT_RULES", "NON_MATRIX_NAME_PARTS", "Rules", "STACKED_AXIS_NAMES", "batch_axes", "batch_sharding", "check_transformation", "constrain",
-           "describe_params", "effective_rules", "logical_specs", "named_shardings", "opt_state_shardings",
-           "replicated", "use", "validate_rules"]
+__all__ = ["DEFAULT_RULES", "LeafReport", "NON_MATRIX_NAME_PARTS", "PathRules", "Rules", "STACKED_AXIS_NAMES",
+           "ShardingReport", "batch_axes", "batch_sharding", "check_transformation", "constrain", "describe_params",
+           "effective_rules", "logical_specs", "named_shardings", "opt_state_shardings", "path_rules", "replicated",
+           "use", "validate_rules"]

@@ -6,11 +6,12 @@ their logical names, the batch over the mesh axes ``batch`` maps to, and GSPMD i
 
 from __future__ import annotations
 
-import math
+import contextlib
+import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import grads as gr
-from jaxpar import precision
+from jaxpar import model_init, placement, precision
 from jaxpar import sharding as shd
+from jaxpar.batches import Batches, shard_batch
+from jaxpar.checks import nonnegative_int
 from jaxpar.grads import GradFn, LossFn, check_batch_size
 from jaxpar.jit import MeshJit
 from jaxpar.models import protocol
@@ -46,13 +49,27 @@ class TrainState:
         pipeline=)``; checkpoints are written in model order (:func:`to_model_order`) and restored into the
         target's layout. Code that reads ``params`` as the model (sampling, export, compaction) takes
         ``to_model_order(state).params``.
+      model_state: the model's non-trainable variables, or None: Linen collections other than ``params``
+        (``batch_stats``), NNX variables other than ``nnx.Param`` (``BatchStat``, RNG streams). Sharded by their
+        names like params, updated by the train step from the loss (``loss_fn(params, batch, rng, model_state)
+        -> (loss, aux, new_model_state)``; NNX: read back from the model), never touched by the optimizer,
+        checkpointed with the rest, read by the eval step.
+      graphdef: a Flax NNX model's ``nnx.GraphDef`` (static), or None: the step merges it with ``params`` and
+        ``model_state`` into the model its ``loss_fn(model, batch, rng)`` takes (:mod:`jaxpar.models.nnx_bridge`).
     """
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
+    model_state: Any = None
     policy: Policy | None = flax.struct.field(pytree_node=False, default=None)
     layout: StateLayout | None = flax.struct.field(pytree_node=False, default=None)
+    graphdef: Any = flax.struct.field(pytree_node=False, default=None)
+
+    def report(self) -> shd.ShardingReport:
+        """Where the params' and optimizer state's bytes live (``jp.sharding.describe_params``): per device
+        against global, the fraction sharded, the largest replicated leaves; ``print`` it for the summary."""
+        return shd.describe_params(self.params, self.opt_state)
 
 
 def _as_key(rng: Any) -> jax.Array:
@@ -65,12 +82,34 @@ def _as_key(rng: Any) -> jax.Array:
     raise TypeError(f"rng must be a typed key (jax.random.key(seed)), a raw uint32 key or an int seed; got {rng!r}")
 
 
-def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None):
-    """(state shapes, state shardings) without computing anything; both carry the pipeline's layout."""
-    with shd.use_for_init(mesh, rules):
-        boxed = jax.eval_shape(init_fn, rng)
-    param_shardings = shd.named_shardings(boxed, mesh, rules)
-    param_shapes = nn.meta.unbox(boxed)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How ``init_state`` / ``abstract_state`` place a model: path rules and automatic FSDP (see
+    :mod:`jaxpar.placement`)."""
+    param_rules: Any = None
+    auto_fsdp: bool = True
+    auto_fsdp_min_size: int = placement.AUTO_FSDP_MIN_SIZE
+
+    def __post_init__(self):
+        if self.param_rules is not None:
+            object.__setattr__(self, "param_rules", shd.path_rules(self.param_rules))
+        if not isinstance(self.auto_fsdp, bool):
+            raise TypeError(f"auto_fsdp must be True (shard params nothing names over fsdp) or False, got "
+                            f"{self.auto_fsdp!r}")
+        nonnegative_int("auto_fsdp_min_size", self.auto_fsdp_min_size)
+
+
+def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Layout = _Layout()):
+    """(state shapes, state shardings, model init, placement) without computing anything; shapes and
+    shardings carry the pipeline's layout."""
+    model = model_init.describe(init_fn, rng, mesh)
+    placed = placement.place(model.param_shapes, model.param_names, mesh, rules, param_rules=how.param_rules,
+                             auto_fsdp=how.auto_fsdp, auto_fsdp_min_size=how.auto_fsdp_min_size)
+    placement.check_tensor_used(placed, mesh)
+    state_shardings = None if model.state_shapes is None else placement.place(
+        model.state_shapes, model.state_names, mesh, rules, auto_fsdp=how.auto_fsdp,
+        auto_fsdp_min_size=how.auto_fsdp_min_size, what="model state").shardings
+    param_shapes = model.param_shapes
     if policy is not None:
         param_shapes = policy.cast_to_param(param_shapes)
     etx = _effective_tx(tx, policy)
@@ -79,11 +118,29 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None):
                                                         opt_shapes, mesh)
     rep = NamedSharding(mesh, P())
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
-                        rng=jax.eval_shape(lambda k: k, rng), policy=policy, layout=layout)
+                        rng=jax.eval_shape(lambda k: k, rng), model_state=model.state_shapes, policy=policy,
+                        layout=layout, graphdef=model.graphdef)
     # a stage layout permutes whole blocks of the layers axis: shapes, and so shardings, are those of model order
-    shardings = TrainState(step=rep, params=param_shardings, rng=rep, policy=policy, layout=layout,
-                           opt_state=shd.opt_state_shardings(etx, param_shapes, param_shardings, mesh))
-    return shapes, shardings
+    shardings = TrainState(step=rep, params=placed.shardings, rng=rep, model_state=state_shardings, policy=policy,
+                           layout=layout, graphdef=model.graphdef,
+                           opt_state=shd.opt_state_shardings(etx, param_shapes, placed.shardings, mesh))
+    return shapes, shardings, model, placed
+
+
+def _report(shapes: TrainState, shardings: TrainState, placed: placement.Placement, mesh: Mesh,
+            report: bool | None) -> None:
+    """Prints the placement summary (``report=True``; None: when a param was placed by automatic FSDP or left
+    replicated on a mesh with ``fsdp > 1``) and warns of unknown names and unmatched path rules."""
+    for note in placed.notes:
+        warnings.warn(note, stacklevel=3)
+    guessed = {"auto fsdp", "replicated"} & set(placed.sources.values()) and mesh.shape.get("fsdp", 1) > 1
+    if report or (report is None and guessed):
+        with_sharding = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+        tree = jax.tree.map(with_sharding, (shapes.params, shapes.opt_state), (shardings.params, shardings.opt_state))
+        summary = shd.describe_params(*tree, sources=placed.sources)
+        if jax.process_index() == 0:
+            print(f"jaxpar: the state's layout on mesh {dict(mesh.shape)} (init_state(report=False) to silence)\n"
+                  f"{summary}")
 
 
 def _check_pipeline(pipeline: Any) -> None:
@@ -142,32 +199,40 @@ def _check_common(mesh, rules, policy=None):
 
 
 def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, *, mesh: Mesh,
-                   rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
-                   pipeline: Any = None) -> TrainState:
+                   rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None, pipeline: Any = None,
+                   param_rules: Any = None, auto_fsdp: bool = True,
+                   auto_fsdp_min_size: int = placement.AUTO_FSDP_MIN_SIZE) -> TrainState:
     """The ``TrainState`` of ``jax.ShapeDtypeStruct`` leaves, each with its ``NamedSharding``.
 
-    It is what :func:`init_state` would return (with the same ``pipeline``: the same ``layout``), without
-    allocating anything: the restore target for checkpoints on the current mesh, whose arrays a restore puts
-    in this layout whatever schedule or mesh wrote them.
+    It is what :func:`init_state` would return (with the same arguments: the same ``layout`` and placement),
+    without allocating anything: the restore target for checkpoints on the current mesh, whose arrays a
+    restore puts in this layout whatever schedule or mesh wrote them.
     """
     _check_common(mesh, rules, policy)
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
-    shapes, shardings = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline)
+    how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
+    shapes, shardings, _, _ = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline, how)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: Any, *, mesh: Mesh,
-               rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None,
-               pipeline: Any = None) -> TrainState:
-    """Initializes params and optimizer state directly in their sharded layout.
+               rules: shd.Rules = shd.DEFAULT_RULES, policy: Policy | None = None, pipeline: Any = None,
+               param_rules: Any = None, auto_fsdp: bool = True,
+               auto_fsdp_min_size: int = placement.AUTO_FSDP_MIN_SIZE, report: bool | None = None) -> TrainState:
+    """Initializes params, model state and optimizer state directly in their sharded layout.
 
-    The state's shapes come from ``jax.eval_shape`` and it is built by ``jax.jit(..., out_shardings=...)``, so
+    The state's shapes come from abstract evaluation and it is built by ``jax.jit(..., out_shardings=...)``, so
     the whole unsharded parameter tree never exists on one device.
 
     Args:
-      init_fn: ``init_fn(rng) -> params``; params may be Flax-boxed (``nn.with_logical_partitioning``) to carry
-        logical axis names, which ``rules`` map to mesh axes; plain leaves are replicated.
+      init_fn: what builds the model (:mod:`jaxpar.model_init`): ``init_fn(rng) -> params`` (a Linen
+        ``model.init``, boxed with ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` or not, or any
+        function returning a pytree of arrays); a Linen variables dict with collections beside ``params``
+        (``batch_stats``: they become ``state.model_state``); or a Flax NNX model: ``model_fn(rngs) ->
+        nnx.Module`` (first parameter named ``rngs``), an ``nnx.Module`` class (``functools.partial(cls, ...)``
+        for its arguments), or a function of a key returning one (``nnx.Param`` -> params, other variables ->
+        ``model_state``, the graph definition -> ``state.graphdef``).
       tx: the optax transformation.
       rng: a typed key (``jax.random.key(seed)``) or an int seed. It is split into the init key and the
         state's key.
@@ -179,91 +244,42 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         the model-order init, then ``params[pipeline.stage_key]`` and every optimizer-state leaf computed
         along its layers (moments, masks; :func:`jaxpar.pipeline.layout.state_layout`) permuted, so the
         state equals ``to_layout(model-order state)`` exactly. The identity (``layout=None``) for one chunk.
+      param_rules: ``jp.sharding.path_rules([(regex, names | PartitionSpec), ...])`` (or its list): params named
+        by key path, over the model's own names.
+      auto_fsdp: with ``fsdp > 1``, shard each param nothing names (of at least ``auto_fsdp_min_size``
+        elements) over ``fsdp`` along its largest divisible dimension (:mod:`jaxpar.placement`); False keeps
+        them replicated.
+      report: print the layout summary (``state.report()``, with how each param was placed): True always,
+        False never, None (default) when a param was placed by automatic FSDP or left replicated on a mesh
+        with ``fsdp > 1``. Logical names no rule knows and path rules matching nothing are warned of always.
 
     Raises:
       ValueError: rules naming an axis the mesh lacks; a sharded parameter dimension not divisible by its
-        mesh axes (the message names the parameter); with ``pipeline``, stage params whose layers the
-        schedule's virtual stages do not divide.
-      TypeError: ``pipeline`` is not a Pipeline.
+        mesh axes, names longer than a param's rank, a path rule's target of the wrong rank (each naming the
+        parameter); ``tensor > 1`` with no param mapped to ``tensor``; with ``pipeline``, stage params whose
+        layers the schedule's virtual stages do not divide.
+      TypeError: ``pipeline`` is not a Pipeline; ``init_fn`` is not callable; ``auto_fsdp`` not a bool.
     """
     _check_common(mesh, rules, policy)
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
-    _, shardings = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline)
+    how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
+    shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
+    _report(shapes, shardings, placed, mesh, report)
 
     def _init(init_rng, state_rng):
-        params = nn.meta.unbox(init_fn(init_rng))
+        params, model_state = model.init(init_rng)
         if policy is not None:
             params = policy.cast_to_param(params)
         opt_state = _effective_tx(tx, policy).init(params)
         if shardings.layout is not None:   # the model-order init, put in the stage layout
             params, opt_state = permute_state(params, opt_state, shardings.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng,
-                          policy=policy, layout=shardings.layout)
+                          model_state=model_state, policy=policy, layout=shardings.layout, graphdef=model.graphdef)
 
     with shd.use_for_init(mesh, rules):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
-
-
-# ----------------------------------------------------------------------------------------------- batches
-
-class _Batches:
-    """How batches reach the devices, fixed when a step is built: their sharding and this process's rows."""
-
-    def __init__(self, mesh: Mesh, rules: shd.Rules):
-        self.mesh, self.rules = mesh, rules
-        axes = shd.batch_axes(rules, mesh)
-        self._n = math.prod(mesh.shape[a] for a in axes)
-        share = shd.process_batch_rows(self._n, mesh, rules)
-        self._share = share.stop - share.start                # this process's rows of every n global rows
-        self._spec = (axes or None,)
-
-    def sharding(self, ndim: int) -> NamedSharding:
-        return NamedSharding(self.mesh, P(*self._spec, *([None] * (ndim - 1))))
-
-    def global_rows(self, leaf: Any) -> int:
-        """A leaf's global batch: its leading size (jax arrays and abstract leaves are global), or the global
-        size of which a host leaf is this process's share."""
-        n = np.shape(leaf)[0]
-        return n if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else n * self._n // self._share
-
-    def size(self, batch: Any) -> int:
-        """The global batch size; ValueError for an empty batch, a scalar leaf or leaves that disagree."""
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("batch has no arrays; pass a pytree of arrays whose leading axis is the global batch")
-        for leaf in leaves:
-            if np.ndim(leaf) == 0:
-                raise ValueError(f"batch leaf of shape {np.shape(leaf)} has no leading batch axis")
-        sizes = {self.global_rows(leaf) for leaf in leaves}
-        if len(sizes) != 1:
-            raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}; give every leaf the same "
-                             "leading (global batch) axis")
-        return sizes.pop()
-
-    def place(self, batch: Any) -> Any:
-        """Global arrays with the leading axis over the batch axes (abstract leaves get the sharding)."""
-        def place(x):
-            sharding = self.sharding(np.ndim(x))
-            if isinstance(x, jax.ShapeDtypeStruct):
-                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-            if isinstance(x, jax.Array):
-                return x if x.sharding == sharding else jax.device_put(x, sharding)
-            x = np.asarray(x)
-            return jax.make_array_from_process_local_data(sharding, x, (self.global_rows(x), *x.shape[1:]))
-        return jax.tree.map(place, batch)
-
-
-def shard_batch(batch: Any, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES) -> Any:
-    """Places a batch on the mesh, leading axis split over the batch axes.
-
-    Host (numpy) leaves are this process's rows of the global batch (``jp.data.process_slice(global_batch_size, mesh)``;
-    the whole batch in a single-process run) and become global arrays through
-    ``jax.make_array_from_process_local_data``; jax arrays are taken as global and resharded if needed;
-    ``jax.ShapeDtypeStruct`` leaves get the batch sharding.
-    """
-    return _Batches(mesh, rules).place(batch)
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -293,17 +309,19 @@ def _cast_inputs(policy: Policy | None, batch: Any) -> Any:
     return batch if policy is None else policy.cast_to_compute(batch)
 
 
-def _check_grad_output(out: Any, params: Any, grad_fn: GradFn) -> tuple[jax.Array, dict, Any]:
+def _check_grad_output(out: Any, params: Any, grad_fn: GradFn, stateful: bool) -> tuple[jax.Array, dict, Any, Any]:
     """A gradient function's ``(loss, aux, grads)``, validated at trace time (loss and aux as every loss's;
     grads with the params' structure)."""
     name = type(grad_fn).__name__
-    if not (isinstance(out, tuple) and len(out) == 3):
-        raise ValueError(f"the gradient function {name} must return (loss, aux, grads); got {type(out).__name__}")
+    n = 4 if stateful else 3
+    if not (isinstance(out, tuple) and len(out) == n):
+        raise ValueError(f"the gradient function {name} must return (loss, aux, grads{', new_model_state' * stateful})"
+                         f" for this state; got {type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}")
     loss, aux = gr.check_loss_output(out[:2], f"the gradient function {name}")
     if jax.tree.structure(out[2]) != jax.tree.structure(params):
         raise ValueError(f"the gradient function {name} returned grads of structure {jax.tree.structure(out[2])}; "
                          f"they must have the params' structure {jax.tree.structure(params)}")
-    return loss, aux, out[2]
+    return loss, aux, out[2], out[3] if stateful else None
 
 
 def param_specs(params: Any) -> Any:
@@ -354,10 +372,11 @@ class Step:
     without allocating its state (e.g. ``step.lower(abstract_state, batch_structs).compile()``).
     """
 
-    def __init__(self, jitted: MeshJit, batches: _Batches, grad_fn: GradFn | None,
-                 check_batch: Callable[[Any], None] | None, tx: optax.GradientTransformation | None = None):
+    def __init__(self, jitted: MeshJit, batches: Batches, grad_fn: GradFn | None,
+                 check_batch: Callable[[Any], None] | None, tx: optax.GradientTransformation | None = None,
+                 loss_fn: Callable | None = None):
         self._jitted, self._batches, self._grad_fn, self._check_batch = jitted, batches, grad_fn, check_batch
-        self._tx, self._checked = tx, set()
+        self._tx, self._checked, self._loss_fn = tx, set(), loss_fn
 
     def _check_state(self, state: Any, batch: Any, concrete: bool) -> None:
         if not isinstance(state, TrainState):
@@ -373,6 +392,10 @@ class Step:
                 raise ValueError("the state's opt_state does not have the structure this step's tx gives "
                                  "(tx.init(params)): build the state with the same tx as the step "
                                  f"(state: {jax.tree.structure(state.opt_state)}; tx: {jax.tree.structure(expected)})")
+        if self._grad_fn is not None and self._grad_fn.uses_pipe and jax.tree.leaves(state.model_state):
+            raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
+                             "the pipeline does not carry between stages yet: train it without pipe, or keep the "
+                             "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
         if state.layout is not None and not (self._grad_fn is not None and self._grad_fn.uses_pipe):
             raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
                              f"{state.layout!r}), which this step would read as model order: step it with the "
@@ -394,8 +417,10 @@ class Step:
         if first:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-                g.check(abstract(state.params), _cast_inputs(state.policy, abstract(batch)),
-                        gr.Context(b.mesh, b.rules, state.policy, state.layout, param_specs(state.params)))
+                g.check(abstract(state.params), _cast_inputs(state.policy, abstract(batch)), _context(
+                    b.mesh, b.rules, state, param_specs(state.params)))
+            elif self._loss_fn is not None:
+                gr.check_loss_arity(self._loss_fn, _context(b.mesh, b.rules, state, None))
             self._checked.add(key)
         return batch
 
@@ -409,7 +434,7 @@ class Step:
 
 def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, *, mesh: Mesh,
                     rules: shd.Rules = shd.DEFAULT_RULES, grad_accum_steps: int = 1, donate: bool = True,
-                    check_batch: Callable[[Any], None] | str | None = "auto") -> Step:
+                    check_batch: Callable[[Any], None] | str | None = "auto", batch_axis: str | None = None) -> Step:
     """Builds ``step(state, batch) -> (state, metrics)``, jitted with the state's shardings.
 
     Args:
@@ -417,12 +442,21 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         ``jp.pipeline.Pipeline``, ...), or a plain ``loss_fn(params, batch, rng) -> (loss, aux)``, which is
         wrapped by ``jp.grads.value_and_grad``: ``loss`` a scalar mean over the batch it gets, ``aux`` a dict
         of scalars (or None). If ``aux["weight"]`` exists (e.g. a token count), accumulation microbatches are
-        weighted by it so the accumulated loss and gradient are the whole-batch mean.
+        weighted by it so the accumulated loss and gradient are the whole-batch mean. The loss's form follows
+        the state: with a ``model_state`` (Linen ``batch_stats``) ``loss_fn(params, batch, rng, model_state) ->
+        (loss, aux, new_model_state)``, the new model state written to the state (with accumulation it passes
+        through the microbatches in order); for an NNX state (``state.graphdef``) ``loss_fn(model, batch, rng)
+        -> (loss, aux)`` on the model ``nnx.merge`` rebuilds, whose non-param variables (batch statistics, RNG
+        counts) after the call are the new model state (:func:`jaxpar.grads.call_loss`).
       tx: the optax transformation (or an ``optax.MultiSteps``).
       mesh, rules: as for :func:`init_state`. A mesh with ``pipe > 1`` needs a pipelined gradient function.
       grad_accum_steps: split the batch into this many microbatches (rows ``j::grad_accum_steps``) and
         accumulate gradients in float32 before one update (``jp.grads.accumulate``).
       donate: donate the input state's buffers to the output.
+      batch_axis: the logical name of the batch axis in ``rules`` (MaxText's ``activation_batch``), whose mesh
+        axes the batch's leading axis is split over; None: the ``batch`` rule, else the first rule whose name
+        contains ``batch``. Activation constraints naming logical axes no rule knows are warned of once, when
+        the step is traced (Flax would leave them unsharded silently).
       check_batch: called with each batch as given (host leaves: this process's rows) before it is placed on
         the devices; it raises (ValueError) to reject a bad batch, e.g. ``GPT.check_batch`` for token ids.
         ``"auto"`` (default): the model's own ``check_batch`` when ``grad_fn`` is a bound method of a model that
@@ -451,6 +485,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         function that is not a pipeline, or in another schedule's layout than the pipeline's.
     """
     _check_common(mesh, rules)
+    rules = shd.with_batch_axis(rules, batch_axis)
     tx = shd.check_transformation(tx)
     grad_fn = gr.accumulate(_as_grad_fn(grad_fn), grad_accum_steps)
     _check_pipe(grad_fn, mesh)
@@ -459,22 +494,40 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        ctx = gr.Context(mesh, rules, state.policy, state.layout, param_specs(shardings[0].params))
-        with jax.named_scope("forward_backward"):
+        ctx = _context(mesh, rules, state, param_specs(shardings[0].params))
+        with jax.named_scope("forward_backward"), _warn_unknown_names():
             out = grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale, ctx)
-        loss, aux, grads = _check_grad_output(out, state.params, grad_fn)
+        loss, aux, grads, model_state = _check_grad_output(out, state.params, grad_fn, ctx.stateful)
         with jax.named_scope("optimizer_update"):
             state = _apply_update(tx, state, grads)
+        if ctx.stateful:
+            state = state.replace(model_state=model_state)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
         return state, metrics
 
     jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)), pass_shardings=True,
                      donate_argnums=(0,) if donate else (), track=lambda out: out[1])  # metrics: state is donated
-    return Step(jitted, _Batches(mesh, rules), grad_fn, _check_batch_fn(check_batch, grad_fn), tx)
+    return Step(jitted, Batches(mesh, rules), grad_fn, _check_batch_fn(check_batch, grad_fn), tx)
+
+
+def _context(mesh: Mesh, rules: shd.Rules, state: TrainState, specs: Any) -> gr.Context:
+    return gr.Context(mesh, rules, state.policy, state.layout, specs, state.model_state, state.graphdef)
+
+
+@contextlib.contextmanager
+def _warn_unknown_names():
+    """Warns (once per trace) of activation constraints whose logical names no rule knows."""
+    with placement.record_unknown_names() as unknown:
+        yield
+    if unknown:
+        where = ", ".join(f"{n!r} (at {w})" for n, w in unknown.items())
+        warnings.warn(f"activation constraints name logical axes no rule knows: {where}; Flax leaves those "
+                      "dimensions unsharded. Add rules for them (rules=(..., (name, mesh axes), ...)), e.g. "
+                      "MaxText's names with MaxText's rules", stacklevel=2)
 
 
 def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
-                   check_batch: Callable[[Any], None] | str | None = "auto") -> Step:
+                   check_batch: Callable[[Any], None] | str | None = "auto", batch_axis: str | None = None) -> Step:
     """Builds ``eval_step(state, batch) -> metrics`` (``loss`` and ``aux`` entries), no update.
 
     Args:
@@ -482,9 +535,12 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         function with an ``eval_loss(params, batch, rng, ctx)`` method): the batch then runs through the
         pipeline's forward-only table over the mesh's ``pipe`` axis (``Pipeline.eval_loss``), and the
         pipeline's checks (schedule against the mesh, params and batch shapes) run as in the train step.
-      mesh, rules, check_batch: as for :func:`make_train_step`.
+      mesh, rules, check_batch, batch_axis: as for :func:`make_train_step`.
 
-    The loss gets ``fold_in(state.rng, state.step)``, params and batch cast by the state's policy. The batch
+    The loss's form follows the state as in :func:`make_train_step`; with a model state the loss reads it (a
+    Linen loss returns ``(loss, aux)`` or ``(loss, aux, new_model_state)``, the new state dropped) and an NNX
+    model is put in inference mode first (``model.eval()``: BatchNorm reads its running statistics, Dropout
+    is off). The loss gets ``fold_in(state.rng, state.step)``, params and batch cast by the state's policy. The batch
     follows :func:`make_train_step`'s conventions and checks (``check_batch`` included).
 
     Raises:
@@ -494,7 +550,8 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         with a bad batch, before tracing): as for :func:`make_train_step`.
     """
     _check_common(mesh, rules)
-    grad_fn, check = None, _check_batch_fn(check_batch, loss_fn)
+    rules = shd.with_batch_axis(rules, batch_axis)
+    grad_fn, check, plain = None, _check_batch_fn(check_batch, loss_fn), None
     if isinstance(loss_fn, GradFn):
         if not callable(getattr(loss_fn, "eval_loss", None)):
             raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux) or a "
@@ -502,22 +559,23 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
                             "loss_fn it was built from")
         loss_fn.check_mesh(mesh)
         grad_fn, pipeline = loss_fn, loss_fn
-        loss_fn = lambda params, batch, rng, layout: pipeline.eval_loss(params, batch, rng,
-                                                                        gr.Context(mesh, rules, layout=layout))
+        loss_fn = lambda params, batch, rng, ctx: pipeline.eval_loss(params, batch, rng,
+                                                                     gr.Context(mesh, rules, layout=ctx.layout))
     elif callable(loss_fn):
         plain = loss_fn
-        loss_fn = lambda params, batch, rng, layout: plain(params, batch, rng)   # layout None: checked in Step
+        loss_fn = lambda params, batch, rng, ctx: gr.call_loss(plain, params, batch, rng, ctx, train=False)[:2]
     else:
         raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
 
     def _eval(state: TrainState, batch: Any):
         params = state.params if state.policy is None else state.policy.cast_to_compute(state.params)
-        loss, aux = gr.check_loss_output(loss_fn(params, _cast_inputs(state.policy, batch),
-                                                 jax.random.fold_in(state.rng, state.step), state.layout))
+        with _warn_unknown_names():
+            loss, aux = gr.check_loss_output(loss_fn(params, _cast_inputs(state.policy, batch), jax.random.fold_in(
+                state.rng, state.step), _context(mesh, rules, state, None)))
         return {"loss": loss.astype(jnp.float32), **aux}
 
     jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh))
-    return Step(jitted, _Batches(mesh, rules), grad_fn, check)
+    return Step(jitted, Batches(mesh, rules), grad_fn, check, loss_fn=plain)
 
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxpar.pipeline.checks import check_schedule
 from jaxpar.pipeline.schedules import Schedule
-from jaxpar.sharding import _update_origins   # the dependence walk that places optimizer state
+from jaxpar.origins import update_origins   # the dependence walk that places optimizer state
 
 
 def stage_order(schedule: Schedule) -> tuple[int, ...]:
@@ -143,7 +143,7 @@ def state_layout(stage_key: str, schedule: Schedule, tx: Any, param_shapes: Any,
     flat = jax.tree_util.tree_flatten_with_path(param_shapes)[0]
     staged = {i: x.shape[0] for i, (path, x) in enumerate(flat) if _under(path, stage_key)}
     try:
-        origins = _update_origins(tx, param_shapes, opt_shapes, mesh)
+        origins = update_origins(tx, param_shapes, opt_shapes, mesh)
     except Exception as e:  # noqa: BLE001  (a user's update that cannot run on shapes)
         raise ValueError(f"cannot trace tx.update on shapes ({type(e).__name__}: {e}), so which optimizer-state "
                          "leaves follow the stage params is unknown; keep the state in model order (init_state "

@@ -1,0 +1,92 @@
+"""What a model's init gives a ``TrainState``: params, model state, their names, and an NNX graph definition.
+
+``jp.train.init_state(init_fn, ...)`` accepts what researchers bring:
+
+* ``init_fn(rng) -> params``: a Linen ``model.init`` (with ``nn.with_logical_partitioning`` names, mesh-axis
+  names from ``nn.with_partitioning``, or none), or any function returning a pytree of arrays (a dict MLP);
+* a Linen variables dict with collections beside ``params`` (``{"params": ..., "batch_stats": ...}``, what
+  ``model.init`` returns for a model with ``nn.BatchNorm``): ``{"params": ...}`` become the state's params and
+  the other collections its ``model_state`` (Flax's ImageNet example keeps ``batch_stats`` beside the params
+  the same way);
+* a Flax NNX model function (:func:`jaxpar.models.nnx_bridge.module_fn`): ``Param`` variables become params,
+  every other variable the model state, and the graph definition the state's static ``graphdef``.
+
+Init is traced without the logical rules in context (:func:`jaxpar.sharding.use_for_init`) and NNX's eager
+sharding off, so any init plain Flax runs runs here; ``jit``'s ``out_shardings`` then place the leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxpar import sharding as shd
+from jaxpar.models import nnx_bridge
+from jaxpar.placement import boxed_names
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInit:
+    """An init function, described abstractly.
+
+    Attributes:
+      init: ``init(key) -> (params, model_state)``, traceable (unboxed arrays; ``model_state`` None when the
+        model has none).
+      param_shapes, param_names: ``jax.ShapeDtypeStruct`` and dimension names (tuple or None) per param leaf.
+      state_shapes, state_names: the same for the model state (None when it has none).
+      graphdef: the NNX graph definition, or None for a Linen / plain model.
+    """
+    init: Callable[[jax.Array], tuple[Any, Any]]
+    param_shapes: Any
+    param_names: Any
+    state_shapes: Any = None
+    state_names: Any = None
+    graphdef: Any = None
+
+
+def _collections(variables: Any) -> bool:
+    """Whether an init output is a Linen variables dict with collections beside ``params``."""
+    return (isinstance(variables, Mapping) and "params" in variables and len(variables) > 1
+            and all(isinstance(v, Mapping) for v in variables.values()))
+
+
+def _split(variables: Any) -> tuple[Any, Any]:
+    if not _collections(variables):
+        return variables, None
+    return {"params": variables["params"]}, {k: v for k, v in variables.items() if k != "params"}
+
+
+def describe(init_fn: Any, rng: jax.Array, mesh: Mesh) -> ModelInit:
+    """The :class:`ModelInit` of ``init_fn`` (see the module docstring), from abstract evaluation only.
+
+    Raises:
+      TypeError: ``init_fn`` is not callable.
+    """
+    if not callable(init_fn):
+        raise TypeError(f"init_fn must be a function init_fn(rng) -> params, or a Flax NNX model function "
+                        f"model_fn(rngs) -> nnx.Module (or an nnx.Module class); got {init_fn!r}")
+    make = nnx_bridge.module_fn(init_fn)
+    if make is None:
+        with shd.use_for_init(mesh), nnx.use_eager_sharding(False):
+            boxed = jax.eval_shape(init_fn, rng)
+        if nnx_bridge.is_module(boxed):        # a function of a key that builds an NNX model
+            make = init_fn
+    if make is not None:
+        graphdef, pshapes, pnames, sshapes, snames = nnx_bridge.abstract(make, rng)
+        return ModelInit(lambda key: nnx_bridge.build(make, key)[1:], pshapes, pnames, sshapes, snames, graphdef)
+    params, state = _split(boxed)
+
+    def init(key):
+        with nnx.use_eager_sharding(False):
+            return _split(nn.meta.unbox(init_fn(key)))
+    return ModelInit(init, nn.meta.unbox(params), boxed_names(params),
+                     None if state is None else nn.meta.unbox(state), None if state is None else boxed_names(state))
+
+
+__all__ = ["ModelInit", "describe"]
