@@ -160,6 +160,7 @@ def check_tensor_used(placement: Placement, mesh: Mesh) -> None:
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, nn, shd) if getattr(m, "__file__", None))
 _audit = threading.local()
 _original = linen_spmd._logical_to_mesh_axes
+_original_constraint = linen_spmd._with_sharding_constraint_one_fallback
 
 
 def _recording(array_dim_names, rules=None):
@@ -171,6 +172,17 @@ def _recording(array_dim_names, rules=None):
             if isinstance(n, str) and n not in known and n not in record:
                 record[n] = _caller()
     return out
+
+
+def _rank_tolerant(axis_resources, x, *args, **kwargs):
+    """Flax's logical constraint of one value, skipped when the names outnumber the value's rank inside a jaxpar
+    step: ``nn.DenseGeneral`` builds its kernel flat (2-D) and constrains it by the full kernel's names, and Flax's
+    apply re-evaluates that init to check the param's shape (under the rules). The param itself is placed by
+    the state's shardings; the constraint could not apply."""
+    if getattr(_audit, "record", None) is not None and axis_resources is not None and \
+            len(axis_resources) > getattr(x, "ndim", len(axis_resources)):
+        return x
+    return _original_constraint(axis_resources, x, *args, **kwargs)
 
 
 def _caller() -> str:
@@ -186,10 +198,12 @@ def record_unknown_names():
     """Records, in this thread, the logical names that activation constraints (``nn.with_logical_constraint``,
     ``jp.sharding.constrain``) traced inside use and no rule knows: yields ``{name: "file:line"}``.
 
-    Flax maps such a name to an unsharded dimension silently; a step reports them once, when traced.
+    Flax maps such a name to an unsharded dimension silently; a step reports them once, when traced. Inside,
+    a Flax logical constraint with more names than its value's rank is skipped (:func:`_rank_tolerant`).
     """
-    if linen_spmd._logical_to_mesh_axes is not _recording:
-        linen_spmd._logical_to_mesh_axes = _recording   # delegates; records only inside this context
+    if linen_spmd._logical_to_mesh_axes is not _recording:   # both delegate; they act only inside this context
+        linen_spmd._logical_to_mesh_axes = _recording
+        linen_spmd._with_sharding_constraint_one_fallback = _rank_tolerant
     outer = getattr(_audit, "record", None)
     _audit.record = {}
     try:

@@ -782,7 +782,7 @@ def test_mixed_bf16_policy_computes_a_plain_loss_fn_in_bf16(mesh_factory):
     """Under mixed_bf16 every dot of a cast-free loss_fn takes bf16 operands (forward and backward); under the
     f32 policy and no policy none does. The bf16 step's loss and gradients (the momentum trace after one step)
     are within BF16_TOL of the f32 reference and differ from it by more than f32 rounding, params stay f32."""
-    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    mesh = mesh_factory(data=2, fsdp=4)   # a plain pytree names nothing for tensor (an error)
     rng = np.random.default_rng(SEED + 3)
     params, batch = plain_params(rng), plain_batch(rng)
     tx = sgd()
