@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -128,12 +129,16 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Layout
 
 
 def _report(shapes: TrainState, shardings: TrainState, placed: placement.Placement, mesh: Mesh,
-            report: bool | None) -> None:
-    """Prints the placement summary (``report=True``; None: when a param was placed by automatic FSDP or left
-    replicated on a mesh with ``fsdp > 1``) and warns of unknown names and unmatched path rules."""
+            report: bool | None, min_size: int) -> None:
+    """Prints the placement summary (``report=True``; None: when, on a mesh with ``fsdp > 1``, a param was placed
+    by automatic FSDP or one of at least ``min_size`` elements was left replicated) and warns of unknown names and
+    unmatched path rules."""
     for note in placed.notes:
         warnings.warn(note, stacklevel=3)
-    guessed = {"auto fsdp", "replicated"} & set(placed.sources.values()) and mesh.shape.get("fsdp", 1) > 1
+    big = {shd.key_path(p) for p, x in jax.tree_util.tree_flatten_with_path(shapes.params)[0]
+           if math.prod(x.shape) >= min_size}
+    guessed = mesh.shape.get("fsdp", 1) > 1 and any(
+        s == "auto fsdp" or (s == "replicated" and p in big) for p, s in placed.sources.items())
     if report or (report is None and guessed):
         with_sharding = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
         tree = jax.tree.map(with_sharding, (shapes.params, shapes.opt_state), (shardings.params, shardings.opt_state))
@@ -250,8 +255,9 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         elements) over ``fsdp`` along its largest divisible dimension (:mod:`jaxpar.placement`); False keeps
         them replicated.
       report: print the layout summary (``state.report()``, with how each param was placed): True always,
-        False never, None (default) when a param was placed by automatic FSDP or left replicated on a mesh
-        with ``fsdp > 1``. Logical names no rule knows and path rules matching nothing are warned of always.
+        False never, None (default) when, on a mesh with ``fsdp > 1``, a param was placed by automatic FSDP or
+        one of at least ``auto_fsdp_min_size`` elements was left replicated. Logical names no rule knows and
+        path rules matching nothing are warned of always.
 
     Raises:
       ValueError: rules naming an axis the mesh lacks; a sharded parameter dimension not divisible by its
@@ -266,7 +272,7 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
     init_rng, state_rng = jax.random.split(_as_key(rng))
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
     shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
-    _report(shapes, shardings, placed, mesh, report)
+    _report(shapes, shardings, placed, mesh, report, how.auto_fsdp_min_size)
 
     def _init(init_rng, state_rng):
         params, model_state = model.init(init_rng)

@@ -24,3 +24,26 @@ def test_readme_example_runs_and_trains(tmp_path):
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
     assert last < 0.2 * first, out.stdout
     assert "PartitionSpec('fsdp', 'tensor')" in out.stdout or "P('fsdp', 'tensor')" in out.stdout, out.stdout
+
+
+def own_model_blocks() -> list[str]:
+    section = (ROOT / "README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_readme_your_own_model_blocks_run_in_order(tmp_path):
+    """Linen with names, Linen without, a plain pytree, path rules, NNX, Linen BatchNorm: one script, the blocks in
+    the README's order, as written; their printed specs and shapes are the ones the comments state."""
+    blocks = own_model_blocks()
+    assert len(blocks) == 7, len(blocks)
+    script = tmp_path / "own_model.py"
+    script.write_text("\n".join(blocks))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout
+    for expected in ["P('fsdp', 'tensor')", "P(None, 'fsdp')", "('data', 'fsdp')", "per device / global bytes 0.1", "True",
+                     "['batch_stats'] (512,)", "params/Dense_0/kernel  (64, 512)  P(None, 'fsdp')  auto fsdp",
+                     "params/Dense_1/kernel  (512, 10)  P('fsdp', None)  auto fsdp"]:
+        assert expected in lines, (expected, lines)
