@@ -356,3 +356,31 @@ def test_names_longer_than_the_rank_name_the_parameter(mesh_factory, no_compilin
     init = lambda k: {"w": nn.LogicallyPartitioned(jnp.ones((4, 4)), ("embed", "mlp", "kv"))}
     with pytest.raises(ValueError, match=r"param w of shape \(4, 4\) is named \('embed', 'mlp', 'kv'\): more names"):
         jp.train.init_state(init, SGD, 0, mesh=mesh_factory(fsdp=2))
+
+
+# -------------------------------------------------------------- the rest of jaxpar on these models
+
+def test_magnitude_pruning_on_an_unannotated_model_matches_one_device(mesh_factory):
+    """Pruning masks live in the optimizer state and follow the auto-FSDP params' shardings; the pruned run
+    equals the same optax chain on one device."""
+    tx = optax.chain(SGD, jp.pruning.magnitude_pruning(jp.pruning.one_shot(0.5, 0)))
+    _, state, _ = check_parity(mlp_init, mlp_loss, tx, mlp_batches(2), mesh_factory(fsdp=8))
+    masks = jp.pruning.masks(state.opt_state)
+    w = state.params["layer1"]["w"]
+    assert masks["layer1"]["w"].sharding.spec == w.sharding.spec == P("fsdp", None)
+    assert float(jnp.mean(w == 0)) == 0.5 and float(jnp.mean(state.params["layer1"]["b"] == 0)) < 0.5
+
+
+def test_mixed_bf16_on_an_unannotated_cnn(mesh_factory):
+    """The policy casts params and images: every dot of the step is bf16; the loss is the f32 one to bf16 accuracy."""
+    from tests.test_precision import BF16_TOL, dot_dtypes
+    mesh, batch = mesh_factory(fsdp=8), image_batches(1)[0]
+    state = jp.train.init_state(cnn_init, SGD, 0, mesh=mesh, policy=jp.Policy.from_string("mixed_bf16"),
+                                report=False)
+    step = jp.train.make_train_step(cnn_loss, SGD, mesh=mesh, donate=False)
+    n_dots, n_bf16 = dot_dtypes(step, state, batch)
+    assert n_dots >= 2 and n_bf16 == n_dots, (n_dots, n_bf16)
+    ref_losses, _ = reference_run(cnn_loss, nn.meta.unbox(cnn_init(init_key())), SGD, [batch])
+    _, metrics = step(state, batch)
+    assert_scalar_close(metrics["loss"], ref_losses[0], BF16_TOL, "mixed_bf16 loss against f32")
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))

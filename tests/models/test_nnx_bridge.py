@@ -7,6 +7,7 @@ dropout RNG counts) are compared per leaf at 1e-5 * max|ref|.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -31,9 +32,10 @@ def named(*names, init=nnx.initializers.lecun_normal()):
 class TransformerLM(nnx.Module):
     """One pre-norm transformer block with token embedding and an LM head; every kernel named."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, embed_dtype=None):
+        # nnx.Embed computes in its param dtype unless given dtype= (unlike Linen's, it ignores a policy's cast)
         self.embed = nnx.Embed(VOCAB, D, embedding_init=named("vocab", "embed", init=nnx.initializers.normal(1.0)),
-                               rngs=rngs)
+                               dtype=embed_dtype, rngs=rngs)
         self.norm1, self.norm2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
         self.query, self.key, self.value = (nnx.Linear(D, D, kernel_init=named("embed", "heads"), use_bias=False,
                                                        rngs=rngs) for _ in range(3))
@@ -245,3 +247,17 @@ def test_an_nnx_loss_with_the_wrong_structure_is_named(mesh_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jp.train.abstract_state(TransformerLM, SGD, mesh=mesh)    # every name known: nothing to warn of
+
+
+def test_nnx_under_mixed_bf16_computes_in_bf16_and_keeps_f32_params(mesh_factory):
+    from tests.test_precision import BF16_TOL, dot_dtypes
+    mesh, batch = mesh_factory(data=2, fsdp=2, tensor=2), token_batches(1)[0]
+    model_fn = functools.partial(TransformerLM, embed_dtype=jnp.bfloat16)
+    state = jp.train.init_state(model_fn, SGD, 0, mesh=mesh, policy=jp.Policy.from_string("mixed_bf16"))
+    step = jp.train.make_train_step(lm_loss, SGD, mesh=mesh, donate=False)
+    n_dots, n_bf16 = dot_dtypes(step, state, batch)
+    assert n_dots >= 8 and n_bf16 >= n_dots - 2, (n_dots, n_bf16)    # attention's two dots may stay f32
+    new, metrics = step(state, batch)
+    ref_losses, _, _ = reference(model_fn, lm_loss, SGD, [batch])
+    assert_scalar_close(metrics["loss"], ref_losses[0], BF16_TOL, "mixed_bf16 loss against f32")
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
