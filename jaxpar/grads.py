@@ -3,7 +3,10 @@
 A gradient function is a :class:`GradFn`: ``grad_fn(params, batch, rng, scale, ctx) -> (loss, aux, grads)``,
 traced inside the train step, plus ``grad_fn.check(params, batch, ctx)``, run on the host before tracing.
 ``grads`` is the gradient of ``scale * loss`` (``scale``: the float32 loss scale of mixed-precision training,
-1 without one) in the params' dtypes; ``loss`` is unscaled float32 and ``aux`` a dict of scalars.
+1 without one) in the params' dtypes; ``loss`` is unscaled float32 and ``aux`` a dict of scalars. For a state
+with a model state (Linen ``batch_stats``, NNX non-param variables; ``ctx.stateful``) a gradient function with
+``carries_model_state`` returns ``(loss, aux, grads, new_model_state)``; :func:`call_loss` calls a user's loss
+in the form the state asks for.
 
 * :func:`value_and_grad` turns a ``loss_fn(params, batch, rng) -> (loss, aux)`` into one;
 * :func:`accumulate` averages one over strided microbatches (gradient accumulation);
@@ -151,11 +154,13 @@ class GradFn(abc.ABC):
     Attributes: ``grad_accum_steps`` accumulation batches per step and ``microbatches`` pipeline
     microbatches per accumulation batch (for the batch-size check; 1 and 1 unless a subclass splits);
     ``uses_pipe``: whether it runs over the mesh's ``pipe`` axis (a step on a mesh with ``pipe > 1`` needs one
-    that does).
+    that does); ``carries_model_state``: whether, for a state with a model state or an NNX graph definition
+    (``ctx.stateful``), it returns the new model state as a fourth output (else the step keeps it unchanged).
     """
     grad_accum_steps: int = 1
     microbatches: int = 1
     uses_pipe: bool = False
+    carries_model_state: bool = False
 
     def check_mesh(self, mesh: Mesh) -> None:
         """Raises TypeError/ValueError for a mesh this function cannot run on (when the step is built)."""
@@ -255,6 +260,7 @@ def check_loss_arity(loss_fn: Callable, ctx: Context) -> None:
 @dataclasses.dataclass(frozen=True)
 class _ValueAndGrad(GradFn):
     loss_fn: LossFn
+    carries_model_state = True
 
     def model_check_batch(self):
         return protocol.batch_checker(self.loss_fn)
@@ -298,7 +304,8 @@ class _Accumulate(GradFn):
 
     def __post_init__(self):   # the batch splits into steps x the inner function's splits
         for name, value in (("grad_accum_steps", self.steps * self.inner.grad_accum_steps),
-                            ("microbatches", self.inner.microbatches), ("uses_pipe", self.inner.uses_pipe)):
+                            ("microbatches", self.inner.microbatches), ("uses_pipe", self.inner.uses_pipe),
+                            ("carries_model_state", self.inner.carries_model_state)):
             object.__setattr__(self, name, value)
 
     def check_mesh(self, mesh):
@@ -317,6 +324,8 @@ class _Accumulate(GradFn):
         take = lambda j: jax.tree.map(lambda x: microbatch(x, j), micro)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
 
+        carried = ctx.stateful and self.carries_model_state
+
         def body(carry, j):     # the model state (batch statistics) passes from microbatch to microbatch
             grad_sum, model_state = carry
             out = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx._replace(model_state=model_state))
@@ -325,7 +334,7 @@ class _Accumulate(GradFn):
             # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
             wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
             grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
-            return (grad_sum, out[3] if ctx.stateful else None), (
+            return (grad_sum, out[3] if carried else model_state), (
                 wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
 
         with jax.named_scope("accumulation"):
@@ -335,7 +344,7 @@ class _Accumulate(GradFn):
         aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
         grads = jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, params)
         out = weighted_mean(loss_m.sum(), w_sum), aux, grads
-        return (*out, model_state) if ctx.stateful else out
+        return (*out, model_state) if carried else out
 
 
 def accumulate(grad_fn: GradFn, steps: int) -> GradFn:

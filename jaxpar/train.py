@@ -503,10 +503,11 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         ctx = _context(mesh, rules, state, param_specs(shardings[0].params))
         with jax.named_scope("forward_backward"), _warn_unknown_names():
             out = grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale, ctx)
-        loss, aux, grads, model_state = _check_grad_output(out, state.params, grad_fn, ctx.stateful)
+        carried = ctx.stateful and grad_fn.carries_model_state
+        loss, aux, grads, model_state = _check_grad_output(out, state.params, grad_fn, carried)
         with jax.named_scope("optimizer_update"):
             state = _apply_update(tx, state, grads)
-        if ctx.stateful:
+        if carried:
             state = state.replace(model_state=model_state)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
         return state, metrics

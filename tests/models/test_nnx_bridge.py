@@ -261,3 +261,85 @@ def test_nnx_under_mixed_bf16_computes_in_bf16_and_keeps_f32_params(mesh_factory
     ref_losses, _, _ = reference(model_fn, lm_loss, SGD, [batch])
     assert_scalar_close(metrics["loss"], ref_losses[0], BF16_TOL, "mixed_bf16 loss against f32")
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
+
+
+# ----------------------------------------------------------------------- an NNX model with the protocol's parts
+
+LAYERS = 4
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.up = nnx.Linear(D, MLP_DIM, kernel_init=named("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(MLP_DIM, D, kernel_init=named("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class StackedLM(nnx.Module):
+    """Blocks stacked along a leading ``layers`` axis (``nnx.vmap`` over the constructor, the NNX scan-over-layers
+    pattern), with the model protocol's pipeline parts as pure functions of its params (``nnx.merge`` of each
+    part's graph definition): what ``Pipeline.from_model`` needs, written by the model's author."""
+    stage_key = "blocks"
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=named("vocab", "embed", init=nnx.initializers.normal(1.0)),
+                               rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def blocks(rngs):
+            return Block(rngs)
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(D, VOCAB, kernel_init=named("embed", "vocab"), use_bias=False, rngs=rngs)
+
+
+class StackedParts:
+    """The protocol parts of :class:`StackedLM` over its pure-dict params."""
+    stage_key = "blocks"
+
+    def __init__(self):
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(lambda: StackedLM(nnx.Rngs(0)))
+            block = nnx.eval_shape(lambda: Block(nnx.Rngs(0)))
+        self.embed_def = nnx.split(model.embed)[0]
+        self.head_def = nnx.split(model.head)[0]
+        self.block_def = nnx.split(block)[0]
+
+    def embed(self, params, tokens_BL):
+        return nnx.merge(self.embed_def, params["embed"])(tokens_BL)
+
+    def stage(self, blocks, x_BLD):
+        for i in range(jax.tree.leaves(blocks)[0].shape[0]):
+            x_BLD = nnx.merge(self.block_def, jax.tree.map(lambda a: a[i], blocks))(x_BLD)
+        return x_BLD
+
+    def head_loss(self, params, x_BLD, targets_BL):
+        logits = nnx.merge(self.head_def, params["head"])(x_BLD)
+        one_hot = jax.nn.one_hot(targets_BL, VOCAB, dtype=logits.dtype)   # no gather over a vocab-sharded axis
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.sum(logits * one_hot, -1)), {}
+
+    def loss(self, params, batch, rng=None):
+        return self.head_loss(params, self.stage(params["blocks"], self.embed(params, batch["inputs"])),
+                              batch["targets"])
+
+
+def test_an_nnx_model_with_the_protocol_parts_pipelines_like_the_gpt(mesh_factory):
+    """``Pipeline.from_model`` with 1F1B on pipe=2 x fsdp=2 trains an NNX model built by jaxpar's NNX path
+    (graphdef and pure params in the state): loss and gradients equal ``jax.value_and_grad`` of the parts' loss
+    on one device, and the stacked blocks (named ``layers`` by ``nnx.vmap``) live over ``pipe``."""
+    mesh, parts = mesh_factory(pipe=2, fsdp=2), StackedParts()
+    pipe = jp.pipeline.Pipeline.from_model(parts, jp.pipeline.one_f_one_b(2, 4))
+    state = jp.train.init_state(StackedLM, SGD, 0, mesh=mesh, pipeline=pipe)
+    assert state.params["blocks"]["up"]["kernel"].sharding.spec == P("pipe", "fsdp", "tensor")   # tensor: size 1
+    step = jp.train.make_train_step(pipe, SGD, mesh=mesh, donate=False)
+    batch = token_batches(1, batch_size=16)[0]
+    params = jax.device_get(state.params)
+    (loss, _), grads = jax.jit(jax.value_and_grad(parts.loss, has_aux=True))(params, batch)
+    new_state, metrics = step(state, batch)
+    assert_scalar_close(metrics["loss"], loss, what="pipelined loss")
+    trace = next(s for s in jax.tree.leaves(new_state.opt_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+                 if isinstance(s, optax.TraceState)).trace
+    assert_tree_close(trace, grads, what="pipelined grads")
