@@ -305,6 +305,7 @@ def _flops(mesh, rules, batch_size=64):
     return float(analysis["flops"]), compiled.input_shardings[0][1]["inputs"].spec
 
 
+@pytest.mark.slow   # three compiles (~19 s busy); the default-rules sibling stays fast
 def test_maxtext_names_with_the_users_rules_shard_batch_and_params(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     _, state, worst = check_parity(maxtext_init, maxtext_loss, SGD, token_batches(2), mesh, rules=MAXTEXT_RULES)
@@ -318,6 +319,10 @@ def test_maxtext_names_with_the_users_rules_shard_batch_and_params(mesh_factory)
           f"(ideal 0.125); input batch {batch_spec}; worst param error {worst:.2e}")
     assert batch_spec == P(("data", "fsdp"), None)
     assert eight <= 1.2 * one / 8
+    fsdp8 = jp.train.abstract_state(maxtext_init, SGD, mesh=mesh_factory(fsdp=8), rules=MAXTEXT_RULES)
+    r = jp.sharding.describe_params(fsdp8.params, fsdp8.opt_state).ratio
+    print(f"MaxText-named LM, fsdp=8 with its rules: per-device / global bytes {r:.3f}")
+    assert r <= 0.15
 
 
 def test_maxtext_names_under_the_default_rules_are_reported(mesh_factory):

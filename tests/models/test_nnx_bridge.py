@@ -185,6 +185,7 @@ def test_nnx_batchnorm_and_dropout_on_data8_match_one_device_with_running_stats(
     assert r <= 0.15
 
 
+@pytest.mark.slow   # 120 steps; the Linen sibling (test_model_init) stays fast
 def test_nnx_eval_with_running_statistics_on_digits(mesh_factory):
     """Eval mode (running statistics, no dropout) classifies held-out digits at least as well as train mode."""
     from sklearn.datasets import load_digits
@@ -326,6 +327,7 @@ class StackedParts:
                               batch["targets"])
 
 
+@pytest.mark.slow   # a pipeline compile; tests/models/test_protocol.py pipelines a protocol model in the fast set
 def test_an_nnx_model_with_the_protocol_parts_pipelines_like_the_gpt(mesh_factory):
     """``Pipeline.from_model`` with 1F1B on pipe=2 x fsdp=2 trains an NNX model built by jaxpar's NNX path
     (graphdef and pure params in the state): loss and gradients equal ``jax.value_and_grad`` of the parts' loss
