@@ -233,13 +233,33 @@ def call_loss(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, ctx: C
         if not train:
             model.eval()
         loss, aux = check_loss_output(loss_fn(model, batch, rng), "the NNX loss_fn(model, batch, rng)")
-        return loss, aux, nnx_bridge.model_state(model)
+        return loss, aux, check_model_state(nnx_bridge.model_state(model), ctx.model_state,
+                                            "the NNX model's variables after loss_fn")
     if ctx.model_state is not None:
         out = loss_fn(params, batch, rng, ctx.model_state)
         if not train and isinstance(out, tuple) and len(out) == 2:
             return (*check_loss_output(out), ctx.model_state)
-        return check_stateful_output(out)
+        loss, aux, new = check_stateful_output(out)
+        return loss, aux, check_model_state(new, ctx.model_state, "loss_fn's new_model_state")
     return (*check_loss_output(loss_fn(params, batch, rng)), None)
+
+
+def check_model_state(new: Any, old: Any, what: str) -> Any:
+    """``new`` when it has the structure, shapes and dtypes of the state's model state ``old`` (trace time).
+
+    Raises:
+      ValueError: naming the first difference (a new or missing variable, a changed shape or dtype).
+    """
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError(f"{what} must have the structure of the state's model state (the same collections and "
+                         f"variables: Linen's updates from model.apply(..., mutable=[...]) as returned; in NNX no new "
+                         f"non-param variables). Got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}")
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old)):
+        if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+            raise ValueError(f"{what}: {jax.tree_util.keystr(path)} is {jnp.result_type(a)}{list(np.shape(a))}, "
+                             f"the state holds {jnp.result_type(b)}{list(np.shape(b))}: keep each variable's shape "
+                             "and dtype")
+    return new
 
 
 def check_loss_arity(loss_fn: Callable, ctx: Context) -> None:

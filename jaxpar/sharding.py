@@ -518,6 +518,10 @@ def path_rules(rules: Sequence[tuple[str, Any]]) -> PathRules:
                 for n in target))):
             raise ValueError(f"path rule {rx!r}: target {target!r} must be a tuple of logical axis names (one per "
                              "dimension, None for whole), a PartitionSpec of mesh axes, or None")
+        used = [a for n in (target or ()) if n is not None for a in ((n,) if isinstance(n, str) else n)]
+        if len(used) != len(set(used)):
+            raise ValueError(f"path rule {rx!r}: target {target!r} names an axis twice; each logical name or mesh "
+                             "axis may split one dimension only")
         out.append((rx, target))
     return PathRules(tuple(out))
 

@@ -389,3 +389,9 @@ def test_mixed_bf16_on_an_unannotated_cnn(mesh_factory):
     _, metrics = step(state, batch)
     assert_scalar_close(metrics["loss"], ref_losses[0], BF16_TOL, "mixed_bf16 loss against f32")
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+
+
+@pytest.mark.parametrize("target", [P("fsdp", "fsdp"), ("embed", "embed")])
+def test_a_path_rule_naming_an_axis_twice_is_refused(target):
+    with pytest.raises(ValueError, match=r"path rule 'w1': target .* names an axis twice"):
+        jp.sharding.path_rules([("w1", target)])

@@ -33,6 +33,10 @@ def module_fn(fn: Any) -> Callable[[jax.Array], nnx.Module] | None:
     ``functools.partial(cls, ...)``), or ``model_fn(rngs) -> nnx.Module`` (its first parameter named ``rngs``).
     A function of a key that returns an ``nnx.Module`` is recognised by :func:`abstract`.
     """
+    if isinstance(fn, nnx.Module):
+        raise TypeError(f"init_state got an nnx.Module instance ({type(fn).__name__}); pass its class (or "
+                        f"functools.partial(cls, ...)) or a model_fn(rngs) -> nnx.Module, so the model is built "
+                        "sharded from the start, e.g. jp.train.init_state({type(fn).__name__}, tx, 0, mesh=mesh)")
     target = getattr(fn, "func", fn)            # functools.partial
     if inspect.isclass(target) and issubclass(target, nnx.Module):
         return lambda key: fn(rngs=nnx.Rngs(key))
@@ -50,7 +54,7 @@ def build(make: Callable[[jax.Array], nnx.Module], key: jax.Array) -> tuple[Any,
         model = make(key)
     if not isinstance(model, nnx.Module):
         raise TypeError(f"the NNX model function returned {type(model).__name__}, not an nnx.Module")
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, STATE, ...)[:3]
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
@@ -60,7 +64,7 @@ def abstract(make: Callable[[jax.Array], nnx.Module], key: jax.Array) -> tuple[A
     None where it has none."""
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: make(key))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, STATE, ...)[:3]
     names = lambda state: jax.tree.map(lambda s: tuple(s) or None, nnx.to_pure_dict(nnx.get_partition_spec(state)),
                                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     shapes = lambda state: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
@@ -72,13 +76,17 @@ def merge(graphdef: Any, params: Any, model_state: Any) -> nnx.Module:
     return nnx.merge(graphdef, params, model_state if model_state is not None else {})
 
 
+STATE = nnx.Not(nnx.Any(nnx.Param, nnx.Intermediate))
+"""The variables a ``TrainState.model_state`` holds: neither params nor ``sow``'s per-call intermediates."""
+
+
 def model_state(model: nnx.Module) -> Any:
-    """The non-``Param`` variables of ``model`` as a pure dict (what a step writes back to the state)."""
-    return nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+    """The model-state variables of ``model`` (:data:`STATE`) as a pure dict (what a step writes back)."""
+    return nnx.to_pure_dict(nnx.state(model, STATE))
 
 
 def is_module(x: Any) -> bool:
     return isinstance(x, nnx.Module)
 
 
-__all__ = ["abstract", "build", "is_module", "merge", "model_state", "module_fn"]
+__all__ = ["STATE", "abstract", "build", "is_module", "merge", "model_state", "module_fn"]

@@ -345,3 +345,27 @@ def test_an_nnx_model_with_the_protocol_parts_pipelines_like_the_gpt(mesh_factor
     trace = next(s for s in jax.tree.leaves(new_state.opt_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
                  if isinstance(s, optax.TraceState)).trace
     assert_tree_close(trace, grads, what="pipelined grads")
+
+
+class Sowing(BNClassifier):
+    def __call__(self, x):
+        h = self.l1(x)
+        self.sow(nnx.Intermediate, "hidden", h)       # per-call intermediates never enter the model state
+        return self.l3(jax.nn.relu(self.bn2(self.l2(jax.nn.relu(self.bn1(h))))))
+
+
+def test_nnx_model_state_is_checked_and_intermediates_are_left_out(mesh_factory):
+    mesh = mesh_factory(fsdp=2)
+    state = jp.train.init_state(Sowing, SGD, 0, mesh=mesh, report=False)
+    new, _ = jp.train.make_train_step(cls_loss, SGD, mesh=mesh, donate=False)(state, digit_batches(1)[0])
+    assert jax.tree.structure(new.model_state) == jax.tree.structure(state.model_state)
+
+    def reshaping(model, batch, rng):
+        out = cls_loss(model, batch, rng)
+        model.bn1.mean = nnx.BatchStat(jnp.zeros(7))
+        return out
+    with pytest.raises(ValueError, match=r"the NNX model's variables after loss_fn: \['bn1'\]\['mean'\] is "
+                                         r"float32\[7\], the state holds float32\[512\]"):
+        jp.train.make_train_step(reshaping, SGD, mesh=mesh)(state, digit_batches(1)[0])
+    with pytest.raises(TypeError, match=r"got an nnx.Module instance \(BNClassifier\); pass its class"):
+        jp.train.init_state(BNClassifier(nnx.Rngs(0)), SGD, 0, mesh=mesh)
