@@ -37,6 +37,8 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),             # Megatron column split of the MLP up-projection, row split of down
     ("heads", "tensor"),           # Megatron split of attention by heads
     ("kv", None),                  # head_dim stays whole
+    ("kv_heads", None),            # grouped-query key/value heads (the Llama): replicated over tensor, as any
+                                   # tensor size may exceed num_kv_heads; ("kv_heads", "tensor") splits them
     ("vocab", "tensor"),           # vocab-parallel embedding / logits
     ("layers", None),              # stacked layers live whole on each stage
     ("stage", "pipe"),             # pipeline stages

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxpar as jp
-from jaxpar.models import GPT, GPTConfig, MLP, classification_loss
+from jaxpar.models import GPT, GPTConfig, LlamaConfig, MLP, classification_loss
 
 # DESIGN.md "Tests": per leaf max|got - ref| <= 1e-5 * max|ref|. Elementwise rtol cannot hold when a layout
 # changes the reduction order (sums split over devices), so the error is scaled by the leaf's largest value.
@@ -64,6 +64,10 @@ def assert_scalar_close(got: Any, ref: Any, rtol: float = RTOL, what: str = "") 
 SMALL_GPT = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16)
 SMALL_GPT_VARIANT = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16,
                               positions="rotary", tie_embeddings=False, scan_layers=True)
+SMALL_LLAMA = LlamaConfig(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
+                          max_seq_len=16, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
 MLP_FEATURES = 64
 
 
@@ -87,7 +91,8 @@ def mlp_parts(hidden=(64, 128, 32), num_classes: int = 10):
 
 
 def gpt_parts(cfg: GPTConfig = SMALL_GPT):
-    model = GPT(cfg)
+    """(init, loss) of the GPT, or of the Llama for a ``LlamaConfig``."""
+    model = cfg.as_model()
     return model.init, model.loss
 
 

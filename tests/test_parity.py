@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import jaxpar as jp
-from helpers import (SMALL_GPT, SMALL_GPT_VARIANT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_parts,
+from helpers import (SMALL_GPT, SMALL_GPT_VARIANT, SMALL_LLAMA, assert_scalar_close, assert_tree_close, gpt_batch, gpt_parts,
                      mlp_batch, mlp_parts)
 
 SEED = 17
@@ -37,6 +37,8 @@ MODELS = {
     "mlp": (mlp_parts, lambda rng: mlp_batch(rng, 32)),
     "gpt": (lambda: gpt_parts(SMALL_GPT), lambda rng: gpt_batch(rng, 16, SMALL_GPT)),
     "gpt_rotary_untied_scan": (lambda: gpt_parts(SMALL_GPT_VARIANT), lambda rng: gpt_batch(rng, 16, SMALL_GPT_VARIANT)),
+    # GQA (8 query heads, 2 key/value heads), Llama 3 rope scaling, untied: the key/value heads stay replicated
+    "llama": (lambda: gpt_parts(SMALL_LLAMA), lambda rng: gpt_batch(rng, 16, SMALL_LLAMA)),
 }
 
 

@@ -1,9 +1,11 @@
 """Models and the protocol every model provides (:mod:`jaxpar.models.protocol`): a Megatron-split MLP
-classifier and a decoder-only GPT, with logical axis names, and generation for any model of the protocol."""
+classifier, a decoder-only GPT and a Llama-family decoder (Hugging Face checkpoints in and out:
+:mod:`jaxpar.models.hf`), with logical axis names, and generation for any model of the protocol."""
 from jaxpar.models.generation import generate
 from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.mlp import MLP, MLPModel, classification_loss
 from jaxpar.models.protocol import SHAPE_LEGEND, Model, as_model
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPModel", "Model", "SHAPE_LEGEND", "as_model", "classification_loss",
-           "generate"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPModel", "Model", "SHAPE_LEGEND", "as_model",
+           "classification_loss", "generate"]

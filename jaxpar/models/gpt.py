@@ -164,12 +164,13 @@ def gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0) -> jax.Array:
+def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
-    Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int or int32 scalar, e.g. a decode step's)."""
+    Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int or int32 scalar, e.g. a decode step's).
+    ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones)."""
     L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
     half = K // 2
-    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
     angle = (jnp.arange(L, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32))[:, None] * freq[None, :]
     sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
@@ -297,11 +298,22 @@ class Block(nn.Module):
         m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 
+    def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0):
+        """Rotary positions on queries and keys (learned positions: unchanged); row 0 is position ``offset``."""
+        c = self.cfg
+        if c.positions != "rotary":
+            return q_BLHK, k_BLGK
+        return rope(q_BLHK, c.rope_base, offset), rope(k_BLGK, c.rope_base, offset)
+
+    def _expand_kv(self, t_BLGK: jax.Array) -> jax.Array:
+        """Keys or values for every query head (the GPT has one per head; grouped-query models repeat them)."""
+        return t_BLGK
+
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         c = self.cfg
         q_BLHK, k_BLHK, v_BLHK = self._qkv(x_BLD)
-        if c.positions == "rotary":
-            q_BLHK, k_BLHK = rope(q_BLHK, c.rope_base), rope(k_BLHK, c.rope_base)
+        q_BLHK, k_BLHK = self._positions(q_BLHK, k_BLHK)
+        k_BLHK, v_BLHK = self._expand_kv(k_BLHK), self._expand_kv(v_BLHK)
         a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK), "batch", "seq", "heads", "kv")
         return self._finish(x_BLD, a_BLHK)
 
@@ -312,15 +324,15 @@ class Block(nn.Module):
         """
         c = self.cfg
         q_B1HK, k_B1HK, v_B1HK = self._qkv(x_B1D)
-        if c.positions == "rotary":
-            q_B1HK, k_B1HK = rope(q_B1HK, c.rope_base, pos), rope(k_B1HK, c.rope_base, pos)
+        q_B1HK, k_B1HK = self._positions(q_B1HK, k_B1HK, pos)
         k_BSHK = jax.lax.dynamic_update_slice_in_dim(k_BSHK, k_B1HK.astype(k_BSHK.dtype), pos, axis=1)
         v_BSHK = jax.lax.dynamic_update_slice_in_dim(v_BSHK, v_B1HK.astype(v_BSHK.dtype), pos, axis=1)
-        s_BHS = jnp.einsum("bhk,bshk->bhs", q_B1HK[:, 0], k_BSHK.astype(q_B1HK.dtype),
+        k_all, v_all = self._expand_kv(k_BSHK), self._expand_kv(v_BSHK)   # the cache keeps the KV heads only
+        s_BHS = jnp.einsum("bhk,bshk->bhs", q_B1HK[:, 0], k_all.astype(q_B1HK.dtype),
                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
         visible_S = jnp.arange(k_BSHK.shape[1]) <= pos
         p_BHS = jax.nn.softmax(jnp.where(visible_S, s_BHS, jnp.finfo(jnp.float32).min / 2), axis=-1)
-        a_BHK = jnp.einsum("bhs,bshk->bhk", p_BHS.astype(v_BSHK.dtype), v_BSHK).astype(x_B1D.dtype)
+        a_BHK = jnp.einsum("bhs,bshk->bhk", p_BHS.astype(v_all.dtype), v_all).astype(x_B1D.dtype)
         return self._finish(x_B1D, a_BHK[:, None]), k_BSHK, v_BSHK
 
 
@@ -335,11 +347,18 @@ class Head(nn.Module):
         if not c.tie_embeddings:
             self.kernel = _param(self, "kernel", (c.d_model, c.padded_vocab), ("embed", "vocab"), c.init_std)
 
+    def declare(self) -> None:
+        """Creates the parameters without running the head (used by ``init``)."""
+        self.ln_scale  # noqa: B018
+
+    def _norm(self, x_BLD: jax.Array) -> jax.Array:
+        return layer_norm(x_BLD, self.ln_scale, self.ln_bias)
+
     def __call__(self, x_BLD: jax.Array, embedding_VD: jax.Array | None = None) -> jax.Array:
         c = self.cfg
         B, L, D = x_BLD.shape
         dtype = _compute_dtype(c, x_BLD)
-        h_TD = layer_norm(x_BLD, self.ln_scale, self.ln_bias).reshape(B * L, D)
+        h_TD = self._norm(x_BLD).reshape(B * L, D)
         if c.tie_embeddings:
             logits_TV = h_TD @ embedding_VD.astype(dtype).T
         else:
@@ -399,12 +418,13 @@ class GPT:
     ``blocks`` leaves carry a leading ``layers`` axis of size ``num_layers``.
     """
     stage_key = "blocks"
+    Embed, Block, Head = Embed, Block, Head   # the Linen modules (a subclass swaps its own in)
 
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
 
     def __eq__(self, other: Any) -> bool:   # a GPT is its config: equal configs compute the same functions
-        return isinstance(other, GPT) and other.cfg == self.cfg
+        return type(other) is type(self) and other.cfg == self.cfg
 
     def __hash__(self) -> int:
         return hash(self.cfg)
@@ -413,12 +433,12 @@ class GPT:
         """Flax-boxed params (``nn.LogicallyPartitioned`` leaves carrying logical axis names)."""
         c = self.cfg
         k_embed, k_blocks, k_head = jax.random.split(rng, 3)
-        block = Block(c)
-        blocks = jax.vmap(lambda k: block.init(k, method=Block.declare)["params"])(
+        block = self.Block(c)
+        blocks = jax.vmap(lambda k: block.init(k, method=self.Block.declare)["params"])(
             jax.random.split(k_blocks, c.num_layers))
-        return {"embed": Embed(c).init(k_embed, method=lambda m: m.embedding)["params"],
+        return {"embed": self.Embed(c).init(k_embed, method=lambda m: m.embedding)["params"],
                 "blocks": _add_layers_axis(blocks),
-                "head": Head(c).init(k_head, method=lambda m: m.ln_scale)["params"]}
+                "head": self.Head(c).init(k_head, method=self.Head.declare)["params"]}
 
     def embed(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
         """``tokens_BL (int) -> x_BLD``.
@@ -435,12 +455,12 @@ class GPT:
         if tokens_BL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
                              "use shorter sequences or a larger GPTConfig.max_seq_len")
-        x_BLD = Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
+        x_BLD = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
         return x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
 
     def stage(self, blocks: dict, x_BLD: jax.Array) -> jax.Array:
         """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers)."""
-        block = Block(self.cfg)
+        block = self.Block(self.cfg)
         f = lambda p, x: block.apply({"params": p}, x)
         if self.cfg.remat != "none":
             f = jax.checkpoint(f, policy=_REMAT[self.cfg.remat])
@@ -453,7 +473,7 @@ class GPT:
     def logits(self, params: dict, x_BLD: jax.Array) -> jax.Array:
         """Logits ``[B, L, V]`` (``output_dtype``) with padded vocabulary entries set to a large negative value."""
         emb = params["embed"]["embedding"] if self.cfg.tie_embeddings else None
-        logits_BLV = Head(self.cfg).apply({"params": params["head"]}, x_BLD, emb)
+        logits_BLV = self.Head(self.cfg).apply({"params": params["head"]}, x_BLD, emb)
         valid = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
         return jnp.where(valid, logits_BLV, jnp.finfo(logits_BLV.dtype).min / 2)
 
@@ -529,7 +549,7 @@ class GPT:
         dtype (``cfg.dtype``, else the params')."""
         c = self.cfg
         dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
-        shape = (c.num_layers, batch_size, max_len, c.num_heads, c.head_dim)
+        shape = (c.num_layers, batch_size, max_len, getattr(c, "kv_heads", c.num_heads), c.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
     def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array):
@@ -537,12 +557,13 @@ class GPT:
         the cache's keys and values at ``pos`` written, ``logits_BV`` equal to ``apply(params, tokens)[:, pos]``
         for the tokens written at ``0 .. pos`` (float32 rounding). Traceable; ``pos < max_len`` of the cache."""
         tokens_B1 = jnp.asarray(tokens_B, jnp.int32)[:, None]
-        x_B1D = Embed(self.cfg).apply({"params": params["embed"]}, tokens_B1, pos)
+        x_B1D = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_B1, pos)
         x_B1D = x_B1D * _nan_where_invalid(tokens_B1, self.cfg.vocab_size, x_B1D.dtype)[..., None]
-        block, ks, vs = Block(self.cfg), [], []
+        block, ks, vs = self.Block(self.cfg), [], []
         for i in range(self.cfg.num_layers):
             layer = jax.tree.map(lambda a: a[i], params["blocks"])
-            x_B1D, k, v = block.apply({"params": layer}, x_B1D, cache["k"][i], cache["v"][i], pos, method=Block.decode)
+            x_B1D, k, v = block.apply({"params": layer}, x_B1D, cache["k"][i], cache["v"][i], pos,
+                                      method=self.Block.decode)
             ks.append(k)
             vs.append(v)
         logits_BV = self.logits(params, x_B1D)[:, 0].astype(jnp.float32)
