@@ -68,6 +68,7 @@ class GPTConfig:
     vocab_multiple: int = 128      # pad the vocabulary to a multiple of this (mesh axes must divide it)
     init_std: float = 0.02         # std of weight initialisation (GPT-2)
     rope_base: float = 10000.0     # rotary base frequency
+    qkv_bias: bool = False         # a bias on the q, k, v projections (GPT-2 has one: jaxpar.models.hf)
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple",
@@ -90,7 +91,7 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive finite number")
-        for name in ("tie_embeddings", "scan_layers"):
+        for name in ("tie_embeddings", "scan_layers", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.positions not in ("learned", "rotary"):
@@ -115,7 +116,7 @@ class GPTConfig:
 
     def num_params(self, embeddings: bool = True) -> int:
         D, F, N, HK = self.d_model, self.mlp_dim, self.num_layers, self.num_heads * self.head_dim
-        block = 3 * D * HK + HK * D + D + 2 * D * F + F + D + 4 * D
+        block = 3 * D * HK + HK * D + D + 2 * D * F + F + D + 4 * D + (3 * HK if self.qkv_bias else 0)
         emb = self.padded_vocab * D + (self.max_seq_len * D if self.positions == "learned" else 0)
         head = 2 * D + (0 if self.tie_embeddings else D * self.padded_vocab)
         return N * block + head + (emb if embeddings else 0)
@@ -258,6 +259,8 @@ class Block(nn.Module):
         self.ln1_scale = _param(self, "ln1_scale", (D,), ("embed",), None)
         self.ln1_bias = _param(self, "ln1_bias", (D,), ("embed",), None)
         self.qkv_kernel = _param(self, "qkv_kernel", (D, H, 3, K), ("embed", "heads", None, "kv"), c.init_std)
+        if c.qkv_bias:
+            self.qkv_bias = _param(self, "qkv_bias", (H, 3, K), ("heads", None, "kv"), None)
         self.out_kernel = _param(self, "out_kernel", (H, K, D), ("heads", "kv", "embed"), out_std)
         self.out_bias = _param(self, "out_bias", (D,), ("embed",), None)
         self.ln2_scale = _param(self, "ln2_scale", (D,), ("embed",), None)
@@ -282,7 +285,10 @@ class Block(nn.Module):
         H, K = c.num_heads, c.head_dim
         # Matmul operands are kept 2-D ([B*L, D]): XLA:CPU is much faster on them than on 3-D operands.
         h_TD = layer_norm(x_BLD, self.ln1_scale, self.ln1_bias).reshape(B * L, D)
-        qkv = (h_TD @ self._w(self.qkv_kernel, x_BLD).reshape(D, H * 3 * K)).reshape(B, L, H, 3, K)
+        qkv_flat = h_TD @ self._w(self.qkv_kernel, x_BLD).reshape(D, H * 3 * K)
+        if c.qkv_bias:
+            qkv_flat = qkv_flat + self._w(self.qkv_bias, x_BLD).reshape(H * 3 * K)
+        qkv = qkv_flat.reshape(B, L, H, 3, K)
         return tuple(constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
 
     def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array) -> jax.Array:

@@ -58,6 +58,7 @@ SHAPE_LEGEND: dict[str, tuple[str, str | None]] = {
     "S": ("key / value positions attended to (a prefix of L, or the cache length)", None),
     "D": ("model width d_model", "embed"),
     "H": ("attention heads", "heads"),
+    "G": ("key / value heads of grouped-query attention (each serves H // G query heads)", "kv_heads"),
     "K": ("head dimension", "kv"),
     "F": ("MLP hidden width", "mlp"),
     "V": ("vocabulary (padded)", "vocab"),

@@ -225,5 +225,9 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, checkpoint):
         cfg["intermediate_size"] = 128
         (bad / "config.json").write_text(json.dumps(cfg))
         hf.load(str(bad))
-    with pytest.raises(ValueError, match="writes a jaxpar.models.Llama"):
-        hf.save(jp.models.GPT(jp.models.GPTConfig()), {}, str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="writes a jaxpar.models.Llama or GPT"):
+        hf.save(object(), {}, str(tmp_path / "out"))
+    model, params = hf.load(path)
+    params["blocks"]["q_kernel"] = params["blocks"]["q_kernel"][:, :, :2]
+    with pytest.raises(ValueError, match="blocks/q_kernel has shape"):
+        hf.save(model, params, str(tmp_path / "out"))
