@@ -117,3 +117,10 @@ def test_pipeline_schedules_script():
     row = out["schedules"]["zbv"]
     assert row["rel_diff_step1"] <= 1e-5 and len(row["losses"]) == 2 and row["step_seconds"] > 0
     assert row["lockstep_time"] >= row["ideal_time"] > 0
+
+
+def test_kv_cache_script_tiny():
+    import kv_cache
+    report = kv_cache.main(["--tiny"])
+    for row in report["models"].values():
+        assert row["first_difference"] == [None] * 4 and row["cache_s_per_token"] > 0

@@ -19,10 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import (
+    SMALL_GPT,
+    SMALL_GPT_VARIANT,
+    SMALL_LLAMA,
+    assert_scalar_close,
+    assert_tree_close,
+    gpt_batch,
+    gpt_parts,
+    mlp_batch,
+    mlp_parts,
+)
 
 import jaxpar as jp
-from helpers import (SMALL_GPT, SMALL_GPT_VARIANT, SMALL_LLAMA, assert_scalar_close, assert_tree_close, gpt_batch, gpt_parts,
-                     mlp_batch, mlp_parts)
 
 SEED = 17
 LR, MOMENTUM = 0.1, 0.9
@@ -156,12 +165,14 @@ def _plain_reference(loss_fn, params, batch, tx):
     return jax.device_get((loss, aux, grads, optax.apply_updates(params, updates)))
 
 
-def test_grad_accumulation_matches_one_big_step(mesh_factory):
-    """grad_accum_steps=4 on a batch of 32 is one step on the whole batch (GPT, data=2 x fsdp=2 x tensor=2)."""
+@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_LLAMA], ids=["gpt", "llama"])
+def test_grad_accumulation_matches_one_big_step(cfg, mesh_factory):
+    """grad_accum_steps=4 on a batch of 32 is one step on the whole batch (GPT and Llama, data=2 x fsdp=2 x
+    tensor=2)."""
     mesh = mesh_factory(**ACCUM_MESH)
-    init_fn, loss_fn = gpt_parts(SMALL_GPT)
+    init_fn, loss_fn = gpt_parts(cfg)
     tx = make_tx()
-    batch = gpt_batch(np.random.default_rng(SEED + 1), 32, SMALL_GPT)
+    batch = gpt_batch(np.random.default_rng(SEED + 1), 32, cfg)
     state = jp.train.init_state(init_fn, tx, SEED, mesh=mesh)
     params = jax.device_get(state.params)
     loss, _, grads, new_params = _plain_reference(loss_fn, params, batch, tx)

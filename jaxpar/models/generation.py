@@ -172,3 +172,140 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, te
         if i < num_tokens - 1 and len(tokens) <= max_len:   # the new token's position still fits in the cache
             logits, cache = step(params, jnp.asarray(token, jnp.int32), cache, jnp.asarray(len(tokens) - 1, jnp.int32))
     return out
+
+
+# ------------------------------------------------------------------------- batched generation (KV cache)
+
+def sample_logits(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int | None = None,
+                  top_p: float | None = None) -> jax.Array:
+    """One token per row (int32 ``[B]``) from float ``logits_BV``: greedy (``argmax``) at ``temperature == 0``,
+    else ``jax.random.categorical`` of ``logits / temperature`` restricted to the ``top_k`` largest logits and then
+    to the smallest set whose probabilities sum to at least ``top_p`` (nucleus sampling, Holtzman et al. 2020,
+    sec. 3.1; as ``transformers``' ``TopKLogitsWarper`` then ``TopPLogitsWarper``). Traceable."""
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    neg = jnp.finfo(jnp.float32).min
+    z_BV = logits_BV.astype(jnp.float32) / temperature
+    if top_k is not None and top_k < z_BV.shape[-1]:
+        kth_B1 = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
+        z_BV = jnp.where(z_BV < kth_B1, neg, z_BV)
+    if top_p is not None and top_p < 1.0:
+        sorted_BV = jnp.sort(z_BV, axis=-1)[:, ::-1]
+        p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(p_BV, axis=-1) - p_BV           # mass of the more likely tokens
+        keep_BV = before_BV < top_p                             # the first token is always kept
+        cut_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        z_BV = jnp.where(z_BV < cut_B1, neg, z_BV)
+    return jax.random.categorical(key, z_BV, axis=-1).astype(jnp.int32)
+
+
+def _batched(model, max_len, vocab, num_new, temperature, top_k, top_p, eos_id, params, tokens_BL, start_B, rng):
+    """Prefill of the left-padded prompts in one ``decode_step`` over ``P`` slots, then a ``while_loop`` of
+    one-token steps until ``num_new`` tokens or every row has drawn ``eos_id``; the drawn ids ``[B, num_new]``
+    (-1 after a row's eos) and how many steps ran."""
+    B, P = tokens_BL.shape
+    cache = model.init_cache(params, B, max_len)
+    logits_BV, cache = model.decode_step(params, tokens_BL, cache, jnp.int32(0), start=start_B)
+    out_BN = jnp.full((B, num_new), -1, jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, done_B = carry
+        return (i < num_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, logits_BV, cache, out_BN, done_B = carry
+        token_B = sample_logits(logits_BV[:, :vocab], jax.random.fold_in(rng, i), temperature, top_k, top_p)
+        token_B = jnp.where(done_B, 0, token_B)
+        out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, jnp.where(done_B, -1, token_B)[:, None], i, axis=1)
+        if eos_id is not None:
+            done_B = done_B | (token_B == eos_id)
+        pos = jnp.minimum(P + i, max_len - 1)   # the last step's write is never read
+        logits_BV, cache = model.decode_step(params, token_B, cache, pos, start=start_B)
+        return i + 1, logits_BV, cache, out_BN, done_B
+
+    carry = (jnp.int32(0), logits_BV, cache, out_BN, jnp.zeros((B,), bool))
+    steps, _, _, out_BN, _ = jax.lax.while_loop(cond, body, carry)
+    return out_BN, steps
+
+
+_BATCHED = jax.jit(_batched, static_argnums=tuple(range(8)))
+
+
+def generate_batch(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, *,
+                   temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None,
+                   eos_id: int | None = None) -> list[list[int]]:
+    """Samples up to ``max_new_tokens`` tokens after each of a batch of prompts, in one jitted program: the
+    prompts left-padded to the longest (length ``P``) and written into a preallocated cache by one prefill pass,
+    then one ``decode_step`` per token for the whole batch (a ``lax.while_loop``), each row stopping at
+    ``eos_id``. Token ``i`` of every row is drawn by :func:`sample_logits` with ``jax.random.fold_in(rng, i)``.
+
+    The model's ``decode_step`` must take ``[B, L]`` tokens and ``start=`` (each row's first slot), as the GPT's
+    and the Llama's do (:meth:`jaxpar.models.GPT.decode_step`).
+
+    Args:
+      prompts: a non-empty list of non-empty int id sequences (of any lengths) in ``[0, vocab_size)``.
+      max_new_tokens: an int >= 0; ``P + max_new_tokens`` must not exceed ``max_seq_len``.
+      rng: a typed key, a raw uint32 key or an int seed.
+      temperature: 0 for greedy decoding (argmax), else a finite number >= :data:`MIN_TEMPERATURE`.
+      top_k: None, or keep the ``top_k >= 1`` largest logits.
+      top_p: None, or nucleus sampling with ``0 < top_p <= 1``.
+      eos_id: None, or the id that ends a row (kept as its last token).
+
+    Returns:
+      one list of drawn ids per prompt (Python ints; up to ``max_new_tokens``, ending at ``eos_id`` if drawn).
+
+    Raises:
+      ValueError: bad prompts (naming the row), arguments out of range, a context longer than ``max_seq_len``.
+      TypeError: the model lacks a generation part, or its ``decode_step`` takes no ``start``.
+    """
+    protocol.require(model, ("init_cache", "decode_step"), "generation")
+    max_seq = protocol.size(model, "max_seq_len", "generation", "the longest context its cache holds")
+    vocab = protocol.size(model, "vocab_size", "generation", "the prompt's ids must lie below it")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token id lists, got {type(prompts).__name__}")
+    rows = []
+    for r, p in enumerate(prompts):
+        try:
+            rows.append(_prompt(p, vocab))
+        except ValueError as e:
+            raise ValueError(f"prompts[{r}]: {e}") from None
+    num_new = _check(max_new_tokens, 1.0)[0]
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature={temperature!r} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} must be None or a number in (0, 1]")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral)
+                               or not 0 <= eos_id < vocab):
+        raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, {vocab})")
+    P = max(len(r) for r in rows)
+    if P + num_new > max_seq:
+        raise ValueError(f"the longest prompt ({P} tokens) plus max_new_tokens={num_new} exceeds max_seq_len="
+                         f"{max_seq}: shorten the prompts or ask for fewer tokens (jp.models.generate slides a "
+                         "window past max_seq_len for one prompt)")
+    if num_new == 0:
+        return [[] for _ in rows]
+    tokens = np.zeros((len(rows), P), np.int32)
+    for r, ids in enumerate(rows):
+        tokens[r, P - len(ids):] = ids
+    start = np.asarray([P - len(ids) for ids in rows], np.int32)
+    params = nn.meta.unbox(params)
+    try:
+        jax.eval_shape(lambda p: model.decode_step(p, jnp.zeros((1, 1), jnp.int32), model.init_cache(p, 1, 2),
+                                                   jnp.int32(0), start=jnp.zeros((1,), jnp.int32)), params)
+    except TypeError as e:
+        if "start" in str(e):
+            raise TypeError(f"{type(model).__name__}.decode_step takes no start=: batched generation needs "
+                            "decode_step(params, tokens_BL, cache, pos, start=start_B) (jp.models.GPT's form); "
+                            "generate one prompt at a time with jp.models.generate") from None
+        raise
+    top_k = None if top_k is None else int(top_k)
+    top_p = None if top_p is None else float(top_p)
+    eos = None if eos_id is None else int(eos_id)
+    out, _ = _BATCHED(model, P + num_new, vocab, num_new, float(temperature), top_k, top_p, eos, params,
+                      jnp.asarray(tokens), jnp.asarray(start), _key(rng))
+    out = np.asarray(out)
+    return [[int(t) for t in row if t >= 0] for row in out]

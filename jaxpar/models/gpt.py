@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
+from jaxpar.models.layers import attention, causal_attention, gelu, layer_norm, rope  # noqa: F401 (public here too)
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -140,87 +141,6 @@ def _compute_dtype(cfg: GPTConfig, like: jax.Array) -> Any:
     return cfg.dtype if cfg.dtype is not None else like.dtype
 
 
-@jax.checkpoint
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last axis with float32 statistics; returns ``x``'s dtype.
-
-    Rematerialised in the backward pass: it saves only its input (in the compute dtype), not float32
-    intermediates, which would otherwise be most of a bf16 model's saved activations.
-    """
-    xf = x.astype(jnp.float32)
-    mean = xf.mean(-1, keepdims=True)
-    var = jnp.square(xf - mean).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
-@jax.checkpoint
-def gelu(x: jax.Array) -> jax.Array:
-    """GELU with the tanh approximation (Hendrycks & Gimpel 2016, sec. 2), ``jax.nn.gelu(approximate=True)``.
-
-    Rematerialised like :func:`layer_norm`: the backward pass saves only the input and recomputes ``tanh``
-    inside its own fused loop, so the forward pass is one elementwise pass instead of two (``tanh``, then the
-    product), and no ``[tokens, mlp]`` tanh buffer is kept for the backward pass.
-    """
-    return jax.nn.gelu(x, approximate=True)
-
-
-def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
-    Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int or int32 scalar, e.g. a decode step's).
-    ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones)."""
-    L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
-    half = K // 2
-    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
-    angle = (jnp.arange(L, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32))[:, None] * freq[None, :]
-    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
-    x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
-
-
-def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2) -> jax.Array:
-    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
-
-    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
-    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
-    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
-    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
-    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
-    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
-    and heads) on any backend.
-    """
-    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
-    n = max(1, min(num_blocks, L))
-    bounds = [round(i * L / n) for i in range(n + 1)]
-    out = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
-                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
-        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
-        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
-    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
-
-
-def attention(cfg: GPTConfig, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array) -> jax.Array:
-    """Causal attention by ``cfg.attention``; float16 is taken in float32 (see ``Block``)."""
-    dtype = q_BLHK.dtype
-    platform = jax.devices()[0].platform
-    if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
-        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
-                         f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
-                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
-    if dtype == jnp.float16 and cfg.attention != "cudnn":
-        # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
-        # take attention in float32.
-        q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
-    if cfg.attention == "blocked":
-        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks)
-    else:
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True, implementation=cfg.attention)
-    return a_BLHK.astype(dtype)
-
-
 class Embed(nn.Module):
     """Token (and learned position) embedding: ``tokens_BL -> x_BLD``."""
     cfg: GPTConfig
@@ -233,7 +153,8 @@ class Embed(nn.Module):
                                         c.init_std / 2)
 
     def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
-        """``offset``: the position of ``tokens_BL[:, 0]`` (a decode step's; 0 for a whole sequence)."""
+        """``offset``: the position of ``tokens_BL[:, 0]`` (a decode step's; 0 for a whole sequence), an int32 scalar
+        or ``[B]`` (one per row)."""
         c = self.cfg
         dtype = _compute_dtype(c, self.embedding)
         # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
@@ -242,9 +163,12 @@ class Embed(nn.Module):
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if c.positions == "learned":
             L = tokens_BL.shape[1]
-            pos_LD = self.pos_embedding[:L] if isinstance(offset, int) and offset == 0 else \
-                jax.lax.dynamic_slice_in_dim(self.pos_embedding, offset, L)
-            x_BLD = x_BLD + pos_LD.astype(dtype)[None]
+            if isinstance(offset, int) and offset == 0:
+                pos_BLD = self.pos_embedding[:L][None]
+            else:   # per-row offsets (left-padded prompts): padding slots' negative positions clip to 0
+                pos_BL = jnp.clip(jnp.reshape(offset, (-1, 1)) + jnp.arange(L), 0, c.max_seq_len - 1)
+                pos_BLD = jnp.take(self.pos_embedding, pos_BL, axis=0)
+            x_BLD = x_BLD + pos_BLD.astype(dtype)
         return constrain(x_BLD, "batch", "seq", "embed")
 
 
@@ -323,23 +247,33 @@ class Block(nn.Module):
         a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK), "batch", "seq", "heads", "kv")
         return self._finish(x_BLD, a_BLHK)
 
-    def decode(self, x_B1D: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array, pos: jax.Array):
-        """One position ``pos`` (int32 scalar) of the block with a key/value cache of ``S`` positions:
-        ``(x_B1D, k_BSHK, v_BSHK) -> (x_B1D, k_BSHK, v_BSHK)``, this position's key and value written at ``pos``;
-        the query attends to cache positions ``<= pos`` (float32 logits and softmax, as :func:`causal_attention`).
+    def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
+               start_B: jax.Array | None = None):
+        """``L`` cache slots ``pos .. pos + L - 1`` of the block with a key/value cache of ``S`` slots:
+        ``(x_BLD, k_BSGK, v_BSGK) -> (x_BLD, k_BSGK, v_BSGK)``, these slots' keys and values written.
+
+        Row ``b``'s sequence starts at slot ``start_B[b]`` (int32 ``[B]``, default 0: left-padded prompts start
+        later), so slot ``t`` is its position ``t - start_B[b]``, and a query at slot ``t`` attends to slots
+        ``start_B[b] <= s <= t`` (float32 logits and softmax, as :func:`causal_attention`). ``L = 1`` is one decode
+        step; ``L > 1`` at ``pos = 0`` is a prompt's prefill in one pass. The cache keeps the key/value heads
+        (G; the GPT has one per query head).
         """
         c = self.cfg
-        q_B1HK, k_B1HK, v_B1HK = self._qkv(x_B1D)
-        q_B1HK, k_B1HK = self._positions(q_B1HK, k_B1HK, pos)
-        k_BSHK = jax.lax.dynamic_update_slice_in_dim(k_BSHK, k_B1HK.astype(k_BSHK.dtype), pos, axis=1)
-        v_BSHK = jax.lax.dynamic_update_slice_in_dim(v_BSHK, v_B1HK.astype(v_BSHK.dtype), pos, axis=1)
-        k_all, v_all = self._expand_kv(k_BSHK), self._expand_kv(v_BSHK)   # the cache keeps the KV heads only
-        s_BHS = jnp.einsum("bhk,bshk->bhs", q_B1HK[:, 0], k_all.astype(q_B1HK.dtype),
-                           preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
-        visible_S = jnp.arange(k_BSHK.shape[1]) <= pos
-        p_BHS = jax.nn.softmax(jnp.where(visible_S, s_BHS, jnp.finfo(jnp.float32).min / 2), axis=-1)
-        a_BHK = jnp.einsum("bhs,bshk->bhk", p_BHS.astype(v_all.dtype), v_all).astype(x_B1D.dtype)
-        return self._finish(x_B1D, a_BHK[:, None]), k_BSHK, v_BSHK
+        B, L, _ = x_BLD.shape
+        S = k_BSGK.shape[1]
+        start_B = jnp.zeros((B,), jnp.int32) if start_B is None else start_B
+        q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
+        q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, pos - start_B)
+        k_BSGK = jax.lax.dynamic_update_slice_in_dim(k_BSGK, k_BLGK.astype(k_BSGK.dtype), pos, axis=1)
+        v_BSGK = jax.lax.dynamic_update_slice_in_dim(v_BSGK, v_BLGK.astype(v_BSGK.dtype), pos, axis=1)
+        k_all, v_all = self._expand_kv(k_BSGK), self._expand_kv(v_BSGK)
+        s_BHLS = jnp.einsum("blhk,bshk->bhls", q_BLHK, k_all.astype(q_BLHK.dtype),
+                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
+        slot_S, slot_L = jnp.arange(S), pos + jnp.arange(L)
+        visible_BLS = (slot_S[None, None, :] <= slot_L[None, :, None]) & (slot_S[None, None, :] >= start_B[:, None, None])
+        p_BHLS = jax.nn.softmax(jnp.where(visible_BLS[:, None], s_BHLS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        a_BLHK = jnp.einsum("bhls,bshk->blhk", p_BHLS.astype(v_all.dtype), v_all).astype(x_BLD.dtype)
+        return self._finish(x_BLD, a_BLHK), k_BSGK, v_BSGK
 
 
 class Head(nn.Module):
@@ -551,31 +485,56 @@ class GPT:
 
     # ------------------------------------- generation (the protocol; max_seq_len, vocab_size from self.cfg)
     def init_cache(self, params: dict, batch_size: int, max_len: int) -> dict:
-        """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` in the compute
-        dtype (``cfg.dtype``, else the params')."""
+        """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` (the Llama: its
+        ``num_kv_heads``) in the compute dtype (``cfg.dtype``, else the params'), logical names ``("layers",
+        "batch", None, "heads" | "kv_heads", "kv")``."""
         c = self.cfg
         dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
-        shape = (c.num_layers, batch_size, max_len, getattr(c, "kv_heads", c.num_heads), c.head_dim)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        grouped = hasattr(c, "kv_heads")
+        shape = (c.num_layers, batch_size, max_len, c.kv_heads if grouped else c.num_heads, c.head_dim)
+        names = ("layers", "batch", None, "kv_heads" if grouped else "heads", "kv")
+        return {"k": constrain(jnp.zeros(shape, dtype), *names), "v": constrain(jnp.zeros(shape, dtype), *names)}
 
-    def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array):
-        """``(logits_BV float32, cache)`` after token ``tokens_B`` (int32) at position ``pos`` (int32 scalar):
-        the cache's keys and values at ``pos`` written, ``logits_BV`` equal to ``apply(params, tokens)[:, pos]``
-        for the tokens written at ``0 .. pos`` (float32 rounding). Traceable; ``pos < max_len`` of the cache."""
-        tokens_B1 = jnp.asarray(tokens_B, jnp.int32)[:, None]
-        x_B1D = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_B1, pos)
-        x_B1D = x_B1D * _nan_where_invalid(tokens_B1, self.cfg.vocab_size, x_B1D.dtype)[..., None]
+    def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array,
+                    start: jax.Array | None = None):
+        """``(logits_BV float32, cache)`` after tokens ``tokens_B`` (int32 ``[B]``, or ``[B, L]`` for ``L`` slots at
+        once: a prefill) written at cache slot ``pos`` (int32 scalar; ``pos .. pos + L - 1``): their keys and values
+        written, ``logits_BV`` those after the last of them, equal to ``apply(params, tokens)[:, pos]`` for the
+        tokens written at ``0 .. pos`` (float32 rounding). ``start`` (int32 ``[B]``, default 0): the slot where
+        each row's sequence begins (left-padded prompts), its positions counted from there and the slots before
+        it never attended to. Traceable; ``pos + L <= max_len`` of the cache."""
+        tokens_BL = jnp.asarray(tokens_B, jnp.int32)
+        tokens_BL = tokens_BL[:, None] if tokens_BL.ndim == 1 else tokens_BL
+        start_B = jnp.zeros(tokens_BL.shape[:1], jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        x_BLD = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, pos - start_B)
+        x_BLD = x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
         block, ks, vs = self.Block(self.cfg), [], []
         for i in range(self.cfg.num_layers):
             layer = jax.tree.map(lambda a: a[i], params["blocks"])
-            x_B1D, k, v = block.apply({"params": layer}, x_B1D, cache["k"][i], cache["v"][i], pos,
+            x_BLD, k, v = block.apply({"params": layer}, x_BLD, cache["k"][i], cache["v"][i], pos, start_B,
                                       method=self.Block.decode)
             ks.append(k)
             vs.append(v)
-        logits_BV = self.logits(params, x_B1D)[:, 0].astype(jnp.float32)
+        logits_BV = self.logits(params, x_BLD[:, -1:])[:, 0].astype(jnp.float32)
         return logits_BV, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
 
-    def generate(self, params: dict, prompt: list[int], num_tokens: int, rng: jax.Array,
-                 temperature: float = 0.8) -> list[int]:
-        """Samples ``num_tokens`` tokens after ``prompt``: :func:`jaxpar.models.generate` of this model."""
-        return generation.generate(self, params, prompt, num_tokens, rng, temperature)
+    def generate(self, params: dict, prompts: Any, max_new_tokens: int, rng: jax.Array,
+                 temperature: float = 0.8, *, top_k: int | None = None, top_p: float | None = None,
+                 eos_id: int | None = None) -> list:
+        """Samples ``max_new_tokens`` tokens after the prompts.
+
+        ``prompts`` a list of id lists (a batch, any lengths): :func:`jaxpar.models.generation.generate_batch`
+        (left-padded, one jitted prefill and decode loop over the KV cache, ``temperature=0`` greedy, ``top_k``,
+        ``top_p``, a stop at ``eos_id``); returns a list per prompt. One flat id list: :func:`jaxpar.models.generate`
+        (a window sliding past ``max_seq_len``; ``temperature`` only); returns one list.
+        """
+        flat = isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1 or (
+            isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, np.ndarray,
+                                                                                           jax.Array)))
+        if flat and top_k is None and top_p is None and eos_id is None:
+            return generation.generate(self, params, prompts, max_new_tokens, rng, temperature)
+        if flat:
+            return generation.generate_batch(self, params, [prompts], max_new_tokens, rng, temperature=temperature,
+                                             top_k=top_k, top_p=top_p, eos_id=eos_id)[0]
+        return generation.generate_batch(self, params, prompts, max_new_tokens, rng, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, eos_id=eos_id)

@@ -32,7 +32,8 @@ import numpy as np
 
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import gpt
-from jaxpar.models.gpt import _REMAT, ATTENTION, _param, rope
+from jaxpar.models.gpt import _REMAT, ATTENTION, _param
+from jaxpar.models.layers import rms_norm, rope, silu
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain
 
@@ -198,22 +199,6 @@ def _warn_replicated_kv(cfg: LlamaConfig) -> None:
            "the rules leave kv_heads unmapped; rules=(..., ('kv_heads', 'tensor'), ...) splits them")
     warnings.warn(f"the Llama's {cfg.num_kv_heads} key/value heads are replicated over the tensor axis ({why}): "
                   f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split", stacklevel=3)
-
-
-@jax.checkpoint
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019, eq. 4) over the last axis with float32 statistics, as HF's
-    ``LlamaRMSNorm``: ``scale * (x / sqrt(mean(x^2) + eps))`` (the normalised value in ``x``'s dtype first);
-    rematerialised like :func:`jaxpar.models.gpt.layer_norm`."""
-    xf = x.astype(jnp.float32)
-    y = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)).astype(x.dtype)
-    return (scale.astype(jnp.float32) * y.astype(jnp.float32)).astype(x.dtype)
-
-
-@jax.checkpoint
-def silu(x: jax.Array) -> jax.Array:
-    """``x * sigmoid(x)`` (Elfwing et al. 2018), rematerialised like :func:`jaxpar.models.gpt.gelu`."""
-    return jax.nn.silu(x)
 
 
 class LlamaBlock(gpt.Block):

@@ -1,0 +1,113 @@
+"""The layers the GPT and the Llama share (one copy each): norms, activations, rotary positions, attention.
+
+Shape legend: :data:`jaxpar.models.SHAPE_LEGEND` (B batch, L sequence, H heads, K head dim, ...). Norms and
+activations are rematerialised (``jax.checkpoint``): the backward pass saves their inputs only (see
+:mod:`jaxpar.models.gpt`'s speed notes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.checkpoint
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """LayerNorm over the last axis with float32 statistics; returns ``x``'s dtype.
+
+    Rematerialised in the backward pass: it saves only its input (in the compute dtype), not float32
+    intermediates, which would otherwise be most of a bf16 model's saved activations.
+    """
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+@jax.checkpoint
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (Hendrycks & Gimpel 2016, sec. 2), ``jax.nn.gelu(approximate=True)``.
+
+    Rematerialised like :func:`layer_norm`: the backward pass saves only the input and recomputes ``tanh``
+    inside its own fused loop, so the forward pass is one elementwise pass instead of two (``tanh``, then the
+    product), and no ``[tokens, mlp]`` tanh buffer is kept for the backward pass.
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
+def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
+    Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int, an int32 scalar, e.g. a decode step's,
+    or an int32 ``[B]`` of per-row offsets, e.g. left-padded prompts').
+    ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones)."""
+    L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
+    half = K // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
+    pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
+    angle = pos_BL[..., None] * freq          # [B or 1, L, K / 2]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
+
+
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
+
+    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
+    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
+    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
+    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
+    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
+    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
+    and heads) on any backend.
+    """
+    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
+    n = max(1, min(num_blocks, L))
+    bounds = [round(i * L / n) for i in range(n + 1)]
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
+                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
+        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
+    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
+
+
+def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array) -> jax.Array:
+    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32."""
+    dtype = q_BLHK.dtype
+    platform = jax.devices()[0].platform
+    if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
+        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
+                         f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
+                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
+    if dtype == jnp.float16 and cfg.attention != "cudnn":
+        # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
+        # take attention in float32.
+        q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
+    if cfg.attention == "blocked":
+        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks)
+    else:
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True, implementation=cfg.attention)
+    return a_BLHK.astype(dtype)
+
+
+@jax.checkpoint
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019, eq. 4) over the last axis with float32 statistics, as HF's
+    ``LlamaRMSNorm``: ``scale * (x / sqrt(mean(x^2) + eps))`` (the normalised value in ``x``'s dtype first);
+    rematerialised like :func:`layer_norm`."""
+    xf = x.astype(jnp.float32)
+    y = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+    return (scale.astype(jnp.float32) * y.astype(jnp.float32)).astype(x.dtype)
+
+
+@jax.checkpoint
+def silu(x: jax.Array) -> jax.Array:
+    """``x * sigmoid(x)`` (Elfwing et al. 2018), rematerialised like :func:`gelu`."""
+    return jax.nn.silu(x)
