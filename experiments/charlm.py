@@ -41,7 +41,7 @@ import optax
 
 import jaxpar as jp
 from jaxpar.cli import experiment
-from jaxpar.models import GPT, GPTConfig
+from jaxpar.models import GPT, GPTConfig, Llama, LlamaConfig
 
 experiment.require_extra("experiments/charlm.py")  # a core-only install stops here, told which extra to install
 import tyro  # noqa: E402  (after the check above)
@@ -63,7 +63,11 @@ class Config:
     zbv: ZB-V, 2 chunks per device in a V (least bubble)"""
     chunks: int = 2                # virtual stages per device of --schedule interleaved
     microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
+    model: Literal["gpt", "llama"] = "gpt"
+    """gpt: GPT-2-style blocks (LayerNorm, GELU, --positions); llama: Llama blocks (RMSNorm, SwiGLU, rotary,
+    grouped-query attention with --num-kv-heads)"""
     num_layers: int = 4            # transformer blocks
+    num_kv_heads: int = 0          # --model llama: key/value heads (divides num_heads); 0: num_heads
     num_heads: int = 4             # attention heads (divisible by tensor)
     d_model: int = 128             # model width
     seq_len: int = 128             # characters per training sequence
@@ -160,9 +164,11 @@ def main(cfg: Config) -> float | None:
     # the step checks this too, but only after init and the first outputs: fail before anything is written
     jp.grads.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps,
                               cfg.microbatches if cfg.pipe > 1 else 1)
-    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                          d_model=cfg.d_model, max_seq_len=cfg.seq_len, positions=cfg.positions,
-                          tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers, remat=cfg.remat))
+    shared = dict(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads, d_model=cfg.d_model,
+                  max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers,
+                  remat=cfg.remat)
+    model = (Llama(LlamaConfig(num_kv_heads=cfg.num_kv_heads, **shared)) if cfg.model == "llama" else
+             GPT(GPTConfig(positions=cfg.positions, **shared)))
     tx = cfg.optimizer(jax.eval_shape(model.init, jax.random.key(0)))  # logical names: what each leaf is
     out, policy = Path(cfg.out_dir), cfg.precision.policy()
     experiment.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
@@ -282,7 +288,7 @@ def compaction_report(cfg: Config, model, corpus, mesh, tx, state, active: bool,
     the compacted one side by side (:func:`step_times`). Writes ``<out-dir>/compaction.json`` and prints one
     line; returns the figures."""
     small_state, small_cfg = jp.pruning.compact_state(state, model.cfg, tx, mesh=mesh)
-    small = GPT(small_cfg)
+    small = small_cfg.as_model()
     rows = jp.data.process_slice(cfg.batch_size, mesh)
     val_batches = [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows) for i in range(cfg.eval_batches * 4)]
     runs = {}

@@ -316,7 +316,8 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
 
     Returns:
       the model and its params ``{"embed", "blocks", "head"}`` (plain ``jax.Array`` leaves), ready for
-      ``model.apply``, or for a ``TrainState`` through ``jp.train.init_state(lambda rng: params, tx, ...)``.
+      ``model.apply``, or for a ``TrainState`` through ``jp.train.init_state(lambda rng: with_names(model,
+      params), tx, rng, mesh=mesh)`` (:func:`with_names`).
 
     Raises:
       ValueError: not a checkpoint directory, another architecture, a tensor missing or of another shape than
@@ -352,6 +353,15 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     params = jax.tree.map(make, leaves(cfg, prefix), shapes, shardings,
                           is_leaf=lambda x: callable(x) or isinstance(x, tuple))
     return model, params
+
+
+def with_names(model: Any, params: dict) -> dict:
+    """``params`` boxed with the model's logical axis names (``nn.LogicallyPartitioned``), so that
+    ``jp.train.init_state(lambda rng: with_names(model, params), tx, rng, mesh=mesh)`` places them, and the
+    optimizer state, by the rules (as ``model.init``'s would be): loaded params become a ``TrainState``."""
+    is_box = lambda b: hasattr(b, "names")
+    boxed = jax.eval_shape(model.init, jax.random.key(0))
+    return jax.tree.map(lambda b, a: b.replace(value=a) if is_box(b) else a, boxed, params, is_leaf=is_box)
 
 
 def _hf_config(cfg: Any) -> dict:
