@@ -284,13 +284,21 @@ class Llama(gpt.GPT):
         return super().embed(params, tokens_BL)
 
     def replace(self, sizes: dict[tuple, int]) -> LlamaConfig:
-        """The config after compaction of MLP neurons (``("blocks", "mlp")``: the kept SwiGLU width).
+        """The config after compaction: ``sizes`` maps ``("blocks", "mlp")`` (the kept SwiGLU width: gate, up and down
+        coupled) and ``("blocks", "heads")`` (the kept query heads, the same number in each key/value group, see
+        :mod:`jaxpar.pruning.groups`) to the kept counts; ``num_kv_heads`` and ``head_dim`` are kept.
 
         Raises:
-          ValueError: any other group; pruning query heads within their key/value groups is not built yet.
+          ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``; a head count that is not a multiple
+            of ``num_kv_heads``.
         """
-        bad = [k for k in sizes if tuple(k) != ("blocks", "mlp")]
+        bad = [k for k in sizes if tuple(k[:-1]) != ("blocks",) or k[-1] not in ("mlp", "heads")]
         if bad:
-            raise ValueError(f"the Llama's prunable group is blocks/mlp (gate, up and down coupled); got masks for "
-                             f"{['/'.join(k) for k in bad]} (head pruning within key/value groups is not built yet)")
-        return dataclasses.replace(self.cfg, d_mlp=sizes.get(("blocks", "mlp"), self.cfg.d_mlp))
+            raise ValueError(f"the Llama's prunable groups are blocks/mlp (gate, up and down coupled) and blocks/heads "
+                             f"(query heads within their key/value group); got masks for {['/'.join(k) for k in bad]}")
+        c = self.cfg
+        heads, mlp = sizes.get(("blocks", "heads"), c.num_heads), sizes.get(("blocks", "mlp"), c.d_mlp)
+        if heads % c.num_kv_heads:
+            raise ValueError(f"a compacted Llama needs its query heads ({heads}) to be a multiple of num_kv_heads="
+                             f"{c.num_kv_heads}: each key/value group keeps the same number of query heads")
+        return dataclasses.replace(c, num_heads=heads, d_mlp=mlp, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

@@ -4,7 +4,7 @@
 smaller model and the config that runs it; :func:`compact_opt_state` gathers the optimizer state by the same
 indices; :func:`compact_state` does both for a ``jp.train.TrainState`` and places the result on a mesh, so training
 continues through ``jp.train.make_train_step``. Any model of the protocol (:mod:`jaxpar.models.protocol`:
-``init``, ``replace``, optionally ``prune_groups``) is supported: the GPT (``GPTConfig``), the MLP (an ``MLP``
+``init``, ``replace``, optionally ``prune_groups``) is supported: the GPT (``GPTConfig``), the Llama (``LlamaConfig``), the MLP (an ``MLP``
 module instance), or a user's model.
 """
 
@@ -127,6 +127,19 @@ def _indices(mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
     return index, np.take_along_axis(mask, index, axis=-1)
 
 
+def _plan_indices(mask: np.ndarray, plan: GroupPlan, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_indices` of a plan; grouped-query heads (``plan.segments`` key/value groups of ``H // G`` query heads)
+    keep one count per group, the largest any group keeps, rounded up so that ``G * count`` is a multiple of
+    ``multiple``; the indices stay ascending, so the kept query heads of group ``g`` are again the ``g``-th run of
+    ``count`` heads (query head ``h`` reads key/value head ``h // count`` in the compacted model)."""
+    if plan.segments == 1:
+        return _indices(mask, multiple)
+    g, per = plan.segments, plan.size // plan.segments
+    index, kept = _indices(mask.reshape(plan.segment_shape), multiple // math.gcd(multiple, g))
+    index = index + (np.arange(g, dtype=np.int32) * per)[:, None]
+    return index.reshape(*plan.batch_shape, -1), kept.reshape(*plan.batch_shape, -1)
+
+
 def _take(x: jax.Array, index: np.ndarray, member: Member) -> jax.Array:
     """``x`` gathered along ``member.axis`` by the per-slice ``index [*stacked, count]``."""
     pos = member.positions
@@ -174,7 +187,7 @@ class Compaction:
             if mask.shape != plans[key].mask_shape:
                 raise ValueError(f"mask {path_str(key)} has shape {mask.shape}; this model's groups have "
                                  f"{plans[key].mask_shape}: pass the masks of these params")
-            index[key], kept[key] = _indices(mask, _multiple(multiple_of, key[-1]))
+            index[key], kept[key] = _plan_indices(mask, plans[key], _multiple(multiple_of, key[-1]))
         new_config = _replaced(model, {k: v.shape[-1] for k, v in index.items()})
         shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(params))
         c = cls(tuple(plans[k] for k in keys), index, kept, new_config, shapes)
@@ -322,7 +335,9 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
     fewer get their lowest-index pruned groups back as padding, set to zero (the returned params are
     ``params * mask`` compacted), so the compacted model computes what the masked model computes: its logits
     equal ``model.apply(params * mask)``'s to float32 rounding. Pruned heads are removed whole: ``head_dim``
-    is kept (``GPTConfig.head_dim``), so ``num_heads * head_dim`` may differ from ``d_model``.
+    is kept (``GPTConfig.head_dim``), so ``num_heads * head_dim`` may differ from ``d_model``. Grouped-query
+    heads (the Llama) keep one count per key/value group (the largest any group keeps), so the compacted Llama
+    has ``num_kv_heads`` key/value heads and ``num_kv_heads * count`` query heads.
 
     Args:
       params: the model's params (numpy or jax arrays, sharded or not); Flax-boxed params (``model.init``'s
@@ -341,7 +356,7 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
     Returns:
       ``(new_params, new_config)``: the params (jax arrays; leaves outside pruned groups are returned as given)
       and the model's ``replace(sizes)``: ``dataclasses.replace(cfg, num_heads=..., d_mlp=...,
-      head_dim=cfg.head_dim)`` for the GPT, the MLP with its new ``hidden`` widths.
+      head_dim=cfg.head_dim)`` for the GPT (the Llama likewise, its ``num_kv_heads`` kept), the MLP with its new ``hidden`` widths.
 
     Raises:
       TypeError: a config without the protocol's ``init`` or ``replace`` (the missing part is named);

@@ -13,8 +13,14 @@ Coupling rules (documented on :func:`jaxpar.pruning.structured_pruning`):
   coupled, automatically, when no other module holds that name;
 * chains across modules (an MLP's ``dense_i -> dense_{i+1}``) are given explicitly by ``groups={axis: [(module,
   module, ...), ...]}``; once given for an axis, modules outside the chains stay dense for it;
+* grouped-query attention (Ainslie et al. 2023): where the modules of a ``heads`` group also hold leaves named
+  ``kv_heads`` (the Llama's ``k_kernel`` / ``v_kernel``, ``G`` key/value heads), the ``H`` query heads are split
+  into ``G`` contiguous segments, query head ``h`` reading key/value head ``h // (H // G)``; a query head is pruned
+  within its segment and every segment keeps the same number (:attr:`GroupPlan.segments`), so the compacted
+  model is again grouped-query attention with ``G`` key/value heads. Key/value heads are never pruned;
 * an axis name held by several modules and not chained is an error (its coupling is not clear), as is a leaf
-  holding it twice, coupled leaves whose group sizes or stacked-layer axes differ.
+  holding it twice, coupled leaves whose group sizes or stacked-layer axes differ, and ``kv_heads`` sizes that
+  disagree or do not divide the number of heads.
 """
 
 from __future__ import annotations
@@ -81,12 +87,15 @@ class GroupPlan:
       size: groups per stacked slice (the axis' length).
       batch_shape: the stacked-layer sizes (``(num_layers,)`` for the GPT, ``()`` unstacked).
       members: the coupled leaves.
+      segments: the axis is split into this many contiguous, equal segments that each keep the same number of
+        groups: the ``G`` key/value groups of grouped-query attention for ``heads`` (1: no constraint).
     """
     modules: tuple[Path, ...]
     axis_name: str
     size: int
     batch_shape: tuple[int, ...]
     members: tuple[Member, ...]
+    segments: int = 1
 
     @property
     def key(self) -> Path:
@@ -100,6 +109,11 @@ class GroupPlan:
     @property
     def mask_shape(self) -> tuple[int, ...]:
         return (*self.batch_shape, self.size)
+
+    @property
+    def segment_shape(self) -> tuple[int, ...]:
+        """``(*batch_shape, segments, size // segments)``: a mask's shape split by segment."""
+        return (*self.batch_shape, self.segments, self.size // self.segments)
 
     @property
     def group_weights(self) -> int:
@@ -188,7 +202,9 @@ def group_plans(params: Any, axis_names: Any, axes: Sequence[str] = PRUNABLE_AXE
         raise ValueError(NO_NAMES)
     axes = check_axes(axes)
     chains = _check_chains(groups, axes)
-    holders = _holders(params, checked_axis_names(params, axis_names), axes)
+    names_list = checked_axis_names(params, axis_names)
+    holders = _holders(params, names_list, axes)
+    kv_holders = _holders(params, names_list, ("kv_heads",))["kv_heads"] if "heads" in axes else {}
     plans = []
     for axis in axes:
         modules = holders[axis]
@@ -202,7 +218,26 @@ def group_plans(params: Any, axis_names: Any, axes: Sequence[str] = PRUNABLE_AXE
         elif modules:
             (module, leaves), = modules.items()
             plans.append(_plan((module,), axis, leaves))
+    plans = [_segmented(p, kv_holders) if p.axis_name == "heads" else p for p in plans]
     return sorted(plans, key=lambda p: (list(axes).index(p.axis_name), p.members[0].index))
+
+
+def _segmented(plan: GroupPlan, kv_holders: dict[Path, list]) -> GroupPlan:
+    """``plan`` with ``segments`` = the ``kv_heads`` size of its modules (grouped-query attention), if any."""
+    sizes = {(path, shape[names.index("kv_heads")]) for m in plan.modules for _, path, shape, names in
+             kv_holders.get(m, ())}
+    if not sizes:
+        return plan
+    kv = {g for _, g in sizes}
+    if len(kv) > 1:
+        raise ValueError(f"the leaves {sorted(path_str(p) for p, _ in sizes)} next to the heads of {plan.name} "
+                         f"disagree on the number of key/value heads ({sorted(kv)}); name them consistently")
+    (g,) = kv
+    if plan.size % g:
+        raise ValueError(f"{plan.name} has {plan.size} query heads but its key/value leaves "
+                         f"({sorted(path_str(p) for p, _ in sizes)}) hold {g} kv_heads, which does not divide them; "
+                         "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
+    return dataclasses.replace(plan, segments=g)
 
 
 def _chain_plans(axis: str, chains: list[tuple[Path, ...]], modules: dict[Path, list]) -> list[GroupPlan]:

@@ -50,11 +50,16 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
     axis_names=jax.eval_shape(init_fn, rng)))``. Its unit is a **group**: one entry of a logical axis in every
     leaf coupled through it. For the GPT an MLP neuron (``mlp``) is a column of ``up_kernel``, its ``up_bias``
     entry and a row of ``down_kernel``; an attention head (``heads``) is its slice of ``qkv_kernel`` (q, k and v)
-    and of ``out_kernel``. Groups come from the logical names that also shard the params:
+    and of ``out_kernel``. For the Llama an MLP neuron couples a column of ``gate_kernel`` and ``up_kernel`` and a
+    row of ``down_kernel`` (SwiGLU); a query head is its slice of ``q_kernel`` and of ``out_kernel``, pruned
+    within its key/value group (``k_kernel`` / ``v_kernel`` stay whole). Groups come from the logical names that
+    also shard the params:
 
     * only ``mlp`` and ``heads`` entries are removed, never ``embed``;
     * the leaves of one module (same parent path: the GPT's ``blocks``) holding the axis are coupled, when no
       other module holds that axis name;
+    * heads next to ``kv_heads`` leaves (grouped-query attention) are pruned within their key/value group, every
+      group keeping the same number, so the compacted model has as many key/value heads as before;
     * chains across modules are given by ``groups``: the digits MLP's hidden layer 0 is
       ``groups={"mlp": [("dense_0", "dense_1")]}`` (``dense_0``'s kernel columns and bias, ``dense_1``'s kernel
       rows). Once ``groups`` names an axis, modules outside its chains stay dense for that axis;
@@ -85,7 +90,8 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
       distribution: per group kind (``mlp`` and ``heads`` are ranked separately: a head and a neuron hold
         different numbers of weights, so their norms do not compare):
         ``"uniform"``: every stacked slice (layer) of every group plan removes ``round(sparsity * groups)``,
-        keeping at least one;
+        keeping at least one; grouped-query heads (the Llama: query heads sharing a key/value head, see
+        :mod:`jaxpar.pruning.groups`) remove ``round(sparsity * H / G)`` in each of the ``G`` key/value groups;
         ``"global"``: one threshold over all layers (and chains) of the kind; the kind's total count is exact,
         layers may keep different numbers (:func:`jaxpar.pruning.compact` pads them to one count).
         ERK is refused: it sets per-tensor densities from a layer's fan-in and fan-out, while all groups of
@@ -94,7 +100,9 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         plan, so no layer is cut off: global pruning first keeps each slice's highest-scoring group (ties to
         the lower index), then ranks the rest globally; its count is ``max(round((1 - sparsity) * groups),
         number of slices)``, so at high sparsity (e.g. 0.99) it keeps more than asked. Torch-Pruning likewise
-        never removes a layer's last channel.
+        never removes a layer's last channel. Grouped-query heads count each key/value group as a slice here
+        (each keeps its top query head first); key/value groups that keep different numbers are padded to one
+        count by :func:`jaxpar.pruning.compact`.
       axis_names: the params' logical names, ``jax.eval_shape(init_fn, rng)`` (Flax-boxed) or
         ``jp.sharding.logical_specs`` of it. Required (the groups are read from them): ``init`` raises without.
       axes: the pruned axes, a subset of ``("mlp", "heads")`` (default both); ignored with a dict ``sparsity``.
@@ -107,7 +115,8 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
 
     Raises:
       ValueError: (here) an unknown distribution or ``"erk"``; a sparsity outside [0, 1); an axis other than
-        ``mlp``/``heads`` (``embed`` included); (at ``init``) no ``axis_names``; an axis name held by several
+        ``mlp``/``heads`` (``embed`` included); (at ``init``) no ``axis_names``; heads pruned where every query
+        head has its own key/value head; an axis name held by several
         modules without a chain in ``groups``; a chain naming a module that lacks the axis or sits in two
         chains; coupled leaves whose group sizes or stacked axes differ; a leaf holding the axis twice; no
         group found; names not matching the params (structure, or a boxed leaf's shape along an axis other than
@@ -129,6 +138,11 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         if not plans:
             raise ValueError(f"structured_pruning found no leaf with the logical axes {kinds} in the params; check "
                              "axis_names (jax.eval_shape(init_fn, rng)) or the axes pruned")
+        for p in plans:
+            if p.segments == p.size > 1:
+                raise ValueError(f"{p.name}: each of its {p.size} query heads has its own key/value head (num_kv_heads "
+                                 "== num_heads), and query heads are pruned only within their key/value group, so "
+                                 "none can be: prune axes=('mlp',), or give the model fewer key/value heads")
         return plans
 
     def init_fn(params):
@@ -198,16 +212,30 @@ def scores(candidates: Mapping[int, jax.Array], plan: GroupPlan) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("plans", "distribution"))
 def _select(candidates: dict[int, jax.Array], sparsity: jax.Array, *, plans: tuple[GroupPlan, ...],
             distribution: str) -> list[jax.Array]:
-    """Keep masks ``[*stacked, groups]`` for one kind's plans, from the candidates (params + updates)."""
-    bits = [select.magnitude_bits(scores(candidates, p)) for p in plans]
-    if distribution == "global":   # every stacked slice's top group is kept first (a layer never empties)
+    """Keep masks ``[*stacked, groups]`` for one kind's plans, from the candidates (params + updates).
+
+    Selection runs on the scores split by segment, ``[*stacked, segments, groups // segments]`` (one segment
+    unless the plan is grouped-query heads), so "per slice" means per segment of a stacked slice."""
+    bits = [_segment_view(select.magnitude_bits(scores(candidates, p)), p) for p in plans]
+    if distribution == "global":   # every slice's (segment's) top group is kept first (a layer never empties)
         total, slices = sum(b.size for b in bits), sum(b.size // b.shape[-1] for b in bits)
         top = select.top_k_per_slice(bits, [(b.ndim - 1,) for b in bits], [jnp.ones((), jnp.int32)] * len(bits))
         bits = [jnp.where(t, select.SENTINEL, b) for t, b in zip(top, bits)]
         keep = jnp.maximum(jnp.round((1.0 - sparsity) * total).astype(jnp.int32), slices)
-        return select.top_k_pooled(bits, keep)
-    keep = [jnp.maximum(1, jnp.round((1.0 - sparsity) * p.size)).astype(jnp.int32) for p in plans]
-    return select.top_k_per_slice(bits, [(b.ndim - 1,) for b in bits], keep)
+        masks = select.top_k_pooled(bits, keep)
+    else:
+        keep = [jnp.maximum(1, jnp.round((1.0 - sparsity) * (p.size // p.segments))).astype(jnp.int32)
+                for p in plans]
+        masks = select.top_k_per_slice(bits, [(b.ndim - 1,) for b in bits], keep)
+    return [m.reshape(p.mask_shape) for m, p in zip(masks, plans)]
+
+
+def _segment_view(bits: jax.Array, plan: GroupPlan) -> jax.Array:
+    """``bits [*stacked, groups]`` as ``[*stacked, segments, groups // segments]`` (replicated first on an Explicit
+    mesh, where splitting a sharded axis by reshape is not defined; these are small score arrays)."""
+    if select._explicit_spec(bits) is not None:
+        bits = jax.reshard(bits, jax.sharding.PartitionSpec())
+    return bits.reshape(plan.segment_shape)
 
 
 # ------------------------------------------------------------------------------------------- inspection

@@ -58,7 +58,7 @@ def _torch_loss_and_embedding_grad(model, tokens, targets):
     logits = model(torch.tensor(tokens)).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(targets, dtype=torch.long).reshape(-1))
     loss.backward()
-    return logits.detach().numpy(), float(loss), model.model.embed_tokens.weight.grad.numpy().copy()
+    return logits.detach().numpy(), loss.item(), model.model.embed_tokens.weight.grad.numpy().copy()
 
 
 def test_load_matches_transformers_logits_loss_and_embedding_grad(checkpoint):
