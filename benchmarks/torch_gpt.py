@@ -115,12 +115,14 @@ def load_jaxpar_params(model, params) -> None:
 
 
 def make_optimizer(model, lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
-                   betas=(0.9, 0.95), final_lr_ratio: float = 0.1, **adamw_kwargs):
-    """``(optimizer, scheduler)``: AdamW with decay on the 2-D Linear weights (the embedding does not decay, as
-    in ``jp.optim.decay_mask``), the learning rate of ``optax.warmup_cosine_decay_schedule``."""
+                   betas=(0.9, 0.95), final_lr_ratio: float = 0.1, decay_prefix: str = "blocks.", **adamw_kwargs):
+    """``(optimizer, scheduler)``: AdamW with decay on the 2-D weights under ``decay_prefix`` (the blocks' Linear
+    weights; embeddings and the unembedding do not decay, as in ``jp.optim.decay_mask``), the learning rate of
+    ``optax.warmup_cosine_decay_schedule``."""
     torch = torch_module()
-    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+    decays = lambda n, p: p.ndim == 2 and n.startswith(decay_prefix)
+    decay = [p for n, p in model.named_parameters() if decays(n, p)]
+    rest = [p for n, p in model.named_parameters() if not decays(n, p)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
                             lr=lr, betas=betas, eps=1e-8, **adamw_kwargs)
 

@@ -2,7 +2,8 @@
 
 No timing is asserted (the machines are shared and noisy); what is asserted is what the scripts claim beside
 their timings: the PyTorch GPT has jaxpar's parameter count and, from the same weights and batches, the same
-losses step by step (an independent implementation of the model and of AdamW with clipping and the schedule);
+losses step by step (an independent implementation of the model and of AdamW with clipping and the schedule), and so
+does transformers' LlamaForCausalLM against jaxpar's Llama;
 the hand-written jit step computes jaxpar's outputs with the same FLOPs and collectives; the memory rows hold
 compiled figures beside the analytic estimate. The heavier ones (the GPU script's tiny run, the model-module
 comparison, the pipeline memory rows) are marked slow. ``torch.compile`` is left out (``--no-compile``): compiling
@@ -33,6 +34,22 @@ def test_vs_pytorch_same_model_same_losses():
     assert jl.shape == (3,) and jl[0] != jl[2]                # the updates change the loss
     np.testing.assert_allclose(jl, tl, rtol=2e-5)            # rounded to 5 decimals in the JSON
     assert out["tokens_per_s_ratios"]["jaxpar_over_torch_eager"]["median"] > 0
+
+
+def test_vs_pytorch_llama_against_transformers_same_losses():
+    """--model llama: transformers' LlamaForCausalLM (sdpa, from jaxpar's weights through hf.save) and jaxpar's
+    Llama (GQA: 4 query heads, 2 key/value heads) give the same losses over three AdamW steps."""
+    pytest.importorskip("transformers")
+    import vs_pytorch
+    out = vs_pytorch.main(["--model", "llama", "--kv-heads", "2", "--rounds", "1", "--steps-per-round", "1",
+                           "--check-steps", "3", "--warmup-steps", "0", "--batch", "4", "--seq", "16", "--no-compile",
+                           "--layers", "1", "--d-model", "32", "--heads", "4", "--lr", "1e-2"])
+    counts = out["param_counts"]
+    assert counts["jaxpar"] == counts["torch_eager"] > 0
+    assert out["model"]["num_kv_heads"] == 2
+    jl, tl = (np.asarray(out["results"][k]["first_losses"]) for k in ("jaxpar", "torch_eager"))
+    assert jl.shape == (3,) and jl[1] != jl[2]                # the updates change the loss
+    np.testing.assert_allclose(jl, tl, rtol=2e-5)
 
 
 @pytest.mark.slow  # fast-set time; .ci/run runs it

@@ -195,6 +195,51 @@ def test_pipelined_llama_step_matches_single_device(schedule, mesh_factory):
     assert_tree_close(trace, jax.device_get(grads), what="pipelined grads")
 
 
+def _momentum_trace(opt_state):
+    return next(s for s in jax.tree.leaves(opt_state,
+                                           is_leaf=lambda s: isinstance(s, optax.TraceState))
+                if isinstance(s, optax.TraceState)).trace
+
+
+# Measured (mixed_bf16: float32 master params, bfloat16 compute), per leaf max|diff| / max|ref|, against jaxpar's
+# bf16 step on one device: 2x2x2 loss 3.9e-6, grads 1.1e-2; pipe=2 1F1B loss 3.9e-6, grads 1.2e-2; against the
+# float32 reference: grads 1.5e-2 and 1.8e-2 (bf16 keeps 8 mantissa bits; the layouts round partial sums at
+# different points).
+# Tolerance 3e-2, as the GPT's bf16 cases (tests/test_pipeline_users.py); the grads must also differ from float32
+# by more than 1e-4, so the policy really applies.
+BF16_RTOL = 3e-2
+
+
+@pytest.mark.parametrize("layout", ["2x2x2", pytest.param("pipe2_1f1b", marks=pytest.mark.slow)])
+def test_mixed_bf16_llama_step_matches_the_single_device_bf16_step(layout, mesh_factory):
+    policy = jp.precision.Policy.from_string("mixed_bf16")
+    cfg = dataclasses.replace(SMALL_LLAMA, num_layers=4)
+    model, tx = Llama(cfg), optax.sgd(0.1, momentum=0.9)
+    batch = gpt_batch(np.random.default_rng(6), 8, cfg)
+    one = mesh_factory()
+    ref_state = jp.train.init_state(model.init, tx, 5, mesh=one, policy=policy)
+    ref_new, ref_metrics = jp.train.make_train_step(model.loss, tx, mesh=one, donate=False)(ref_state, batch)
+    params = jax.device_get(ref_state.params)
+    (f32_loss, _), f32_grads = jax.jit(jax.value_and_grad(model.loss, has_aux=True))(params, batch)
+    if layout == "2x2x2":
+        mesh, loss_fn, pipeline = mesh_factory(data=2, fsdp=2, tensor=2), model.loss, None
+    else:
+        mesh = mesh_factory(data=2, pipe=2, tensor=2)
+        pipeline = loss_fn = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss,
+                                                  jp.pipeline.one_f_one_b(2, 4))
+    state = jp.train.init_state(model.init, tx, 5, mesh=mesh, policy=policy, pipeline=pipeline)
+    new_state, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh)(state, batch)
+    new_state = jp.train.to_model_order(new_state) if pipeline else new_state
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(new_state.params)), "master params stay float32"
+    grads, ref_grads = _momentum_trace(new_state.opt_state), _momentum_trace(ref_new.opt_state)
+    e_loss = assert_scalar_close(metrics["loss"], ref_metrics["loss"], rtol=BF16_RTOL, what="vs bf16 step loss")
+    e_grads = assert_tree_close(grads, ref_grads, rtol=BF16_RTOL, what="vs bf16 step grads")
+    f_grads = assert_tree_close(grads, jax.device_get(f32_grads), rtol=BF16_RTOL, what="vs float32 grads")
+    assert_scalar_close(metrics["loss"], f32_loss, rtol=BF16_RTOL, what="vs float32 loss")
+    assert f_grads > 1e-4, f"mixed_bf16 grads equal float32 ones ({f_grads:.2e}): the policy did not apply"
+    print(f"\n[llama mixed_bf16 {layout}] vs bf16 step: loss {e_loss:.2e} grads {e_grads:.2e}; vs f32 grads {f_grads:.2e}")
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kwargs,match", [
