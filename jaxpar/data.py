@@ -1,4 +1,5 @@
-"""Data: a character-level text corpus and scikit-learn's digits, served as step-indexed global batches.
+"""Data: a character-level text corpus, token files (:class:`TokenFile`, prepared by ``jaxpar.tokens``) and
+scikit-learn's digits, served as step-indexed global batches.
 
 ``batch = f(seed, step)``: the same seed and step always give the same global batch, whatever the mesh or
 the number of processes, so a resumed run sees exactly the data it would have seen. Each process builds only
@@ -8,6 +9,7 @@ its own rows of the global batch (``process_slice``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -69,6 +71,37 @@ def process_slice(global_batch: int, mesh: Mesh | None = None, rules: shd.Rules 
     return slice(i * per, (i + 1) * per)
 
 
+# ------------------------------------------------------------------------------ windows of a token stream
+
+SPLIT_CODES = {"train": 0, "val": 1}   # the split's entry in the window seed (CharCorpus and TokenFile alike)
+
+
+def check_window_sizes(num_tokens: int, batch_size: int, seq_len: int, what: str) -> None:
+    """ValueError unless ``batch_size, seq_len >= 1`` and ``what`` (``num_tokens`` long) holds a window of
+    ``seq_len + 1`` tokens with room to move (``num_tokens > seq_len + 1``)."""
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
+    if num_tokens <= seq_len + 1:
+        raise ValueError(f"{what} has {num_tokens} tokens, too few for seq_len {seq_len} (windows of seq_len + 1 "
+                         "tokens); use more text or a shorter seq_len")
+
+
+def random_window_starts(seed: int, step: int, split_code: int, num_tokens: int, batch_size: int,
+                         seq_len: int) -> np.ndarray:
+    """int64 ``[batch_size]`` window offsets of global batch ``step``, uniform in ``[0, num_tokens - seq_len - 1)``
+    from ``numpy.random.default_rng([seed, step, split_code])``: a function of these numbers only (not of the
+    process count or of the batches drawn before)."""
+    rng = np.random.default_rng([seed, step, split_code])
+    return rng.integers(0, num_tokens - seq_len - 1, size=batch_size)
+
+
+def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """``{"inputs", "targets"}``, int32 ``[len(starts), seq_len]``: ``data[s : s + seq_len]`` and the same window
+    one token later, for each start ``s`` (``data`` may be a ``numpy.memmap``: only these windows are read)."""
+    window = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
 @dataclasses.dataclass(frozen=True)
 class CharCorpus:
     """A character-level corpus with a train/validation split.
@@ -119,18 +152,16 @@ class CharCorpus:
         """
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r}; use 'train' or 'val'")
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
         data = self.train if split == "train" else self.val
-        if len(data) <= seq_len + 1:
-            raise ValueError(f"the {split} split has {len(data)} tokens, too few for seq_len {seq_len}; "
-                             "use a longer text or a shorter seq_len")
-        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
-        starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
-        starts = starts[rows if rows is not None else process_slice(batch_size)]
-        idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
-        window = data[idx]
-        return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+        check_window_sizes(len(data), batch_size, seq_len, f"the {split} split")
+        starts = random_window_starts(seed, step, SPLIT_CODES[split], len(data), batch_size, seq_len)
+        return windows(data, starts[rows if rows is not None else process_slice(batch_size)], seq_len)
+
+    def bits_per_byte(self, nats_per_token: float, split: str = "val") -> float:
+        """A loss in nats per character as bits per UTF-8 byte of the ``split`` text (``nats / ln 2 * chars /
+        bytes``), comparable across tokenizers."""
+        data = self.train if split == "train" else self.val
+        return nats_per_token / math.log(2) * len(data) / len(self.decode(data).encode("utf-8"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,4 +199,7 @@ class Digits:
         return {"x": self.x_test[:n][rows], "y": self.y_test[:n][rows]}
 
 
-__all__ = ["CharCorpus", "Digits", "default_text", "load_text", "process_slice"]
+# token files build on the window helpers above (jaxpar/token_file.py imports them): re-exported here, last
+from jaxpar.token_file import TokenCorpus, TokenFile  # noqa: E402
+
+__all__ = ["CharCorpus", "Digits", "TokenCorpus", "TokenFile", "default_text", "load_text", "process_slice"]
