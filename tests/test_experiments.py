@@ -229,32 +229,15 @@ def test_charlm_trains_on_a_token_directory(token_dir, tmp_path, capsys):
 TOKEN_RUN = dict(steps=16, eval_interval=8, eval_batches=1, batch_size=16, seq_len=32, d_model=32, num_layers=1,
                  num_heads=2, warmup_steps=2, sample_chars=5, checkpoint_interval=0)
 
-# experiments/charlm.py as written, with sync hooks: after process 0 logs step 2 it blocks until its
-# PreemptionHandler has handled the SIGTERM (the launcher forwards it to both processes); every process records
-# the training rows it loads (tests/helpers.py batch_recorder)
+# experiments/charlm.py as written: after process 0 logs step 2 it blocks until its PreemptionHandler has handled
+# the SIGTERM (the launcher forwards it to both processes); every process records the training rows it loads
 TOKEN_WRAPPER = """
 import os, runpy, sys
 sys.path[:0] = ["tests"]
-import jax
 import jaxpar as jp
-import jaxpar.loop
-from ckpt_worker import sigterm_pipe, sync
+from ckpt_worker import await_sigterm_after_logging
 from helpers import batch_recorder
-handled = []
-
-class PreemptionHandler(jp.loop.PreemptionHandler):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        handled.append(sigterm_pipe())
-jp.loop.PreemptionHandler = PreemptionHandler
-write = jp.metrics.MetricsWriter.write
-
-def write_then_await_sigterm(self, step, metrics, split="train"):
-    write(self, step, metrics, split)
-    if (step, split) == (2, "train") and jax.process_index() == 0:
-        sync("awaiting SIGTERM after logging step 2")
-        os.read(handled[0], 1)
-jp.metrics.MetricsWriter.write = write_then_await_sigterm
+await_sigterm_after_logging(2)
 record = sys.argv.pop(1)
 jp.data.TokenCorpus.batch = batch_recorder(f"{record}_{os.environ['JAXPAR_PROCESS_ID']}.jsonl", jp.data.TokenCorpus.batch)
 sys.argv = ["experiments/charlm.py", *sys.argv[1:]]
