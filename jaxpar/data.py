@@ -13,12 +13,12 @@ import math
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from jaxpar import sharding as shd
 from jaxpar._optional import require
+from jaxpar.batches import process_slice
+from jaxpar.token_file import (SPLIT_CODES, TokenCorpus, TokenFile, check_window_sizes, random_window_starts,
+                               windows)
 
 
 def default_text() -> str:
@@ -49,57 +49,6 @@ def load_text(path: str | os.PathLike | None = None) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
-
-
-def process_slice(global_batch: int, mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> slice:
-    """The rows of a global batch this process builds.
-
-    With a ``mesh``: the rows this process's devices hold under the batch sharding
-    (:func:`jaxpar.sharding.process_batch_rows`; the whole batch when the batch axes lie within each
-    process). Without: block ``process_index`` of ``process_count`` equal blocks, which is the same for
-    meshes whose batch axes span the processes in order (``jp.make_mesh`` with data/fsdp outermost).
-
-    Raises:
-      ValueError: ``global_batch`` not divisible by the processes (or the mesh's batch axes).
-    """
-    if mesh is not None:
-        return shd.process_batch_rows(global_batch, mesh, rules)
-    n, i = jax.process_count(), jax.process_index()
-    if global_batch % n:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {n} processes")
-    per = global_batch // n
-    return slice(i * per, (i + 1) * per)
-
-
-# ------------------------------------------------------------------------------ windows of a token stream
-
-SPLIT_CODES = {"train": 0, "val": 1}   # the split's entry in the window seed (CharCorpus and TokenFile alike)
-
-
-def check_window_sizes(num_tokens: int, batch_size: int, seq_len: int, what: str) -> None:
-    """ValueError unless ``batch_size, seq_len >= 1`` and ``what`` (``num_tokens`` long) holds a window of
-    ``seq_len + 1`` tokens with room to move (``num_tokens > seq_len + 1``)."""
-    if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
-    if num_tokens <= seq_len + 1:
-        raise ValueError(f"{what} has {num_tokens} tokens, too few for seq_len {seq_len} (windows of seq_len + 1 "
-                         "tokens); use more text or a shorter seq_len")
-
-
-def random_window_starts(seed: int, step: int, split_code: int, num_tokens: int, batch_size: int,
-                         seq_len: int) -> np.ndarray:
-    """int64 ``[batch_size]`` window offsets of global batch ``step``, uniform in ``[0, num_tokens - seq_len - 1)``
-    from ``numpy.random.default_rng([seed, step, split_code])``: a function of these numbers only (not of the
-    process count or of the batches drawn before)."""
-    rng = np.random.default_rng([seed, step, split_code])
-    return rng.integers(0, num_tokens - seq_len - 1, size=batch_size)
-
-
-def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """``{"inputs", "targets"}``, int32 ``[len(starts), seq_len]``: ``data[s : s + seq_len]`` and the same window
-    one token later, for each start ``s`` (``data`` may be a ``numpy.memmap``: only these windows are read)."""
-    window = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
-    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +147,5 @@ class Digits:
         rows = process_slice(n)
         return {"x": self.x_test[:n][rows], "y": self.y_test[:n][rows]}
 
-
-# token files build on the window helpers above (jaxpar/token_file.py imports them): re-exported here, last
-from jaxpar.token_file import TokenCorpus, TokenFile  # noqa: E402
 
 __all__ = ["CharCorpus", "Digits", "TokenCorpus", "TokenFile", "default_text", "load_text", "process_slice"]

@@ -21,12 +21,41 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxpar._optional import require
-from jaxpar.data import SPLIT_CODES, check_window_sizes, process_slice, random_window_starts, windows
+from jaxpar.batches import process_slice
 
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}   # little-endian, as nanoGPT writes them
 CHECK_CHUNK = 1 << 24   # tokens per vectorised chunk of the id check on open (32-64 MiB read at a time)
+
+
+SPLIT_CODES = {"train": 0, "val": 1}   # the split's entry in the window seed (CharCorpus and TokenFile alike)
+
+
+def check_window_sizes(num_tokens: int, batch_size: int, seq_len: int, what: str) -> None:
+    """ValueError unless ``batch_size, seq_len >= 1`` and ``what`` (``num_tokens`` long) holds a window of
+    ``seq_len + 1`` tokens with room to move (``num_tokens > seq_len + 1``)."""
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
+    if num_tokens <= seq_len + 1:
+        raise ValueError(f"{what} has {num_tokens} tokens, too few for seq_len {seq_len} (windows of seq_len + 1 "
+                         "tokens); use more text or a shorter seq_len")
+
+
+def random_window_starts(seed: int, step: int, split_code: int, num_tokens: int, batch_size: int,
+                         seq_len: int) -> np.ndarray:
+    """int64 ``[batch_size]`` window offsets of global batch ``step``, uniform in ``[0, num_tokens - seq_len - 1)``
+    from ``numpy.random.default_rng([seed, step, split_code])``: a function of these numbers only (not of the
+    process count or of the batches drawn before)."""
+    rng = np.random.default_rng([seed, step, split_code])
+    return rng.integers(0, num_tokens - seq_len - 1, size=batch_size)
+
+
+def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """``{"inputs", "targets"}``, int32 ``[len(starts), seq_len]``: ``data[s : s + seq_len]`` and the same window
+    one token later, for each start ``s`` (``data`` may be a ``numpy.memmap``: only these windows are read)."""
+    window = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -279,4 +308,5 @@ class TokenCorpus:
         return getattr(self, split).bits_per_byte(nats_per_token)
 
 
-__all__ = ["TokenCorpus", "TokenFile", "read_meta", "token_dtype"]
+__all__ = ["SPLIT_CODES", "TokenCorpus", "TokenFile", "check_window_sizes", "random_window_starts", "read_meta",
+           "token_dtype", "windows"]
