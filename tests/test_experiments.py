@@ -283,4 +283,6 @@ def test_charlm_tokens_sigterm_on_two_processes_resume_on_one(token_dir, tmp_pat
     got, ref = train_rows(run), train_rows(tmp_path / "straight")
     assert [r["step"] for r in got] == list(range(1, 17))
     rel = [abs(g["loss"] - w["loss"]) / abs(w["loss"]) for g, w in zip(got, ref)]
+    print(f"resumed at step {reached}: largest relative loss difference {max(rel):.3g} (before: "
+          f"{max(rel[:reached]):.3g})")
     assert max(rel) <= 1e-5, rel

@@ -146,13 +146,17 @@ def test_rerun_is_byte_identical_whatever_the_chunking(tmp_path):
 
 
 @pytest.mark.slow  # spawns worker processes (each imports jax: ~10 s on 2 busy cores); .ci/run runs it
-def test_worker_processes_write_the_same_files(tmp_path):
-    (tmp_path / "pydoc.txt").write_text(pydoc_slice(60_000))
+def test_all_of_pydoc_through_worker_processes(tmp_path):
+    """All of CPython's pydoc topics (2608 paragraphs) through 2 worker processes in chunks of 16 documents: the
+    same files as one process writes, and exactly tokenizers' encoding of each paragraph + EOD."""
+    text = jp.data.default_text()
+    (tmp_path / "pydoc.txt").write_text(text)
     for name, workers in (("one", 1), ("two", 2)):
-        tokens.prepare([tmp_path / "pydoc.txt"], tmp_path / name, train_bpe_vocab=500, val_fraction=0.05,
+        tokens.prepare([tmp_path / "pydoc.txt"], tmp_path / name, train_bpe_vocab=1024, val_fraction=0.0,
                        workers=workers, chunk_documents=16, progress=False)
     for f in FILES:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+    assert_stream(tmp_path / "two", paragraphs(text))
 
 
 def test_validation_split_is_a_hash_of_the_index():
@@ -211,3 +215,13 @@ def test_missing_files_and_bad_parquet_column(tmp_path):
         list(tokens.read_documents(tmp_path / "p.parquet"))
     with pytest.raises(ValueError, match=r"no string column 'n'"):
         list(tokens.read_documents(tmp_path / "p.parquet", field="n"))
+
+
+def test_entry_point_without_the_data_extra_names_it():
+    """prepare_tokens.py without tokenizers fails at start naming the 'data' extra and the pip command."""
+    from test_core_install import run_script
+    out = run_script("prepare_tokens", "import sys\nsys.modules['tokenizers'] = None\n")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ImportError: experiments/prepare_tokens.py needs the 'data' extra, and tokenizers is not installed: "
+        "pip install 'jaxpar[data]' (from a checkout: pip install -e '.[data]')"), out.stderr[-2000:]
