@@ -89,12 +89,12 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise bad(f"vocab_size {vocab} does not fit dtype {dtype}")
     if not isinstance(meta.get("eod_id"), int) or not 0 <= meta["eod_id"] < vocab:
         raise bad(f"eod_id is {meta.get('eod_id')!r}, not an id below vocab_size {vocab}")
-    for name, split in (meta.get("splits") or {}).items():
+    if not isinstance(meta.get("splits"), dict) or not meta["splits"]:
+        raise bad("it lists no splits")
+    for name, split in meta["splits"].items():
         if not (isinstance(split, dict) and isinstance(split.get("file"), str)
                 and all(isinstance(split.get(k), int) and split[k] >= 0 for k in ("tokens", "bytes"))):
             raise bad(f"split {name!r} is {split!r}; it needs a file name and token and byte counts")
-    if not meta.get("splits"):
-        raise bad("it lists no splits")
     return meta
 
 
@@ -115,8 +115,13 @@ def _locate(path: Path, split: str) -> tuple[Path, Path | None, str]:
     meta = path.parent / META
     if not meta.is_file():
         return path, None, path.stem
-    named = [k for k, v in read_meta(meta)["splits"].items() if v["file"] == path.name]
-    return path, meta, named[0] if named else path.stem
+    splits = read_meta(meta)["splits"]
+    named = [k for k, v in splits.items() if v["file"] == path.name]
+    if not named:
+        files = sorted(v["file"] for v in splits.values())
+        raise ValueError(f"{str(path)!r} is none of the files {str(meta)!r} lists ({files}); open one of those, or "
+                         "move the file away from that meta.json")
+    return path, meta, named[0]
 
 
 class TokenFile:

@@ -182,13 +182,20 @@ def bad(tmp_path, case):
         return d, "train", r"token file .*train.bin' does not exist"
     if case == "missing dir":
         return tmp_path / "nowhere", "train", r"nowhere' does not exist; pass a token directory"
+    if case == "unlisted bin":
+        (d / "train.bin").rename(d / "other.bin")
+        return d / "other.bin", "train", r"other.bin' is none of the files .*meta.json' lists \(\['train.bin', 'val.bin'\]\)"
+    if case == "meta splits":
+        (d / "meta.json").write_text(json.dumps({"vocab_size": 50, "dtype": "uint16", "eod_id": 0, "splits": []}))
+        return d, "train", r"meta.json': it lists no splits"
     if case == "unknown split":
         return d, "test", r"lists no split 'test' \(it has \['train', 'val'\]\)"
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["id >= vocab", "truncated", "count disagrees", "meta dtype", "meta vocab",
-                                  "meta json", "empty split", "missing bin", "missing dir", "unknown split"])
+                                  "meta json", "empty split", "missing bin", "missing dir", "unknown split",
+                                  "unlisted bin", "meta splits"])
 def test_bad_files_are_clear_errors_on_open(tmp_path, case):
     path, split, pattern = bad(tmp_path, case)
     with pytest.raises(ValueError, match=pattern):
