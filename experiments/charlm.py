@@ -12,6 +12,12 @@ one. SIGTERM finishes the current step, saves and exits 0 (a second SIGTERM exit
 
     python -m jaxpar.cli.launch -n 2 experiments/charlm.py --steps 200 --out-dir runs/mh
 
+A token corpus (a subword tokenizer; ``experiments/prepare_tokens.py`` writes the directory): validation loss in
+nats/token and bits/byte (from meta.json's byte counts), so runs with different tokenizers compare::
+
+    python experiments/prepare_tokens.py --input pydoc.txt --train-bpe 1024 --out data/pydoc-bpe1k
+    python experiments/charlm.py --data-dir data/pydoc-bpe1k --out-dir runs/bpe1k
+
 Pipeline parallelism (data=2 x pipe=2 x tensor=2; 2 layers per stage, 1F1B over 4 microbatches)::
 
     python experiments/charlm.py --pipe 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
@@ -70,7 +76,7 @@ class Config:
     num_kv_heads: int = 0          # --model llama: key/value heads (divides num_heads); 0: num_heads
     num_heads: int = 4             # attention heads (divisible by tensor)
     d_model: int = 128             # model width
-    seq_len: int = 128             # characters per training sequence
+    seq_len: int = 128             # characters (tokens with --data-dir) per training sequence
     positions: Literal["learned", "rotary"] = "learned"  # learned position table or rotary (RoPE)
     tie_embeddings: bool = True    # share the input embedding and the output projection
     scan_layers: bool = False      # lax.scan over layers (faster compile) instead of unrolling
@@ -88,14 +94,21 @@ class Config:
     seed: int = 0                  # seeds init, data order and sampling
     eval_interval: int = 200       # steps between validation evaluations
     eval_batches: int = 8          # validation batches per evaluation (final evaluation uses 4x)
-    sample_chars: int = 300        # characters to generate at the end
+    sample_chars: int = 300        # characters (tokens with --data-dir) to generate at the end
     text: str | None = None        # a UTF-8 text file; None = CPython's pydoc_data.topics
+    data_dir: str | None = None
+    """a token directory (train.bin, val.bin, meta.json, tokenizer.json from experiments/prepare_tokens.py) to train
+    on instead of the characters of --text; the model's vocabulary is meta.json's (the mesh flag --data is the
+    data-parallel axis)"""
     out_dir: str = "runs/charlm"   # where metrics, plots, the config and checkpoints/ are written
     pruning: Annotated[experiment.PruningConfig, Flat] = experiment.PruningConfig()
     resume: bool = False           # require a checkpoint in <out-dir>/checkpoints (one there is always resumed)
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end and on SIGTERM)
 
     def __post_init__(self):
+        if self.text is not None and self.data_dir is not None:
+            raise ValueError(f"--text {self.text} and --data-dir {self.data_dir}: pass one corpus (characters of a "
+                             "text file, or a token directory)")
         for name in ("eval_interval", "eval_batches", "num_layers", "num_heads", "d_model", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -158,7 +171,7 @@ def main(cfg: Config) -> float | None:
                               collective_matmul=cfg.mesh.tensor > 1)
     experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
     jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.cli.launch` or on a cluster
-    corpus = jp.data.CharCorpus.load(cfg.text)
+    corpus = jp.data.TokenCorpus(cfg.data_dir) if cfg.data_dir else jp.data.CharCorpus.load(cfg.text)
     mesh = cfg.mesh.make(pipe=cfg.pipe)
     experiment.log_devices(mesh)
     # the step checks this too, but only after init and the first outputs: fail before anything is written
@@ -188,7 +201,7 @@ def main(cfg: Config) -> float | None:
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
         (out / "config.json").write_text(json.dumps(experiment.flat_config(cfg), indent=2))
-    print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size} "
+    print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val {unit(cfg)}s, vocab {corpus.vocab_size} "
           f"(padded {model.cfg.padded_vocab}); model: {model.cfg.num_params():,} params"
           + (f"; {pipeline_header(cfg)}" if cfg.pipe > 1 else "") + (f"; resumed from step {step0}" if step0 else ""),
           flush=True)
@@ -204,6 +217,11 @@ def main(cfg: Config) -> float | None:
     if cfg.pruning.structured:
         compaction_report(cfg, model, corpus, mesh, tx, final, writer.active)
     return val
+
+
+def unit(cfg: Config) -> str:
+    """What a position of a sequence is: ``"token"`` (--data-dir) or ``"character"``."""
+    return "token" if cfg.data_dir else "character"
 
 
 def pipeline_header(cfg: Config) -> str:
@@ -226,12 +244,13 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
     vals = {}
 
     def log_val(step, state, results):
-        val = {"loss": results["loss"]}
+        val = {"loss": results["loss"], "bits_per_byte": corpus.bits_per_byte(results["loss"])}
         if cfg.pruning.enabled:
             val["sparsity"] = jp.pruning.sparsity_report(state.params)["prunable"]["sparsity"]
         writer.write(step, val, "val")
         vals[step] = val["loss"]
-        experiment.say(f"step {step}: validation loss {val['loss']:.4f} nats/char"
+        experiment.say(f"step {step}: validation loss {val['loss']:.4f} nats/{unit(cfg)}, "
+                       f"{val['bits_per_byte']:.4f} bits/byte"
                    + (f", kernel sparsity {val['sparsity']:.3f}" if "sparsity" in val else ""))
 
     speed = jp.metrics.Throughput(cfg.batch_size * cfg.seq_len, model.cfg.flops_per_token(cfg.seq_len))
@@ -248,7 +267,7 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
 
 def report(cfg: Config, model, corpus, mesh, state, val: float, active: bool) -> None:
     """A generated sample (every process: SPMD), the loss plot and the final line (process 0)."""
-    prompt = "The "
+    prompt = "The" if cfg.data_dir else "The "   # a subword vocabulary starts words with their space
     sample = model.generate(state.params, corpus.encode(prompt), cfg.sample_chars, jax.random.key(cfg.seed + 1))
     if active:
         out = Path(cfg.out_dir)
@@ -257,8 +276,9 @@ def report(cfg: Config, model, corpus, mesh, state, val: float, active: bool) ->
         if cfg.pipe > 1:   # the schedule this run trained with, beside its metrics
             jp.plot.schedule_gantt(cfg.pipeline_schedule(), out / "schedule.png")
         print("\n--- sample ---\n" + prompt + corpus.decode(sample) + "\n--------------")
-        print(f"final validation loss: {val:.4f} nats/character after {cfg.steps} steps "
-              f"({cfg.steps * cfg.batch_size * cfg.seq_len:,} training characters); outputs in {out}/")
+        print(f"final validation loss: {val:.4f} nats/{unit(cfg)} ({corpus.bits_per_byte(val):.4f} bits/byte) after "
+              f"{cfg.steps} steps ({cfg.steps * cfg.batch_size * cfg.seq_len:,} training {unit(cfg)}s); outputs in "
+              f"{out}/")
 
 
 def step_times(runs: dict, batch, rounds: int) -> dict:

@@ -60,6 +60,26 @@ class Batches:
         return jax.tree.map(place, batch)
 
 
+def process_slice(global_batch: int, mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> slice:
+    """The rows of a global batch this process builds.
+
+    With a ``mesh``: the rows this process's devices hold under the batch sharding
+    (:func:`jaxpar.sharding.process_batch_rows`; the whole batch when the batch axes lie within each
+    process). Without: block ``process_index`` of ``process_count`` equal blocks, which is the same for
+    meshes whose batch axes span the processes in order (``jp.make_mesh`` with data/fsdp outermost).
+
+    Raises:
+      ValueError: ``global_batch`` not divisible by the processes (or the mesh's batch axes).
+    """
+    if mesh is not None:
+        return shd.process_batch_rows(global_batch, mesh, rules)
+    n, i = jax.process_count(), jax.process_index()
+    if global_batch % n:
+        raise ValueError(f"global batch {global_batch} is not divisible by the {n} processes")
+    per = global_batch // n
+    return slice(i * per, (i + 1) * per)
+
+
 def shard_batch(batch: Any, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES, *, batch_axis: str | None = None) -> Any:
     """Places a batch on the mesh, leading axis split over the batch axes.
 

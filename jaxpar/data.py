@@ -1,4 +1,5 @@
-"""Data: a character-level text corpus and scikit-learn's digits, served as step-indexed global batches.
+"""Data: a character-level text corpus, token files (:class:`TokenFile`, prepared by ``jaxpar.tokens``) and
+scikit-learn's digits, served as step-indexed global batches.
 
 ``batch = f(seed, step)``: the same seed and step always give the same global batch, whatever the mesh or
 the number of processes, so a resumed run sees exactly the data it would have seen. Each process builds only
@@ -8,15 +9,16 @@ its own rows of the global batch (``process_slice``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from jaxpar import sharding as shd
 from jaxpar._optional import require
+from jaxpar.batches import process_slice
+from jaxpar.token_file import (SPLIT_CODES, TokenCorpus, TokenFile, check_window_sizes, random_window_starts,
+                               windows)
 
 
 def default_text() -> str:
@@ -47,26 +49,6 @@ def load_text(path: str | os.PathLike | None = None) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
-
-
-def process_slice(global_batch: int, mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> slice:
-    """The rows of a global batch this process builds.
-
-    With a ``mesh``: the rows this process's devices hold under the batch sharding
-    (:func:`jaxpar.sharding.process_batch_rows`; the whole batch when the batch axes lie within each
-    process). Without: block ``process_index`` of ``process_count`` equal blocks, which is the same for
-    meshes whose batch axes span the processes in order (``jp.make_mesh`` with data/fsdp outermost).
-
-    Raises:
-      ValueError: ``global_batch`` not divisible by the processes (or the mesh's batch axes).
-    """
-    if mesh is not None:
-        return shd.process_batch_rows(global_batch, mesh, rules)
-    n, i = jax.process_count(), jax.process_index()
-    if global_batch % n:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {n} processes")
-    per = global_batch // n
-    return slice(i * per, (i + 1) * per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,18 +101,16 @@ class CharCorpus:
         """
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r}; use 'train' or 'val'")
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
         data = self.train if split == "train" else self.val
-        if len(data) <= seq_len + 1:
-            raise ValueError(f"the {split} split has {len(data)} tokens, too few for seq_len {seq_len}; "
-                             "use a longer text or a shorter seq_len")
-        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
-        starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
-        starts = starts[rows if rows is not None else process_slice(batch_size)]
-        idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
-        window = data[idx]
-        return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+        check_window_sizes(len(data), batch_size, seq_len, f"the {split} split")
+        starts = random_window_starts(seed, step, SPLIT_CODES[split], len(data), batch_size, seq_len)
+        return windows(data, starts[rows if rows is not None else process_slice(batch_size)], seq_len)
+
+    def bits_per_byte(self, nats_per_token: float, split: str = "val") -> float:
+        """A loss in nats per character as bits per UTF-8 byte of the ``split`` text (``nats / ln 2 * chars /
+        bytes``), comparable across tokenizers."""
+        data = self.train if split == "train" else self.val
+        return nats_per_token / math.log(2) * len(data) / len(self.decode(data).encode("utf-8"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,4 +148,4 @@ class Digits:
         return {"x": self.x_test[:n][rows], "y": self.y_test[:n][rows]}
 
 
-__all__ = ["CharCorpus", "Digits", "default_text", "load_text", "process_slice"]
+__all__ = ["CharCorpus", "Digits", "TokenCorpus", "TokenFile", "default_text", "load_text", "process_slice"]

@@ -83,6 +83,29 @@ def sigterm_pipe() -> int:
     return handled
 
 
+def await_sigterm_after_logging(step: int) -> None:
+    """Patches ``jp.loop.PreemptionHandler`` and ``jp.metrics.MetricsWriter.write`` so that a script run after
+    this call (e.g. experiments/charlm.py through ``runpy``), once process 0 has logged training step ``step``,
+    prints ``SYNC awaiting SIGTERM after logging step <step>`` and blocks until its handler ran on a SIGTERM."""
+    import jax
+    import jaxpar as jp
+    handled = []
+
+    class PreemptionHandler(jp.loop.PreemptionHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            handled.append(sigterm_pipe())
+    jp.loop.PreemptionHandler = PreemptionHandler
+    write = jp.metrics.MetricsWriter.write
+
+    def write_then_await_sigterm(self, logged, metrics, split="train"):
+        write(self, logged, metrics, split)
+        if (logged, split) == (step, "train") and jax.process_index() == 0:
+            sync(f"awaiting SIGTERM after logging step {step}")
+            os.read(handled[0], 1)
+    jp.metrics.MetricsWriter.write = write_then_await_sigterm
+
+
 def _hang_guard(what: str) -> None:
     """Blocks the process until a signal ends it; exits 3 (fails the test) after HANG_GUARD seconds."""
     threading.Event().wait(HANG_GUARD)

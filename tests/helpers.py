@@ -128,3 +128,39 @@ def load_script(relpath: str, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# ------------------------------------------------------------------------------------------ token batches
+
+def batch_recorder(path: str | os.PathLike, batch):
+    """``jp.data.TokenCorpus.batch`` (passed as ``batch``) that also appends each training batch it serves to
+    ``path`` as a JSON line ``{"step": t, "rows": {global row index: sha1 of the row's inputs and targets}}``, so
+    runs in other processes (or on other meshes) can be compared row by row."""
+    import hashlib
+    import json
+
+    def recorded(self, seed, step, batch_size, seq_len, split="train", rows=None, **kwargs):
+        out = batch(self, seed, step, batch_size, seq_len, split, rows, **kwargs)
+        if split == "train":
+            first = rows.start if rows is not None else 0
+            digests = {first + i: hashlib.sha1(out["inputs"][i].tobytes() + out["targets"][i].tobytes()).hexdigest()
+                       for i in range(len(out["inputs"]))}
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": int(step), "rows": digests}) + "\n")
+        return out
+    return recorded
+
+
+def recorded_batches(*paths) -> dict[int, dict[str, str]]:
+    """The rows :func:`batch_recorder` wrote to ``paths`` (e.g. one file per process), merged by step; a row
+    recorded twice with different contents fails."""
+    import json
+    merged: dict[int, dict[str, str]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            entry = json.loads(line)
+            rows = merged.setdefault(entry["step"], {})
+            for row, digest in entry["rows"].items():
+                assert rows.get(row, digest) == digest, f"step {entry['step']} row {row} differs between records"
+                rows[row] = digest
+    return merged

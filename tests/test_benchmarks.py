@@ -141,3 +141,23 @@ def test_kv_cache_script_tiny():
     report = kv_cache.main(["--tiny"])
     for row in report["models"].values():
         assert row["first_difference"] == [None] * 4 and row["cache_s_per_token"] > 0
+
+
+def test_data_script_tiny(tmp_path):
+    """benchmarks/data.py on a tiny job: TokenFile batches of both orders timed, the main-job step run through
+    jp.loop.run with its data time measured inside, the ratio the issue asks for, and part B's grain slot."""
+    from jaxpar import tokens
+    import data as data_benchmark
+    (tmp_path / "a.txt").write_text("".join(f"paragraph {i}: " + "some words here " * (i % 9 + 1) + "\n\n"
+                                            for i in range(400)))
+    tokens.prepare([tmp_path / "a.txt"], tmp_path / "tok", train_bpe_vocab=300, workers=1, val_fraction=0.1,
+                   progress=False)
+    report = data_benchmark.main(["--tokens", str(tmp_path / "tok"), "--tiny", "--batch", "4", "--seq", "64",
+                                  "--calls", "3", "--steps", "2"])
+    for order in ("random", "epoch"):
+        assert report["token_file"][order]["batch"] == 4 and report["token_file"][order]["tokens_per_s"] > 0
+    job = report["main_job"]
+    assert job["steps"] == 2 and job["batch"] == 8 and 0 < job["data_fraction_of_step"] < 1
+    assert report["token_file_over_training"] == pytest.approx(
+        report["token_file"]["random"]["tokens_per_s"] / job["training_tokens_per_s"])
+    assert "grain" in report

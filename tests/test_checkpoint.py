@@ -447,26 +447,10 @@ def test_charlm_sigterm_then_resume_is_bit_identical(tmp_path):
     # experiments/charlm.py as written, with two sync hooks: after it logs step 2 it blocks until its
     # PreemptionHandler has handled the SIGTERM this test sends on reading the SYNC line
     wrapper = textwrap.dedent("""
-        import os, runpy, sys
+        import runpy, sys
         sys.path.insert(0, "tests")
-        import jaxpar as jp
-        import jaxpar.loop
-        from ckpt_worker import sigterm_pipe, sync
-        handled = []
-
-        class PreemptionHandler(jp.loop.PreemptionHandler):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                handled.append(sigterm_pipe())
-        jp.loop.PreemptionHandler = PreemptionHandler
-        write = jp.metrics.MetricsWriter.write
-
-        def write_then_await_sigterm(self, step, metrics, split="train"):
-            write(self, step, metrics, split)
-            if (step, split) == (2, "train"):
-                sync("awaiting SIGTERM after logging step 2")
-                os.read(handled[0], 1)
-        jp.metrics.MetricsWriter.write = write_then_await_sigterm
+        from ckpt_worker import await_sigterm_after_logging
+        await_sigterm_after_logging(2)
         sys.argv = ["experiments/charlm.py", *sys.argv[1:]]
         runpy.run_path("experiments/charlm.py", run_name="__main__")
     """)

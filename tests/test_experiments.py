@@ -1,6 +1,8 @@
 """The experiment entry points run end to end (short configurations) and write what they promise."""
 
 import json
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -181,3 +183,106 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
     got = np.asarray(model.apply(params, tokens.astype(np.int32)))[..., :256]
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------- charlm on tokens
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory):
+    """A slice of CPython's documentation as a token directory (byte-level BPE of 300 ids, 10% validation)."""
+    from jaxpar import tokens
+    tmp = tmp_path_factory.mktemp("tokens")
+    text = jp.data.default_text()
+    (tmp / "pydoc.txt").write_text(text[:text.index("\n\n", 120_000)])
+    tokens.prepare([tmp / "pydoc.txt"], tmp / "bpe", train_bpe_vocab=300, val_fraction=0.1, workers=1, progress=False)
+    return tmp / "bpe"
+
+
+def test_charlm_takes_one_corpus():
+    charlm = load("charlm")
+    with pytest.raises(ValueError, match=r"--text a.txt and --data-dir d: pass one corpus"):
+        charlm.Config(text="a.txt", data_dir="d")
+    assert charlm.unit(charlm.Config(data_dir="d")) == "token" and charlm.unit(charlm.Config()) == "character"
+
+
+@pytest.mark.slow  # a charlm run; .ci/run runs it
+def test_charlm_trains_on_a_token_directory(token_dir, tmp_path, capsys):
+    """--data-dir: the model's vocabulary is meta.json's, the loss falls from ln(300), and validation is reported
+    in nats/token and bits/byte = nats / ln 2 * tokens / bytes of the validation split (meta.json)."""
+    charlm = load("charlm")
+    cfg = charlm.Config(data_dir=str(token_dir), steps=30, eval_interval=15, eval_batches=2, batch_size=16,
+                        seq_len=32, d_model=64, num_layers=2, warmup_steps=5, sample_chars=10, out_dir=str(tmp_path))
+    val = charlm.main(cfg)
+    assert val < np.log(300) - 0.8, val
+    meta = json.loads((token_dir / "meta.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["split"] == "val"]
+    assert [r["step"] for r in evals] == [15, 30]
+    tokens_per_byte = meta["splits"]["val"]["tokens"] / meta["splits"]["val"]["bytes"]
+    for r in evals:
+        assert r["bits_per_byte"] == pytest.approx(r["loss"] / np.log(2) * tokens_per_byte, rel=1e-9)
+    out = capsys.readouterr().out
+    assert f"vocab 300 (padded {charlm.GPTConfig(vocab_size=300).padded_vocab})" in out
+    assert re.search(r"final validation loss: [\d.]+ nats/token \([\d.]+ bits/byte\)", out), out[-2000:]
+
+
+TOKEN_RUN = dict(steps=16, eval_interval=8, eval_batches=1, batch_size=16, seq_len=32, d_model=32, num_layers=1,
+                 num_heads=2, warmup_steps=2, sample_chars=5, checkpoint_interval=0)
+
+# experiments/charlm.py as written: after process 0 logs step 2 it blocks until its PreemptionHandler has handled
+# the SIGTERM (the launcher forwards it to both processes); every process records the training rows it loads
+TOKEN_WRAPPER = """
+import os, runpy, sys
+sys.path[:0] = ["tests"]
+import jaxpar as jp
+from ckpt_worker import await_sigterm_after_logging
+from helpers import batch_recorder
+await_sigterm_after_logging(2)
+record = sys.argv.pop(1)
+jp.data.TokenCorpus.batch = batch_recorder(f"{record}_{os.environ['JAXPAR_PROCESS_ID']}.jsonl", jp.data.TokenCorpus.batch)
+sys.argv = ["experiments/charlm.py", *sys.argv[1:]]
+runpy.run_path("experiments/charlm.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # two processes through the launcher, then two runs in this process; .ci/run runs it
+def test_charlm_tokens_sigterm_on_two_processes_resume_on_one(token_dir, tmp_path, monkeypatch):
+    """charlm --data-dir on 2 processes x 4 devices (data=2 x fsdp=2 x tensor=2), SIGTERM after step 2: it saves
+    the step reached and exits 0; resumed in 1 process on another mesh (fsdp=4 x tensor=2) it sees, from that step
+    on, bitwise the training rows of an uninterrupted 1-process run, as the 2 processes did before (each loading
+    only its half, no row twice), and the same losses (2 -> 1 processes and another mesh change the reduction
+    order: within 1e-5)."""
+    from helpers import batch_recorder, recorded_batches
+    from test_checkpoint import finish, read_until, start, train_rows
+    charlm, batch = load("charlm"), jp.data.TokenCorpus.batch
+    monkeypatch.setattr(jp.data.TokenCorpus, "batch", batch_recorder(tmp_path / "straight.jsonl", batch))
+    charlm.main(charlm.Config(**TOKEN_RUN, data_dir=str(token_dir), out_dir=str(tmp_path / "straight")))
+    (tmp_path / "wrapper.py").write_text(TOKEN_WRAPPER)
+    run = tmp_path / "run"
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in TOKEN_RUN.items()]
+    proc = start(["-m", "jaxpar.cli.launch", "-n", "2", "--timeout", "500", str(tmp_path / "wrapper.py"),
+                  str(tmp_path / "two"), *args, "--data-dir", str(token_dir), "--out-dir", str(run)])
+    read_until(proc, "SYNC awaiting SIGTERM after logging step 2")
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    reached = train_rows(run)[-1]["step"]
+    assert 2 < reached < 16 and f"preempted: saved a checkpoint at step {reached}" in out
+    monkeypatch.setattr(jp.data.TokenCorpus, "batch", batch_recorder(tmp_path / "resumed.jsonl", batch))
+    charlm.main(charlm.Config(**TOKEN_RUN, data_dir=str(token_dir), out_dir=str(run), resume=True,
+                              mesh=experiment.MeshConfig(fsdp=4, tensor=2)))
+    want = recorded_batches(tmp_path / "straight.jsonl")
+    two = [recorded_batches(tmp_path / f"two_{i}.jsonl") for i in (0, 1)]
+    resumed = recorded_batches(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == list(range(reached, 16))
+    for step, rows in two[0].items():     # each process loaded its half; together the global batch, once
+        assert sorted(map(int, rows)) == list(range(8)) and sorted(map(int, two[1][step])) == list(range(8, 16))
+        assert {**rows, **two[1][step]} == want[step]
+    assert set(range(reached)) <= set(two[0])
+    assert all(resumed[step] == want[step] for step in resumed)
+    got, ref = train_rows(run), train_rows(tmp_path / "straight")
+    assert [r["step"] for r in got] == list(range(1, 17))
+    rel = [abs(g["loss"] - w["loss"]) / abs(w["loss"]) for g, w in zip(got, ref)]
+    print(f"resumed at step {reached}: largest relative loss difference {max(rel):.3g} (before: "
+          f"{max(rel[:reached]):.3g})")
+    assert max(rel) <= 1e-5, rel

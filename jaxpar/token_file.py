@@ -1,0 +1,317 @@
+"""Token files: a flat stream of token ids on disk (nanoGPT's ``train.bin`` / ``val.bin``), memory-mapped and served
+as step-indexed global batches of windows, like :class:`jaxpar.data.CharCorpus`.
+
+A token directory (written by ``experiments/prepare_tokens.py``, :func:`jaxpar.tokens.prepare`) holds
+``train.bin`` and ``val.bin`` (little-endian ``uint16`` when the vocabulary has at most 65536 ids, else ``uint32``,
+no header), ``meta.json`` (vocabulary size, dtype, eod id, per split its token, document and UTF-8 byte counts)
+and ``tokenizer.json`` (a Hugging Face ``tokenizers`` file). Opening a split checks the file against
+``meta.json`` and every token id against the vocabulary, so a bad file fails at once, naming itself, never
+inside a step. Re-exported as ``jaxpar.data.TokenFile`` and ``jaxpar.data.TokenCorpus``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from jaxpar._optional import require
+from jaxpar.batches import process_slice
+
+META = "meta.json"
+TOKENIZER = "tokenizer.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}   # little-endian, as nanoGPT writes them
+CHECK_CHUNK = 1 << 24   # tokens per vectorised chunk of the id check on open (32-64 MiB read at a time)
+
+
+SPLIT_CODES = {"train": 0, "val": 1}   # the split's entry in the window seed (CharCorpus and TokenFile alike)
+
+
+def check_window_sizes(num_tokens: int, batch_size: int, seq_len: int, what: str) -> None:
+    """ValueError unless ``batch_size, seq_len >= 1`` and ``what`` (``num_tokens`` long) holds a window of
+    ``seq_len + 1`` tokens with room to move (``num_tokens > seq_len + 1``)."""
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"need seq_len >= 1 and batch_size >= 1, got {seq_len=}, {batch_size=}")
+    if num_tokens <= seq_len + 1:
+        raise ValueError(f"{what} has {num_tokens} tokens, too few for seq_len {seq_len} (windows of seq_len + 1 "
+                         "tokens); use more text or a shorter seq_len")
+
+
+def random_window_starts(seed: int, step: int, split_code: int, num_tokens: int, batch_size: int,
+                         seq_len: int) -> np.ndarray:
+    """int64 ``[batch_size]`` window offsets of global batch ``step``, uniform in ``[0, num_tokens - seq_len - 1)``
+    from ``numpy.random.default_rng([seed, step, split_code])``: a function of these numbers only (not of the
+    process count or of the batches drawn before)."""
+    rng = np.random.default_rng([seed, step, split_code])
+    return rng.integers(0, num_tokens - seq_len - 1, size=batch_size)
+
+
+def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """``{"inputs", "targets"}``, int32 ``[len(starts), seq_len]``: ``data[s : s + seq_len]`` and the same window
+    one token later, for each start ``s`` (``data`` may be a ``numpy.memmap``: only these windows are read)."""
+    window = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
+def token_dtype(vocab_size: int) -> str:
+    """``"uint16"`` for a vocabulary of at most 65536 ids (nanoGPT's choice), else ``"uint32"``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta.json`` at ``path``, checked: ``vocab_size`` (int >= 1), ``dtype`` (``uint16``/``uint32``, wide
+    enough for the vocabulary), ``eod_id`` (< vocab_size) and ``splits`` (per split ``file``, ``tokens``, ``bytes``).
+
+    Raises:
+      ValueError: unreadable JSON or a missing / inconsistent entry; the message names the file.
+    """
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not a readable meta.json ({e}); prepare the directory again with "
+                         "experiments/prepare_tokens.py") from None
+    bad = lambda what: ValueError(f"{str(path)!r}: {what}; prepare the directory again with "
+                                  "experiments/prepare_tokens.py")
+    if not isinstance(meta, dict):
+        raise bad(f"it holds a {type(meta).__name__}, not an object")
+    vocab, dtype = meta.get("vocab_size"), meta.get("dtype")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise bad(f"vocab_size is {vocab!r}, not an int >= 1")
+    if dtype not in DTYPES:
+        raise bad(f"dtype is {dtype!r}, not one of {sorted(DTYPES)}")
+    if vocab > np.iinfo(DTYPES[dtype]).max + 1:
+        raise bad(f"vocab_size {vocab} does not fit dtype {dtype}")
+    if not isinstance(meta.get("eod_id"), int) or not 0 <= meta["eod_id"] < vocab:
+        raise bad(f"eod_id is {meta.get('eod_id')!r}, not an id below vocab_size {vocab}")
+    if not isinstance(meta.get("splits"), dict) or not meta["splits"]:
+        raise bad("it lists no splits")
+    for name, split in meta["splits"].items():
+        if not (isinstance(split, dict) and isinstance(split.get("file"), str)
+                and all(isinstance(split.get(k), int) and split[k] >= 0 for k in ("tokens", "bytes"))):
+            raise bad(f"split {name!r} is {split!r}; it needs a file name and token and byte counts")
+    return meta
+
+
+def _locate(path: Path, split: str) -> tuple[Path, Path | None, str]:
+    """(the .bin file, its meta.json or None, the split name) for a token directory or a .bin file."""
+    if not path.exists():
+        raise ValueError(f"{str(path)!r} does not exist; pass a token directory written by "
+                         "experiments/prepare_tokens.py or a .bin token file")
+    if path.is_dir():
+        meta = path / META
+        if not meta.is_file():
+            raise ValueError(f"{str(path)!r} holds no {META}; pass a token directory written by "
+                             "experiments/prepare_tokens.py (or a .bin file with dtype= and vocab_size=)")
+        splits = read_meta(meta)["splits"]
+        if split not in splits:
+            raise ValueError(f"{str(meta)!r} lists no split {split!r} (it has {sorted(splits)})")
+        return path / splits[split]["file"], meta, split
+    meta = path.parent / META
+    if not meta.is_file():
+        return path, None, path.stem
+    splits = read_meta(meta)["splits"]
+    named = [k for k, v in splits.items() if v["file"] == path.name]
+    if not named:
+        files = sorted(v["file"] for v in splits.values())
+        raise ValueError(f"{str(path)!r} is none of the files {str(meta)!r} lists ({files}); open one of those, or "
+                         "move the file away from that meta.json")
+    return path, meta, named[0]
+
+
+class TokenFile:
+    """One split of a token corpus: a memory-mapped stream of token ids served as step-indexed batches.
+
+    ``TokenFile(dir, split="train")`` opens ``dir/meta.json``'s file of that split; ``TokenFile("x/val.bin")``
+    opens that file (with the ``meta.json`` beside it, or ``dtype=`` and ``vocab_size=`` for a bare nanoGPT file).
+    Opening reads the whole file once, in chunks of ``CHECK_CHUNK`` tokens, to check every id against the
+    vocabulary (``check_ids=False`` skips it); batches then read only their windows.
+
+    Attributes:
+      path: the ``.bin`` file. split: its split name. tokens: the ``numpy.memmap`` of its ids.
+      vocab_size: the vocabulary size (every id is below it). eod_id: the end-of-document id (None without
+      meta.json). num_bytes: the UTF-8 bytes of the split's documents (None without meta.json). meta: the
+      ``meta.json`` dict or None.
+
+    Raises (on open, each naming the file):
+      ValueError: a missing file or directory, a split meta.json does not list, a file size that is not a
+        multiple of the dtype's size (truncated) or disagrees with meta.json's token count, an empty split, a
+        token id >= vocab_size, a meta.json that is unreadable or inconsistent, or ``dtype=`` / ``vocab_size=``
+        missing for a bare file or contradicting meta.json.
+    """
+
+    def __init__(self, path: str | os.PathLike, split: str = "train", *, dtype: str | None = None,
+                 vocab_size: int | None = None, check_ids: bool = True):
+        self.path, meta_path, self.split = _locate(Path(path), split)
+        self.meta = read_meta(meta_path) if meta_path is not None else None
+        self.dtype, self.vocab_size = self._dtype_and_vocab(dtype, vocab_size)
+        if not self.path.is_file():
+            raise ValueError(f"token file {str(self.path)!r} does not exist; prepare the directory again with "
+                             "experiments/prepare_tokens.py")
+        size, itemsize = self.path.stat().st_size, DTYPES[self.dtype].itemsize
+        if size % itemsize:
+            raise ValueError(f"{str(self.path)!r} is truncated: {size} bytes is not a multiple of the {itemsize}-byte "
+                             f"{self.dtype} ids; prepare it again")
+        n = size // itemsize
+        if self.meta is not None and n != self.meta["splits"][self.split]["tokens"]:
+            raise ValueError(f"{str(self.path)!r} holds {n} tokens but {str(meta_path)!r} says "
+                             f"{self.meta['splits'][self.split]['tokens']}: the file is truncated or from another "
+                             "run; prepare the directory again")
+        if n == 0:
+            raise ValueError(f"{str(self.path)!r} holds no tokens: the {self.split!r} split is empty (e.g. "
+                             "--val-fraction 0); prepare it with documents in this split, or use another split")
+        self.tokens = np.memmap(self.path, dtype=DTYPES[self.dtype], mode="r")
+        if check_ids:
+            self._check_ids()
+        self.eod_id = self.meta["eod_id"] if self.meta is not None else None
+        self.num_bytes = self.meta["splits"][self.split]["bytes"] if self.meta is not None else None
+        self._tokenizer, self._epochs = None, {}
+
+    def _dtype_and_vocab(self, dtype, vocab_size) -> tuple[str, int]:
+        if self.meta is None:
+            if dtype not in DTYPES or not isinstance(vocab_size, int) or vocab_size < 1:
+                raise ValueError(f"{str(self.path)!r} has no {META} beside it: pass dtype= (one of {sorted(DTYPES)}) "
+                                 f"and vocab_size= (got {dtype=}, {vocab_size=}), or prepare it with "
+                                 "experiments/prepare_tokens.py")
+            return dtype, vocab_size
+        for name, given in (("dtype", dtype), ("vocab_size", vocab_size)):
+            if given is not None and given != self.meta[name]:
+                raise ValueError(f"{name}={given!r} contradicts {META} beside {str(self.path)!r} "
+                                 f"({name} {self.meta[name]!r}); leave {name}= out")
+        return self.meta["dtype"], self.meta["vocab_size"]
+
+    def _check_ids(self) -> None:
+        for start in range(0, len(self.tokens), CHECK_CHUNK):
+            chunk = np.asarray(self.tokens[start:start + CHECK_CHUNK])
+            if int(chunk.max()) >= self.vocab_size:
+                at = start + int(np.argmax(chunk >= self.vocab_size))
+                raise ValueError(f"{str(self.path)!r}: token id {int(self.tokens[at])} at position {at} is >= the "
+                                 f"vocabulary size {self.vocab_size}; the file is corrupt or from another tokenizer: "
+                                 "prepare it again")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, rows: slice | None = None, *,
+              order: Literal["random", "epoch"] = "random") -> dict[str, np.ndarray]:
+        """Global batch ``step``: ``{"inputs", "targets"}``, int32 ``[batch_size, seq_len]`` (this process's rows).
+
+        ``targets`` is ``inputs`` shifted by one token. ``order="random"`` draws each window's offset uniformly as
+        :meth:`jaxpar.data.CharCorpus.batch` does (``numpy.random.default_rng([seed, step, split])``);
+        ``order="epoch"`` reads the ``(len - 1) // seq_len`` non-overlapping windows (offsets multiple of
+        ``seq_len``) in a seeded permutation per epoch, so every token is an input once per epoch; sample ``i`` of
+        the run is ``step * batch_size + i``. Both are functions of ``(seed, step)`` alone: the global batch does
+        not depend on the mesh, the process count or the batches drawn before, so a resumed run needs no data
+        state. ``rows`` selects this process's rows (default :func:`jaxpar.data.process_slice`); only those are
+        read.
+
+        Raises:
+          ValueError: ``seq_len`` or ``batch_size`` < 1, a split too short for ``seq_len`` (naming the file), an
+            unknown ``order``.
+        """
+        check_window_sizes(len(self), batch_size, seq_len, f"{str(self.path)!r} (split {self.split!r})")
+        if order == "random":
+            starts = random_window_starts(seed, step, self._split_code, len(self), batch_size, seq_len)
+        elif order == "epoch":
+            starts = self._epoch_starts(seed, step, batch_size, seq_len)
+        else:
+            raise ValueError(f"order={order!r}; use 'random' (windows at random offsets) or 'epoch'")
+        return windows(self.tokens, starts[rows if rows is not None else process_slice(batch_size)], seq_len)
+
+    @property
+    def _split_code(self) -> int:
+        return SPLIT_CODES.get(self.split, zlib.crc32(self.split.encode()))
+
+    def _epoch_starts(self, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
+        count = (len(self) - 1) // seq_len           # non-overlapping windows of seq_len + 1 tokens (one shared)
+        sample = step * batch_size + np.arange(batch_size, dtype=np.int64)
+        epoch, within = np.divmod(sample, count)
+        out = np.empty(batch_size, np.int64)
+        for e in np.unique(epoch):
+            key = (seed, int(e), seq_len)
+            if key not in self._epochs:   # keep two epochs' permutations: a batch spans at most two
+                if len(self._epochs) >= 2:
+                    self._epochs.pop(next(iter(self._epochs)))
+                self._epochs[key] = np.random.default_rng([seed, int(e), self._split_code, seq_len]).permutation(count)
+            out[epoch == e] = self._epochs[key][within[epoch == e]]
+        return out * seq_len
+
+    def bits_per_byte(self, nats_per_token: float) -> float:
+        """A loss in nats per token as bits per UTF-8 byte of the split's documents: ``nats / ln 2 * tokens / bytes``
+        (tokens count each end-of-document token; the bytes are meta.json's), so runs with different tokenizers
+        compare.
+
+        Raises:
+          ValueError: no meta.json (no byte count).
+        """
+        if not self.num_bytes:
+            raise ValueError(f"{str(self.path)!r} has no byte count ({META}); bits per byte needs one")
+        return nats_per_token / math.log(2) * len(self) / self.num_bytes
+
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` of ``tokenizer.json`` beside the file (loaded on first use).
+
+        Raises:
+          ValueError: no tokenizer.json there. ImportError: ``tokenizers`` not installed (``jaxpar[data]``).
+        """
+        if self._tokenizer is None:
+            path = self.path.parent / TOKENIZER
+            if not path.is_file():
+                raise ValueError(f"no {TOKENIZER} beside {str(self.path)!r}; encode/decode need the tokenizer the "
+                                 "file was prepared with")
+            self._tokenizer = require("tokenizers", "jp.data.TokenFile.encode/decode", "data").Tokenizer.from_file(
+                str(path))
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as token ids (no special tokens added), through ``tokenizer.json``."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        """Token ids as text, through ``tokenizer.json`` (special tokens such as the end of document kept)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class TokenCorpus:
+    """The train and validation splits of a token directory, with :class:`jaxpar.data.CharCorpus`'s interface
+    (``batch(..., split=)``, ``encode``, ``decode``, ``vocab_size``, ``bits_per_byte``), so a training script takes
+    either.
+
+    Attributes:
+      train, val: the :class:`TokenFile` of each split.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, check_ids: bool = True):
+        self.train = TokenFile(directory, "train", check_ids=check_ids)
+        self.val = TokenFile(directory, "val", check_ids=check_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.train.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.train.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.train.decode(ids)
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, split: str = "train",
+              rows: slice | None = None, *, order: Literal["random", "epoch"] = "random") -> dict[str, np.ndarray]:
+        """:meth:`TokenFile.batch` of the ``split`` (``"train"`` or ``"val"``)."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r}; use 'train' or 'val'")
+        return getattr(self, split).batch(seed, step, batch_size, seq_len, rows, order=order)
+
+    def bits_per_byte(self, nats_per_token: float, split: str = "val") -> float:
+        """:meth:`TokenFile.bits_per_byte` of the ``split``."""
+        return getattr(self, split).bits_per_byte(nats_per_token)
+
+
+__all__ = ["SPLIT_CODES", "TokenCorpus", "TokenFile", "check_window_sizes", "random_window_starts", "read_meta",
+           "token_dtype", "windows"]
