@@ -7,14 +7,16 @@ Command (CPU: simulates 8 devices, mesh data=2 x fsdp=2 x tensor=2)::
 The checkpoint is read straight onto the mesh (``jp.models.hf.load(dir, mesh=mesh)``: each device's slice of
 each tensor read from the safetensors files by itself), trained with ``jp.optim.adamw`` on byte-level text
 (token ``i`` is byte ``i``: the checkpoint's vocabulary must hold the 256 byte values; a subword tokenizer is
-the subject of issue 27), and written to ``<out-dir>/hf`` by ``jp.models.hf.save``, which
-``transformers``' ``from_pretrained`` reads. The text is ``--text`` (a UTF-8 file) or CPython's
-``pydoc_data.topics``; metrics go to ``<out-dir>/metrics.jsonl``.
+the subject of issue 27), checkpointed with orbax to ``<out-dir>/checkpoints`` every ``--checkpoint-interval`` steps
+and at the end (a rerun of the same command resumes from the latest; SIGTERM saves and exits), and at the end written
+to ``<out-dir>/hf`` by ``jp.models.hf.save``, which ``transformers``' ``from_pretrained`` reads. The text is
+``--text`` (a UTF-8 file) or CPython's ``pydoc_data.topics``; metrics go to ``<out-dir>/metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -44,11 +46,21 @@ class Config:
     seed: int = 0
     text: str | None = None        # a UTF-8 text file; None = CPython's pydoc_data.topics
     out_dir: str = "runs/finetune"
+    checkpoint_interval: int = 50  # orbax checkpoint every this many steps (and at the end); 0: only at the end
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"--checkpoint-interval={self.checkpoint_interval} must be >= 0 (0: only at the end)")
+        if Path(self.out_dir, "hf").resolve() == Path(self.hf).resolve():
+            raise ValueError(f"--hf {self.hf} is --out-dir's own output directory ({self.out_dir}/hf), which the run "
+                             "overwrites at the end: copy the checkpoint elsewhere or pass another --out-dir")
+
+
+RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "simulate_devices", "devices_per_host", "steps",
+                               "out_dir", "checkpoint_interval"})
 
 
 def byte_text(path: str | None) -> np.ndarray:
@@ -70,9 +82,11 @@ def batch(data: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int)
 
 
 def main(cfg: Config) -> dict:
-    """Fine-tunes; returns ``{"first_loss", "last_loss", "saved"}``."""
+    """Fine-tunes; returns ``{"first_loss", "last_loss", "saved"}`` (the losses of this run's first and last steps),
+    or None when preempted (a checkpoint was saved)."""
     experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
     mesh = cfg.mesh.make()
+    experiment.log_devices(mesh)
     model, params = hf.load(cfg.hf, mesh=mesh)
     if model.cfg.vocab_size < 256:
         raise ValueError(f"the checkpoint's vocabulary has {model.cfg.vocab_size} tokens; byte-level fine-tuning "
@@ -86,22 +100,36 @@ def main(cfg: Config) -> dict:
     tx = jp.optim.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=min(cfg.warmup_steps, cfg.steps // 2),
                         axis_names=jax.eval_shape(model.init, jax.random.key(0)))
     # the loaded params are already in place: init_state keeps their layout (its init returns them)
-    state = jp.train.init_state(lambda rng: hf.with_names(model, params), tx, cfg.seed, mesh=mesh, report=False)
-    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
+    init_fn = lambda rng: hf.with_names(model, params)
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    writer = jp.metrics.MetricsWriter(out)
-    losses = []
-    for i in range(cfg.steps):
-        state, metrics = step(state, batch(data, cfg.seed, i, cfg.batch_size, cfg.seq_len))
-        losses.append(float(metrics["loss"]))
-        writer.write(i + 1, {"loss": losses[-1]}, split="train")
-        if i == 0 or (i + 1) % max(1, cfg.steps // 10) == 0:
-            print(f"step {i + 1}: loss {losses[-1]:.4f}", flush=True)
+    experiment.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
+    ckpt = jp.checkpoint.CheckpointManager(out / "checkpoints", save_interval_steps=cfg.checkpoint_interval)
+    state, step0 = jp.checkpoint.restore_or_init(  # a rerun in the same --out-dir resumes
+        ckpt, lambda: jp.train.init_state(init_fn, tx, cfg.seed, mesh=mesh, report=False),
+        lambda: jp.train.abstract_state(init_fn, tx, mesh=mesh))
+    writer = jp.metrics.MetricsWriter(out, resume_step=step0)
+    if writer.active:
+        (out / "config.json").write_text(json.dumps(experiment.flat_config(cfg), indent=2))
+    print(f"{type(model).__name__} from {cfg.hf}: {model.cfg.num_params():,} params, {data.size:,} bytes of text"
+          + (f"; resumed from step {step0}" if step0 else ""), flush=True)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
+    losses = {}
+    hooks = [experiment.write_metrics(writer), experiment.progress_bar(cfg.steps, step0),
+             jp.loop.Hook(lambda t, _, m: losses.__setitem__(t, float(m["loss"])), every=1, needs_state=False),
+             jp.loop.checkpoint(ckpt, lambda t: {"data_step": t, "config": experiment.flat_config(cfg)})]
+    batch_fn = lambda t: batch(data, cfg.seed, t, cfg.batch_size, cfg.seq_len)
+    with jp.loop.PreemptionHandler() as preemption:  # SIGTERM: finish the step, save, exit 0
+        result = jp.loop.run(step, state, batch_fn, step0, cfg.steps, hooks=hooks, preemption=preemption)
+    ckpt.close()
     writer.close()
-    hf.save(model, state.params, str(out / "hf"))
-    experiment.say(f"fine-tuned {cfg.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved {out / 'hf'}")
-    return {"first_loss": losses[0], "last_loss": losses[-1], "saved": str(out / "hf")}
+    if result.preempted:
+        experiment.say(f"preempted: saved a checkpoint at step {result.step} in {out / 'checkpoints'}; run the same "
+                       "command again to resume")
+        return None
+    hf.save(model, jp.train.to_model_order(result.state).params, str(out / "hf"))
+    first, last = (losses[min(losses)], losses[max(losses)]) if losses else (float("nan"), float("nan"))
+    experiment.say(f"fine-tuned steps {step0 + 1}-{cfg.steps}: loss {first:.4f} -> {last:.4f}; saved {out / 'hf'}")
+    return {"first_loss": first, "last_loss": last, "saved": str(out / "hf")}
 
 
 if __name__ == "__main__":

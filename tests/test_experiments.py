@@ -1,5 +1,6 @@
 """The experiment entry points run end to end (short configurations) and write what they promise."""
 
+import dataclasses
 import json
 import re
 import signal
@@ -172,9 +173,11 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
                      ).save_pretrained(tmp_path / "base")
     finetune = load("finetune")
-    out = finetune.main(finetune.Config(hf=str(tmp_path / "base"), steps=30, batch_size=8, seq_len=32,
-                                        learning_rate=3e-3, out_dir=str(tmp_path / "run")))
+    cfg = finetune.Config(hf=str(tmp_path / "base"), steps=30, batch_size=8, seq_len=32, learning_rate=3e-3,
+                          out_dir=str(tmp_path / "run"), checkpoint_interval=20)
+    out = finetune.main(cfg)
     assert out["last_loss"] < out["first_loss"] - 0.5, out
+    assert jp.checkpoint.CheckpointManager(tmp_path / "run" / "checkpoints").all_steps() == [20, 30]
     tuned = LlamaForCausalLM.from_pretrained(out["saved"]).eval()
     model, params = jp.models.hf.load(out["saved"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
@@ -182,7 +185,12 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
         ref = tuned(torch.tensor(tokens)).logits.numpy()
     got = np.asarray(model.apply(params, tokens.astype(np.int32)))[..., :256]
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
-    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    # the same command with more steps resumes from the orbax checkpoint of step 30: one row per step in the log
+    finetune.main(dataclasses.replace(cfg, steps=34))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, 35))
+    with pytest.raises(ValueError, match="overwrites"):   # its own output as its input
+        finetune.Config(hf=out["saved"], out_dir=str(tmp_path / "run"))
 
 
 # ------------------------------------------------------------------------------------- charlm on tokens

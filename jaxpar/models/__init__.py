@@ -1,6 +1,7 @@
 """Models and the protocol every model provides (:mod:`jaxpar.models.protocol`): a Megatron-split MLP
 classifier, a decoder-only GPT and a Llama-family decoder (Hugging Face checkpoints in and out:
 :mod:`jaxpar.models.hf`), with logical axis names, and generation for any model of the protocol."""
+from jaxpar.models import hf  # noqa: F401 (jp.models.hf; safetensors loads only when a checkpoint is read)
 from jaxpar.models.generation import generate
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.llama import Llama, LlamaConfig

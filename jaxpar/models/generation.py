@@ -30,6 +30,8 @@ def _prompt(prompt: Any, vocab_size: int) -> list[int]:
     if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
                                                  for t in prompt):
         raise ValueError(f"prompt must hold int token ids (no floats, bools or nested lists); got {list(prompt)[:10]}")
+    if not len(prompt):
+        raise ValueError("the prompt is empty: give at least one token id (e.g. a beginning-of-text or newline id)")
     ids = np.asarray(prompt)
     if ids.ndim != 1 or not ids.size or ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"prompt must hold at least one int token id (a 1-D sequence of ints, no floats or bools); "
@@ -40,14 +42,17 @@ def _prompt(prompt: Any, vocab_size: int) -> list[int]:
 
 
 def _check(num_tokens: Any, temperature: Any) -> tuple[int, float]:
+    """``(num_tokens, temperature)`` checked: an int >= 0, and 0 (greedy) or a finite number >= MIN_TEMPERATURE
+    (Python, numpy or 0-d JAX scalars)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
     t = temperature
     if isinstance(t, (np.ndarray, jax.Array)) and t.ndim == 0 and jnp.issubdtype(t.dtype, jnp.floating):
         t = float(t)
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t >= MIN_TEMPERATURE):
-        raise ValueError(f"temperature={temperature!r} must be a finite number >= {MIN_TEMPERATURE} (e.g. 0.8; lower "
-                         f"is greedier, 1e-6 practically greedy)")
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (
+            t == 0 or (math.isfinite(t) and t >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature={temperature!r} must be 0 (greedy decoding) or a finite number >= "
+                         f"{MIN_TEMPERATURE} (e.g. 0.8; lower is greedier)")
     return int(num_tokens), float(t)
 
 
@@ -121,7 +126,8 @@ _WINDOW = jax.jit(_window_logits, static_argnums=0)
 def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, temperature: float = 0.8) -> list[int]:
     """Samples ``num_tokens`` token ids after ``prompt`` from ``model`` (the protocol's generation parts).
 
-    Token ``i`` is drawn from ``softmax(logits[:vocab_size] / temperature)`` (``jax.random.categorical``) with the
+    Token ``i`` is ``argmax(logits[:vocab_size])`` at ``temperature == 0``, else drawn from
+    ``softmax(logits[:vocab_size] / temperature)`` (``jax.random.categorical``) with the
     key ``jax.random.fold_in(rng, i)``, the logits being those after the last ``max_seq_len`` tokens (prompt and
     tokens drawn so far): from ``decode_step`` while they fit in the cache, then from ``apply`` over the
     sliding window.
@@ -135,7 +141,7 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, te
       prompt: a non-empty list, tuple or 1-D array of int token ids in ``[0, vocab_size)``.
       num_tokens: how many tokens to draw (an int >= 0).
       rng: a typed PRNG key, a raw uint32 key or an int seed.
-      temperature: a finite number >= :data:`MIN_TEMPERATURE`.
+      temperature: 0 for greedy decoding (argmax), else a finite number >= :data:`MIN_TEMPERATURE`.
 
     Returns:
       The ``num_tokens`` drawn ids (Python ints), the prompt excluded.
@@ -166,7 +172,8 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, te
         if len(tokens) > max_len:   # the window slides: its positions move, one forward pass over it
             protocol.require(model, "apply", "generation past max_seq_len tokens")
             logits = window_logits(params, jnp.asarray(tokens[-max_len:], jnp.int32))
-        token = int(jax.random.categorical(jax.random.fold_in(rng, i), logits[0, :vocab] / temperature))
+        token = int(jnp.argmax(logits[0, :vocab]) if temperature == 0 else
+                    jax.random.categorical(jax.random.fold_in(rng, i), logits[0, :vocab] / temperature))
         out.append(token)
         tokens.append(token)
         if i < num_tokens - 1 and len(tokens) <= max_len:   # the new token's position still fits in the cache
@@ -269,10 +276,7 @@ def generate_batch(model: Any, params: Any, prompts: Any, max_new_tokens: int, r
             rows.append(_prompt(p, vocab))
         except ValueError as e:
             raise ValueError(f"prompts[{r}]: {e}") from None
-    num_new = _check(max_new_tokens, 1.0)[0]
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)):
-        raise ValueError(f"temperature={temperature!r} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
+    num_new, temperature = _check(max_new_tokens, temperature)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)

@@ -196,9 +196,11 @@ def _warn_replicated_kv(cfg: LlamaConfig) -> None:
         return
     _WARNED.add((cfg, tensor))
     why = (f"tensor={tensor} exceeds num_kv_heads={cfg.num_kv_heads}" if tensor > cfg.num_kv_heads else
-           "the rules leave kv_heads unmapped; rules=(..., ('kv_heads', 'tensor'), ...) splits them")
+           "the rules leave kv_heads unmapped; adding ('kv_heads', 'tensor') to the rules given to init_state and "
+           "make_train_step splits them")
     warnings.warn(f"the Llama's {cfg.num_kv_heads} key/value heads are replicated over the tensor axis ({why}): "
-                  f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split", stacklevel=3)
+                  f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split (correct, "
+                  "some duplicated work)", stacklevel=3)
 
 
 class LlamaBlock(gpt.Block):

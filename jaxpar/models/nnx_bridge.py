@@ -36,7 +36,7 @@ def module_fn(fn: Any) -> Callable[[jax.Array], nnx.Module] | None:
     if isinstance(fn, nnx.Module):
         raise TypeError(f"init_state got an nnx.Module instance ({type(fn).__name__}); pass its class (or "
                         f"functools.partial(cls, ...)) or a model_fn(rngs) -> nnx.Module, so the model is built "
-                        "sharded from the start, e.g. jp.train.init_state({type(fn).__name__}, tx, 0, mesh=mesh)")
+                        f"sharded from the start, e.g. jp.train.init_state({type(fn).__name__}, tx, 0, mesh=mesh)")
     target = getattr(fn, "func", fn)            # functools.partial
     if inspect.isclass(target) and issubclass(target, nnx.Module):
         return lambda key: fn(rngs=nnx.Rngs(key))

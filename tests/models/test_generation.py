@@ -47,7 +47,8 @@ def _reference_sample(model, params, prompt, num_tokens, rng, temperature):
     for i in range(num_tokens):
         window = tokens[-L:]
         logits = apply(params, jnp.asarray(window + [0] * (L - len(window)), jnp.int32)[None])[0, len(window) - 1]
-        tokens.append(int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:V] / temperature)))
+        tokens.append(int(np.argmax(logits[:V])) if temperature == 0 else
+                      int(jax.random.categorical(jax.random.fold_in(rng, i), logits[:V] / temperature)))
     return tokens[len(prompt):]
 
 
@@ -61,7 +62,14 @@ def test_generate_equals_cache_free_sampler(positions):
     assert got == _reference_sample(model, params, [1, 5, 2, 9], 18, rng, 0.9)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
+def test_generate_at_temperature_zero_is_greedy():
+    """``temperature=0`` takes the argmax of the window's logits (as the batched form does), also past the cache."""
+    model, params = _gpt("rotary")
+    got = jp.models.generate(model, params, [3, 1, 4], 15, jax.random.key(1), 0)
+    assert got == _reference_sample(model, params, [3, 1, 4], 15, None, 0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e-9), dict(temperature=-1.0), dict(temperature=float("nan")),
                                     dict(num_tokens=-1), dict(num_tokens=1.5), dict(prompt=[37]), dict(prompt=[]),
                                     dict(prompt="ab")])
 def test_generate_rejects_bad_arguments(kwargs):

@@ -379,7 +379,7 @@ def test_gpt_config_rejects(kwargs):
 def test_generate_rejects_bad_arguments():
     model = GPT(GPTConfig(vocab_size=11, num_layers=1, num_heads=2, d_model=16, max_seq_len=8))
     params = jax.tree.map(lambda x: x.value, model.init(jax.random.key(0)), is_leaf=lambda x: hasattr(x, "value"))
-    for kwargs in (dict(temperature=0.0), dict(temperature=-1.0), dict(num_tokens=-1), dict(prompt=[11]),
+    for kwargs in (dict(temperature=float("inf")), dict(temperature=-1.0), dict(num_tokens=-1), dict(prompt=[11]),
                    dict(prompt=[])):
         args = {"prompt": [1, 2], "num_tokens": 3, "temperature": 1.0, **kwargs}
         with pytest.raises(ValueError):
