@@ -39,22 +39,28 @@ def gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None) -> jax.Array:
+def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None,
+         positions_BL: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
     Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int, an int32 scalar, e.g. a decode step's,
-    or an int32 ``[B]`` of per-row offsets, e.g. left-padded prompts').
+    or an int32 ``[B]`` of per-row offsets, e.g. left-padded prompts'), or ``positions_BL[:, l]`` when given
+    (int ``[B, L]``: packed documents, each counting from 0).
     ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones)."""
     L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
     half = K // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
-    pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
+    if positions_BL is None:
+        pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
+    else:
+        pos_BL = positions_BL.astype(jnp.float32)
     angle = pos_BL[..., None] * freq          # [B or 1, L, K / 2]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
 
 
-def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2) -> jax.Array:
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
+                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
 
     The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
@@ -64,6 +70,10 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
     cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
     ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
     and heads) on any backend.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
+    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
+    padding (any id, e.g. 0) never gives an all-masked, NaN row.
     """
     L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
     n = max(1, min(num_blocks, L))
@@ -73,14 +83,28 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
         s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
                             preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
         visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        if segment_ids_BL is not None:   # [B, 1, Q, S]: causal and within the query's own document
+            same_BQS = segment_ids_BL[:, start:end, None] == segment_ids_BL[:, None, :end]
+            visible_QS = (visible_QS[None] & same_BQS)[:, None]
         p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
         out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
     return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
 
 
-def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array) -> jax.Array:
-    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32."""
+def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array,
+              segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): attention stays within each segment (packed documents), on the
+    ``"blocked"`` and ``"xla"`` paths.
+
+    Raises:
+      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids.
+    """
     dtype = q_BLHK.dtype
+    if segment_ids_BL is not None and cfg.attention == "cudnn":
+        raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
+                         "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")
     platform = jax.devices()[0].platform
     if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
         raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
@@ -91,9 +115,11 @@ def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array)
         # take attention in float32.
         q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
     if cfg.attention == "blocked":
-        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks)
+        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks, segment_ids_BL)
     else:
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True, implementation=cfg.attention)
+        mask = None if segment_ids_BL is None else (segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
+                                              implementation=cfg.attention)
     return a_BLHK.astype(dtype)
 
 
