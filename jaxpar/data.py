@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from jaxpar import sharding as shd
 from jaxpar._optional import require
+from jaxpar.grain_data import GrainBatches, grain_batches  # noqa: F401 (grain pipelines: jaxpar/grain_data.py)
 
 
 def default_text() -> str:
