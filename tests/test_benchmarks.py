@@ -141,3 +141,14 @@ def test_kv_cache_script_tiny():
     report = kv_cache.main(["--tiny"])
     for row in report["models"].values():
         assert row["first_difference"] == [None] * 4 and row["cache_s_per_token"] > 0
+
+
+def test_grain_data_script_tiny():
+    """benchmarks/grain_data.py: the main job's step, both grain packings and the packed step, with ratios."""
+    import grain_data
+    out = grain_data.main(["--batch", "4", "--seq", "16", "--steps", "1", "--batches", "2", "--layers", "1",
+                           "--d-model", "32"])
+    results = out["results"]
+    assert set(results) == {"main_job", "grain_first_fit", "grain_concat_then_split", "packed_step"}
+    assert 0 < results["grain_first_fit"]["fill"] <= 1 and results["grain_concat_then_split"]["fill"] == 1
+    assert all(r["tokens_per_s"] > 0 for r in results.values()) and all(v > 0 for v in out["ratios"].values())
