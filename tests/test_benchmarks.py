@@ -149,6 +149,7 @@ def test_grain_data_script_tiny():
     out = grain_data.main(["--batch", "4", "--seq", "16", "--steps", "1", "--batches", "2", "--layers", "1",
                            "--d-model", "32"])
     results = out["results"]
-    assert set(results) == {"main_job", "grain_first_fit", "grain_concat_then_split", "packed_step"}
+    assert set(results) == {"main_job", "grain_first_fit", "grain_concat_then_split", "packed_step",
+                            "packed_training_fed_by_grain"}
     assert 0 < results["grain_first_fit"]["fill"] <= 1 and results["grain_concat_then_split"]["fill"] == 1
     assert all(r["tokens_per_s"] > 0 for r in results.values()) and all(v > 0 for v in out["ratios"].values())

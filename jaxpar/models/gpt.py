@@ -35,7 +35,8 @@ import numpy as np
 
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
-from jaxpar.models.layers import attention, causal_attention, gelu, layer_norm, rope  # noqa: F401 (public here too)
+from jaxpar.models.layers import (  # noqa: F401 (public here too)
+    PACKED_KEYS, attention, causal_attention, check_packed_entries, check_packed_shapes, gelu, layer_norm, rope)
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -348,49 +349,6 @@ def check_token_ids(name: str, ids: Any, vocab_size: int) -> None:
                          f"vocabulary or raise GPTConfig.vocab_size")
 
 
-PACKED_KEYS = ("segment_ids", "positions", "loss_mask")   # the optional batch entries of packed documents
-
-
-def _check_packed_shapes(batch: dict) -> None:
-    want = tuple(np.shape(batch["inputs"]))
-    for key in PACKED_KEYS:
-        if key in batch and tuple(np.shape(batch[key])) != want:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(np.shape(batch[key]))}, the inputs {want}: packed "
-                             "documents' segment_ids, positions and loss_mask are [batch, seq] like the inputs")
-
-
-def check_packed_entries(batch: dict, max_position: int | None = None) -> None:
-    """Host-side check of a batch's packed-document entries (:data:`PACKED_KEYS`, each optional).
-
-    ``segment_ids`` and ``positions`` must be integer arrays >= 0 shaped like ``batch["inputs"]`` (positions below
-    ``max_position`` when given: a learned position table's size), ``loss_mask`` bool or numeric of that shape.
-    Device (``jax.Array``) leaves are checked for shape and dtype only.
-
-    Raises:
-      ValueError: the first entry that breaks a rule, naming it, its shape or dtype or first bad value.
-    """
-    _check_packed_shapes(batch)
-    for key in PACKED_KEYS:
-        if key not in batch:
-            continue
-        dtype = np.dtype(batch[key].dtype) if hasattr(batch[key], "dtype") else np.asarray(batch[key]).dtype
-        if key == "loss_mask":
-            if not (dtype == np.bool_ or np.issubdtype(dtype, np.number)):
-                raise ValueError(f"batch['loss_mask'] has dtype {dtype}; it must be bool or numeric (1 keeps a target)")
-            continue
-        if not np.issubdtype(dtype, np.integer):
-            raise ValueError(f"batch[{key!r}] has dtype {dtype}; {key} must be integers (e.g. np.int32)")
-        if isinstance(batch[key], jax.Array):
-            continue
-        values = np.asarray(batch[key])
-        limit = max_position if key == "positions" else None
-        bad = (values < 0) | (values >= limit if limit is not None else False)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            bound = f"[0, max_seq_len={limit})" if limit is not None else ">= 0"
-            raise ValueError(f"batch[{key!r}] holds {int(values[where])} at index {where}; {key} must be {bound}")
-
-
 def _check_auto_mesh() -> None:
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and has_explicit_axes(mesh):
@@ -514,7 +472,7 @@ class GPT:
         if segment_ids is None and positions is None and loss_mask is None:
             x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
             return self.head_loss(params, x_BLD, batch["targets"])
-        _check_packed_shapes(batch)
+        check_packed_shapes(batch)
         x_BLD = self.embed(params, batch["inputs"], positions)
         x_BLD = self.stage(params["blocks"], x_BLD, segment_ids, positions)
         return self.head_loss(params, x_BLD, batch["targets"], loss_mask)

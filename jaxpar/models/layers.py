@@ -1,4 +1,5 @@
-"""The layers the GPT and the Llama share (one copy each): norms, activations, rotary positions, attention.
+"""The layers the GPT and the Llama share (one copy each): norms, activations, rotary positions, attention, and
+the batch entries of packed documents (segment ids, positions, loss mask) with their checks.
 
 Shape legend: :data:`jaxpar.models.SHAPE_LEGEND` (B batch, L sequence, H heads, K head dim, ...). Norms and
 activations are rematerialised (``jax.checkpoint``): the backward pass saves their inputs only (see
@@ -12,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.checkpoint
@@ -137,3 +139,50 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def silu(x: jax.Array) -> jax.Array:
     """``x * sigmoid(x)`` (Elfwing et al. 2018), rematerialised like :func:`gelu`."""
     return jax.nn.silu(x)
+
+
+# ------------------------------------------------------------- packed documents: the batch entries and their checks
+
+PACKED_KEYS = ("segment_ids", "positions", "loss_mask")   # the optional batch entries of packed documents
+
+
+def check_packed_shapes(batch: dict) -> None:
+    """Raises ValueError naming a packed entry (:data:`PACKED_KEYS`) whose shape is not ``batch["inputs"]``'s (static
+    shapes: traceable)."""
+    want = tuple(np.shape(batch["inputs"]))
+    for key in PACKED_KEYS:
+        if key in batch and tuple(np.shape(batch[key])) != want:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(np.shape(batch[key]))}, the inputs {want}: packed "
+                             "documents' segment_ids, positions and loss_mask are [batch, seq] like the inputs")
+
+
+def check_packed_entries(batch: dict, max_position: int | None = None) -> None:
+    """Host-side check of a batch's packed-document entries (:data:`PACKED_KEYS`, each optional).
+
+    ``segment_ids`` and ``positions`` must be integer arrays >= 0 shaped like ``batch["inputs"]`` (positions below
+    ``max_position`` when given: a learned position table's size), ``loss_mask`` bool or numeric of that shape.
+    Device (``jax.Array``) leaves are checked for shape and dtype only.
+
+    Raises:
+      ValueError: the first entry that breaks a rule, naming it, its shape or dtype or first bad value.
+    """
+    check_packed_shapes(batch)
+    for key in PACKED_KEYS:
+        if key not in batch:
+            continue
+        dtype = np.dtype(batch[key].dtype) if hasattr(batch[key], "dtype") else np.asarray(batch[key]).dtype
+        if key == "loss_mask":
+            if not (dtype == np.bool_ or np.issubdtype(dtype, np.number)):
+                raise ValueError(f"batch['loss_mask'] has dtype {dtype}; it must be bool or numeric (1 keeps a target)")
+            continue
+        if not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"batch[{key!r}] has dtype {dtype}; {key} must be integers (e.g. np.int32)")
+        if isinstance(batch[key], jax.Array):
+            continue
+        values = np.asarray(batch[key])
+        limit = max_position if key == "positions" else None
+        bad = (values < 0) | (values >= limit if limit is not None else False)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            bound = f"[0, max_seq_len={limit})" if limit is not None else ">= 0"
+            raise ValueError(f"batch[{key!r}] holds {int(values[where])} at index {where}; {key} must be {bound}")
