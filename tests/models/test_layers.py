@@ -1,4 +1,5 @@
-"""Packed documents in the shared layers (jaxpar/models/layers.py) and the GPT / Llama losses.
+"""Packed documents in the shared layers (jaxpar/models/layers.py) and the GPT / Llama losses (the pipeline's
+refusal of packed batches: tests/pipeline/test_model.py).
 
 References are written here: each document run through the model alone (a batch of one, positions from 0, no
 segment ids), and the attention weights against a numpy softmax over the keys a query may see. Rows are packed
@@ -168,15 +169,3 @@ def test_bad_packed_batches_raise_clear_errors():
     q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="segment ids.*attention='blocked'"):
         attention(cudnn, q, q, q, jnp.ones((1, 4), jnp.int32))
-
-
-def test_pipeline_refuses_packed_batches(mesh_factory):
-    model = jp.models.GPT(SMALL_GPT)
-    pipe = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, jp.pipeline.gpipe(2, 2))
-    tx = optax.sgd(0.1)
-    mesh = mesh_factory(pipe=2)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
-    step = jp.train.make_train_step(pipe, tx, mesh=mesh)
-    batch = dict(gpt_batch(np.random.default_rng(0), 4, SMALL_GPT), segment_ids=np.ones((4, L), np.int32))
-    with pytest.raises(ValueError, match="segment_ids.*pipeline"):
-        step(state, batch)
