@@ -57,7 +57,9 @@ CONFIGS = {"gpt": SMALL_GPT, "gpt_rotary_untied_scan": SMALL_GPT_VARIANT, "llama
            "gpt_xla_attention": dataclasses.replace(SMALL_GPT, attention="xla", positions="rotary")}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# the fast set keeps the GPT and the Llama; .ci/run runs the other variants too (a compile per document length)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n not in ("gpt", "llama") else [])
+                                  for n in CONFIGS])
 def test_packed_loss_is_the_sum_of_each_documents_loss_alone(name):
     cfg = CONFIGS[name]
     model = cfg.as_model()
@@ -131,7 +133,7 @@ def test_padding_only_rows_and_plain_batches():
     assert_tree_close(g1, g0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("cfg", [SMALL_GPT, pytest.param(SMALL_LLAMA, marks=pytest.mark.slow)], ids=["gpt", "llama"])
 def test_packed_step_on_2x2x2_and_accumulation_match_one_device(cfg, mesh_factory):
     """A packed batch's loss and gradients on data=2 x fsdp=2 x tensor=2 (and with 2 accumulation steps whose
     microbatches hold different numbers of targets) equal jax.value_and_grad on one device."""
