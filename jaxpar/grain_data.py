@@ -128,8 +128,7 @@ class GrainBatches:
         docs = dataset.shuffle(seed=seed) if shuffle else dataset
         docs = docs.repeat(num_epochs)
         pairs = _Pairs(seq_len, split=packing == "concat_then_split")
-        self._datasets = [self._pack(grain, docs[j::num_shards].map(pairs), j) for j in self.shards]
-        self._iters = [iter(ds) for ds in self._datasets]
+        self._iters = [iter(self._pack(grain, docs[j::num_shards].map(pairs), j)) for j in self.shards]
         self.step = 0
 
     def _pack(self, grain: Any, pairs: Any, shard: int) -> Any:
@@ -140,7 +139,8 @@ class GrainBatches:
                                                                    length_struct=lengths)
         else:   # grain shuffles a flush of bins with this seed: per shard, a function of (seed, shard) only
             packed = grain.experimental.FirstFitPackIterDataset(
-                pairs.to_iter_dataset(self._read_options), length_struct=lengths, num_packing_bins=c["num_packing_bins"],
+                pairs.to_iter_dataset(self._read_options), length_struct=lengths,
+                num_packing_bins=c["num_packing_bins"],
                 seed=int(np.random.default_rng([c["seed"], shard]).integers(2 ** 31)))
         return packed.map(_rows)
 
@@ -188,8 +188,9 @@ class GrainBatches:
           ValueError: not such a state, or one of another pipeline (naming the first setting that differs).
         """
         if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"not a grain_batches state (format {state.get('format') if isinstance(state, dict) else state!r}"
-                             f", expected {FORMAT!r}): pass what GrainBatches.get_state() returned")
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a grain_batches state (format {got!r}, expected {FORMAT!r}): pass what "
+                             "GrainBatches.get_state() returned")
         saved = state.get("config", {})
         for key, value in self.config.items():
             if saved.get(key) != value:

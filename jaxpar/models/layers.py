@@ -119,7 +119,8 @@ def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array,
     if cfg.attention == "blocked":
         a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks, segment_ids_BL)
     else:
-        mask = None if segment_ids_BL is None else (segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])
+        mask = None if segment_ids_BL is None else (
+            segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])   # [B, 1, Q, S]: same document
         a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
                                               implementation=cfg.attention)
     return a_BLHK.astype(dtype)

@@ -79,13 +79,14 @@ def test_packed_loss_is_the_sum_of_each_documents_loss_alone(name):
     # the whole batch: the masked mean over every unmasked target
     loss, aux = loss_fn(params, batch)
     total = sum(doc_loss_sum(model, params, d) for row in docs for d in row)
-    errs.append(assert_scalar_close(float(loss), total / batch["loss_mask"].sum(), rtol=1e-5, what=f"{name} batch mean"))
+    errs.append(assert_scalar_close(float(loss), total / batch["loss_mask"].sum(), rtol=1e-5,
+                                    what=f"{name} batch mean"))
     # the logits of each document's tokens are those of the document alone
     x = model.embed(params, batch["inputs"], batch["positions"])
     logits = model.logits(params, model.stage(params["blocks"], x, batch["segment_ids"], batch["positions"]))
     alone = model.apply(params, docs[1][1][None, :-1])
     at = len(docs[1][0]) - 1
-    V = cfg.vocab_size                                             # padded vocabulary entries are -1.7e38: leave them out
+    V = cfg.vocab_size                                       # padded vocabulary entries are -1.7e38: leave them out
     errs.append(assert_tree_close(np.asarray(logits)[1, at:at + len(docs[1][1]) - 1, :V], np.asarray(alone)[0, :, :V],
                                   rtol=1e-5))
     print(f"\n[packed] {name}: row sums, batch mean, logits: " + ", ".join(f"{e:.1e}" for e in errs))
@@ -125,8 +126,8 @@ def test_padding_only_rows_and_plain_batches():
     (loss, aux), g = grad(params, empty)
     assert float(loss) == 0.0 and float(aux["weight"]) == 0.0
     assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(g))
-    one_doc = dict(plain, segment_ids=np.ones((2, L), np.int32), positions=np.tile(np.arange(L, dtype=np.int32), (2, 1)),
-                   loss_mask=np.ones((2, L), np.int32))
+    one_doc = dict(plain, segment_ids=np.ones((2, L), np.int32), loss_mask=np.ones((2, L), np.int32),
+                   positions=np.tile(np.arange(L, dtype=np.int32), (2, 1)))
     (l1, _), g1 = grad(params, one_doc)
     (l0, _), g0 = grad(params, plain)
     assert_scalar_close(l1, l0, rtol=1e-6)
