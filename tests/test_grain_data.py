@@ -151,7 +151,9 @@ def test_sigterm_and_resume_give_the_same_batches_and_losses(tmp_path):
     assert worker.read_jsonl(killed / "losses.jsonl") == want_loss
     got = worker.read_jsonl(moved / "losses.jsonl")
     assert [r["step"] for r in got] == list(range(1, 7))
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want_loss], rtol=1e-6)
+    got, want = np.array([r["loss"] for r in got]), np.array([r["loss"] for r in want_loss])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    print(f"\n[grain resume] other mesh: losses max rel diff {np.max(np.abs(got / want - 1)):.1e}")
 
 
 @pytest.mark.slow  # two processes, then resumes here: subprocesses and several compiles; .ci/run runs it
@@ -178,8 +180,11 @@ def test_two_processes_sigterm_resume_on_one_process_and_another_mesh(tmp_path):
     assert all(r["rows"] == want[r["step"]] for r in resumed)
     got = worker.read_jsonl(two / "losses.jsonl")
     assert [r["step"] for r in got] == list(range(1, 9))
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in worker.read_jsonl(ref / "losses.jsonl")],
-                               rtol=1e-5)
+    got = np.array([r["loss"] for r in got])
+    want = np.array([r["loss"] for r in worker.read_jsonl(ref / "losses.jsonl")])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    print(f"\n[grain 2 -> 1 process] losses max rel diff: steps 1-4 {np.max(np.abs(got[:4] / want[:4] - 1)):.1e}, "
+          f"5-8 {np.max(np.abs(got[4:] / want[4:] - 1)):.1e}")
 
 
 def test_restored_state_must_match_the_pipeline(tmp_path):
