@@ -11,11 +11,10 @@ Prints one JSON object:
   file: ms per step, training tokens/s, and the loop's data time (the ``batch_fn`` calls, timed inside the loop)
   per step and as a fraction of the step time;
 * ``token_file_over_training``: TokenFile tokens/s over the main job's training tokens/s (the issue asks >= 20);
-* ``grain``: None here; the place of ``jp.data.grain_batches`` with packing (the issue's part B).
 
 ``--tokens`` is a token directory from experiments/prepare_tokens.py; by default CPython's ``pydoc_data.topics``
 text is prepared into a temporary one (byte-level BPE, 1024 ids). Machines here are noisy: the ratios within one
-run are what counts.
+run are what counts. The grain path with packing has its own script, ``benchmarks/grain_data.py``.
 """
 
 from __future__ import annotations
@@ -101,8 +100,7 @@ def main(argv=None) -> dict:
                "train_tokens": len(corpus.train),
                "token_file": {order: time_batches(corpus.train, args.batch, args.seq, args.calls, order)
                               for order in ("random", "epoch")},
-               "main_job": time_main_job(corpus, TINY_JOB if args.tiny else MAIN_JOB, args.steps),
-               "grain": None}   # part B of the issue: jp.data.grain_batches with packing, its tokens/s here
+               "main_job": time_main_job(corpus, TINY_JOB if args.tiny else MAIN_JOB, args.steps)}
     out["token_file_over_training"] = (out["token_file"]["random"]["tokens_per_s"]
                                        / out["main_job"]["training_tokens_per_s"])
     print(json.dumps(out, indent=1))

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxpar._optional import require
 from jaxpar.batches import process_slice
+from jaxpar.grain_data import GrainBatches, grain_batches  # noqa: F401 (grain pipelines: jaxpar/grain_data.py)
 from jaxpar.token_file import (SPLIT_CODES, TokenCorpus, TokenFile, check_window_sizes, random_window_starts,
                                windows)
 
@@ -148,4 +149,5 @@ class Digits:
         return {"x": self.x_test[:n][rows], "y": self.y_test[:n][rows]}
 
 
-__all__ = ["CharCorpus", "Digits", "TokenCorpus", "TokenFile", "default_text", "load_text", "process_slice"]
+__all__ = ["CharCorpus", "Digits", "GrainBatches", "TokenCorpus", "TokenFile", "default_text", "grain_batches", "load_text",
+           "process_slice"]

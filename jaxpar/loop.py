@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxpar.checkpoint import CheckpointManager
+from jaxpar.checkpoint import CheckpointError, CheckpointManager
 from jaxpar.checks import nonnegative_int, positive_int
 
 HookFn = Callable[[int, Any, dict[str, float]], Any]
@@ -154,7 +154,8 @@ class LoopResult(NamedTuple):
     preempted: bool
 
 
-def checkpoint(manager: CheckpointManager, extras_fn: Callable[[int], dict] | None = None) -> Hook:
+def checkpoint(manager: CheckpointManager, extras_fn: Callable[[int], dict] | None = None, *,
+               data: Any = None) -> Hook:
     """A state hook saving checkpoint ``step`` of the state that has applied ``step`` updates.
 
     Saves every ``manager.save_interval_steps`` steps, at ``stop`` and at a preemption's step (forced, so
@@ -165,18 +166,61 @@ def checkpoint(manager: CheckpointManager, extras_fn: Callable[[int], dict] | No
     Args:
       manager: a :class:`jaxpar.checkpoint.CheckpointManager`.
       extras_fn: ``extras_fn(step) -> dict`` saved with checkpoint ``step`` (default ``{"step": step}``).
+      data: a data iterator with ``get_state() -> dict`` (JSON-able) and ``set_state(dict)``, e.g.
+        ``jp.data.grain_batches(...)`` or a grain ``DatasetIterator``: its state is saved under the extras' key
+        ``"data"`` in the same checkpoint as the train state, so the two are written (and finalized
+        atomically) together; :func:`restore_data` restores it. At a hook call the loop has taken batches
+        ``0 .. step - 1`` only, so the state is that of the next batch, ``step``. ``get_state`` runs on every
+        process at the same step (grain_batches gathers the processes' shard states there).
 
     Raises:
-      TypeError: ``manager`` is not a CheckpointManager; ``extras_fn`` not callable.
+      TypeError: ``manager`` is not a CheckpointManager; ``extras_fn`` not callable; ``data`` without
+        ``get_state`` and ``set_state``.
+      ValueError (when saving): ``extras_fn`` returned a ``"data"`` entry too; a ``data`` state whose
+        ``"step"`` is not the checkpoint's (batches taken ahead of the loop, e.g. prefetched by hand).
     """
     if not isinstance(manager, CheckpointManager):
         raise TypeError(f"manager must be a jp.checkpoint.CheckpointManager, got {type(manager).__name__}")
     if extras_fn is not None and not callable(extras_fn):
         raise TypeError(f"extras_fn={extras_fn!r} must be callable as extras_fn(step) -> dict")
+    if data is not None and not (callable(getattr(data, "get_state", None))
+                                 and callable(getattr(data, "set_state", None))):
+        raise TypeError(f"data={type(data).__name__} must have get_state() and set_state(state) (e.g. "
+                        "jp.data.grain_batches(...) or a grain DatasetIterator)")
     extras_fn = extras_fn or (lambda s: {"step": s})
+
+    def extras(step: int) -> dict:
+        out = extras_fn(step)
+        if data is None:
+            return out
+        if isinstance(out, dict) and "data" in out:
+            raise ValueError("extras_fn returned a 'data' entry, the key checkpoint(..., data=) saves the data "
+                             "state under; rename it")
+        state = data.get_state()
+        if isinstance(state, dict) and "step" in state and state["step"] != step:
+            raise ValueError(f"the data iterator is at batch {state['step']} when checkpoint {step} is saved; "
+                             f"its state must be that of batch {step} (take batches only through the loop's "
+                             "batch_fn, so a resume continues exactly)")
+        return {**out, "data": state}
     # force: the interval is this hook's `every`; at the end and on preemption the step is saved whatever it is.
-    save = lambda step, state, _: manager.save(step, state, extras_fn(step), force=True)
+    save = lambda step, state, _: manager.save(step, state, extras(step), force=True)
     return Hook(save, every=manager.save_interval_steps, at_end=True, on_preemption=True, finish=manager.wait)
+
+
+def restore_data(manager: CheckpointManager, data: Any, step: int | None = None) -> None:
+    """Sets ``data``'s state to the one :func:`checkpoint` (``data=``) saved with checkpoint ``step``
+    (default: the latest), so the batches continue exactly where that run's did.
+
+    Raises:
+      CheckpointError (a ValueError): no such checkpoint, or one saved without a data state.
+      ValueError: the state does not fit ``data`` (``data.set_state``'s errors, e.g. another pipeline).
+    """
+    extras = manager.restore_extras(step)
+    if not isinstance(extras, dict) or "data" not in extras:
+        raise CheckpointError(f"checkpoint {step if step is not None else manager.latest_step()} in "
+                              f"{str(manager.directory)!r} holds no data state: it was saved without "
+                              "jp.loop.checkpoint(manager, data=...); start the data from the beginning instead")
+    data.set_state(extras["data"])
 
 
 def mean_metrics(eval_step: Callable[[Any, Any], dict], state: Any, batches: Iterable[Any]) -> dict[str, float]:
@@ -324,4 +368,5 @@ def run_steps(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], sta
         yield t, _host(metrics), state
 
 
-__all__ = ["Hook", "LoopResult", "PreemptionHandler", "checkpoint", "evaluate", "mean_metrics", "run", "run_steps"]
+__all__ = ["Hook", "LoopResult", "PreemptionHandler", "checkpoint", "evaluate", "mean_metrics", "restore_data", "run",
+           "run_steps"]

@@ -145,7 +145,7 @@ def test_kv_cache_script_tiny():
 
 def test_data_script_tiny(tmp_path):
     """benchmarks/data.py on a tiny job: TokenFile batches of both orders timed, the main-job step run through
-    jp.loop.run with its data time measured inside, the ratio the issue asks for, and part B's grain slot."""
+    jp.loop.run with its data time measured inside, the ratio the issue asks for."""
     from jaxpar import tokens
     import data as data_benchmark
     (tmp_path / "a.txt").write_text("".join(f"paragraph {i}: " + "some words here " * (i % 9 + 1) + "\n\n"
@@ -160,4 +160,15 @@ def test_data_script_tiny(tmp_path):
     assert job["steps"] == 2 and job["batch"] == 8 and 0 < job["data_fraction_of_step"] < 1
     assert report["token_file_over_training"] == pytest.approx(
         report["token_file"]["random"]["tokens_per_s"] / job["training_tokens_per_s"])
-    assert "grain" in report
+
+
+def test_grain_data_script_tiny():
+    """benchmarks/grain_data.py: the main job's step, both grain packings and the packed step, with ratios."""
+    import grain_data
+    out = grain_data.main(["--batch", "4", "--seq", "16", "--steps", "1", "--batches", "2", "--layers", "1",
+                           "--d-model", "32"])
+    results = out["results"]
+    assert set(results) == {"main_job", "grain_first_fit", "grain_concat_then_split", "packed_step",
+                            "packed_training_fed_by_grain"}
+    assert 0 < results["grain_first_fit"]["fill"] <= 1 and results["grain_concat_then_split"]["fill"] == 1
+    assert all(r["tokens_per_s"] > 0 for r in results.values()) and all(v > 0 for v in out["ratios"].values())

@@ -193,3 +193,42 @@ def test_preemption_stops_at_the_next_step_with_a_forced_save(job, tmp_path):
     ref = job["replay"](3)
     assert_params_equal(result.state.params, ref[2][0], "the state reached")
     assert_params_equal(ckpt.restore(target=job["abstract"]()).params, ref[2][0], "the preemption checkpoint")
+
+
+class CountingData:
+    """A user's data iterator (not jaxpar's): batch t is ``job["batch_fn"](t)``; its state is the next index."""
+
+    def __init__(self, batch_fn, ahead: int = 0):
+        self.batch_fn, self.next, self.ahead = batch_fn, 0, ahead
+
+    def __call__(self, t):
+        assert t == self.next - self.ahead, (t, self.next)
+        self.next += 1
+        return self.batch_fn(t)
+
+    def get_state(self):
+        return {"step": self.next, "kind": "counting"}
+
+    def set_state(self, state):
+        self.next = state["step"]
+
+
+def test_checkpoint_saves_and_restores_the_data_state(job, tmp_path):
+    """checkpoint(manager, data=) stores the iterator's state of the checkpoint's step (batches 0..step-1
+    taken) in the same checkpoint; restore_data hands it back; an iterator ahead of the loop is refused."""
+    ckpt = jp.checkpoint.CheckpointManager(tmp_path / "a", max_to_keep=None, save_interval_steps=2)
+    data = CountingData(job["batch_fn"])
+    jp.loop.run(job["step"], job["init"](), data, 0, 5, hooks=[jp.loop.checkpoint(ckpt, data=data)])
+    for step in (2, 4, 5):
+        assert ckpt.restore_extras(step) == {"step": step, "data": {"step": step, "kind": "counting"}}
+    fresh = CountingData(job["batch_fn"])
+    jp.loop.restore_data(ckpt, fresh, 4)
+    assert fresh.next == 4
+    ahead = CountingData(job["batch_fn"])
+    ahead.next = ahead.ahead = 1          # one batch taken before the loop: its state is never the step's
+    other = jp.checkpoint.CheckpointManager(tmp_path / "b", save_interval_steps=1)
+    with pytest.raises(ValueError, match="data iterator is at batch 2 when checkpoint 1 is saved"):
+        jp.loop.run(job["step"], job["init"](), ahead, 0, 2, hooks=[jp.loop.checkpoint(other, data=ahead)])
+    with pytest.raises(ValueError, match="returned a 'data' entry"):
+        jp.loop.run(job["step"], job["init"](), CountingData(job["batch_fn"]), 0, 1,
+                    hooks=[jp.loop.checkpoint(other, lambda s: {"data": 1}, data=data)])

@@ -35,7 +35,8 @@ import numpy as np
 
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
-from jaxpar.models.layers import attention, causal_attention, gelu, layer_norm, rope  # noqa: F401 (public here too)
+from jaxpar.models.layers import (  # noqa: F401 (public here too)
+    PACKED_KEYS, attention, causal_attention, check_packed_entries, check_packed_shapes, gelu, layer_norm, rope)
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -152,9 +153,11 @@ class Embed(nn.Module):
             self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("seq", "embed"),
                                         c.init_std / 2)
 
-    def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+    def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0,
+                 positions_BL: jax.Array | None = None) -> jax.Array:
         """``offset``: the position of ``tokens_BL[:, 0]`` (a decode step's; 0 for a whole sequence), an int32 scalar
-        or ``[B]`` (one per row)."""
+        or ``[B]`` (one per row); ``positions_BL`` (int ``[B, L]``, packed documents): each token's own position
+        instead (one out of ``[0, max_seq_len)`` gives NaN: ``jnp.take``'s fill)."""
         c = self.cfg
         dtype = _compute_dtype(c, self.embedding)
         # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
@@ -163,7 +166,9 @@ class Embed(nn.Module):
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if c.positions == "learned":
             L = tokens_BL.shape[1]
-            if isinstance(offset, int) and offset == 0:
+            if positions_BL is not None:
+                pos_BLD = jnp.take(self.pos_embedding, positions_BL, axis=0, mode="fill", fill_value=jnp.nan)
+            elif isinstance(offset, int) and offset == 0:
                 pos_BLD = self.pos_embedding[:L][None]
             else:   # per-row offsets (left-padded prompts): padding slots' negative positions clip to 0
                 pos_BL = jnp.clip(jnp.reshape(offset, (-1, 1)) + jnp.arange(L), 0, c.max_seq_len - 1)
@@ -228,23 +233,29 @@ class Block(nn.Module):
         m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 
-    def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0):
-        """Rotary positions on queries and keys (learned positions: unchanged); row 0 is position ``offset``."""
+    def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0,
+                   positions_BL: jax.Array | None = None):
+        """Rotary positions on queries and keys (learned positions: unchanged); row 0 is position ``offset``, or
+        each token is at ``positions_BL`` when given."""
         c = self.cfg
         if c.positions != "rotary":
             return q_BLHK, k_BLGK
-        return rope(q_BLHK, c.rope_base, offset), rope(k_BLGK, c.rope_base, offset)
+        return rope(q_BLHK, c.rope_base, offset, positions_BL=positions_BL), rope(k_BLGK, c.rope_base, offset,
+                                                                                   positions_BL=positions_BL)
 
     def _expand_kv(self, t_BLGK: jax.Array) -> jax.Array:
         """Keys or values for every query head (the GPT has one per head; grouped-query models repeat them)."""
         return t_BLGK
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+                 positions_BL: jax.Array | None = None) -> jax.Array:
+        """``x_BLD -> x_BLD``; packed documents: attention within each segment of ``segment_ids_BL``, rotary
+        positions from ``positions_BL`` (both int ``[B, L]``, optional)."""
         c = self.cfg
         q_BLHK, k_BLHK, v_BLHK = self._qkv(x_BLD)
-        q_BLHK, k_BLHK = self._positions(q_BLHK, k_BLHK)
+        q_BLHK, k_BLHK = self._positions(q_BLHK, k_BLHK, positions_BL=positions_BL)
         k_BLHK, v_BLHK = self._expand_kv(k_BLHK), self._expand_kv(v_BLHK)
-        a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK), "batch", "seq", "heads", "kv")
+        a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK, segment_ids_BL), "batch", "seq", "heads", "kv")
         return self._finish(x_BLD, a_BLHK)
 
     def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
@@ -380,8 +391,9 @@ class GPT:
                 "blocks": _add_layers_axis(blocks),
                 "head": self.Head(c).init(k_head, method=self.Head.declare)["params"]}
 
-    def embed(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
-        """``tokens_BL (int) -> x_BLD``.
+    def embed(self, params: dict, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+        """``tokens_BL (int) -> x_BLD``; ``positions_BL`` (int ``[B, L]``, packed documents): each token's position
+        for learned position embeddings (rotary ones take them in :meth:`stage`).
 
         A token outside ``[0, vocab_size)`` gives NaN activations (so a NaN loss and gradients), not a wrapped
         or zero row (check host batches first with :meth:`check_batch`).
@@ -395,13 +407,19 @@ class GPT:
         if tokens_BL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
                              "use shorter sequences or a larger GPTConfig.max_seq_len")
-        x_BLD = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL)
+        x_BLD = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, 0, positions_BL)
         return x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
 
-    def stage(self, blocks: dict, x_BLD: jax.Array) -> jax.Array:
-        """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers)."""
+    def stage(self, blocks: dict, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+              positions_BL: jax.Array | None = None) -> jax.Array:
+        """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers).
+
+        Packed documents: ``segment_ids_BL`` keeps attention within each document, ``positions_BL`` gives rotary
+        positions (int ``[B, L]`` each, optional; see :meth:`loss`)."""
         block = self.Block(self.cfg)
-        f = lambda p, x: block.apply({"params": p}, x)
+        packed = segment_ids_BL is not None or positions_BL is not None
+        f = (lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL)) if packed else (
+            lambda p, x: block.apply({"params": p}, x))
         if self.cfg.remat != "none":
             f = jax.checkpoint(f, policy=_REMAT[self.cfg.remat])
         if self.cfg.scan_layers:
@@ -417,25 +435,47 @@ class GPT:
         valid = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
         return jnp.where(valid, logits_BLV, jnp.finfo(logits_BLV.dtype).min / 2)
 
-    def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array):
+    def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array,
+                  loss_mask_BL: jax.Array | None = None):
         """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``.
 
-        A target outside ``[0, vocab_size)`` makes the loss and gradients NaN (check host batches first with
-        :meth:`check_batch`)."""
+        With ``loss_mask_BL`` (``[B, L]``, bool or numbers; 0 drops a target, e.g. padding of packed rows): the
+        masked mean ``sum(mask * ce) / sum(mask)`` (0 when the mask is all 0) with ``weight = sum(mask)``, so the
+        step's weighting of microbatches and batch shards by ``weight`` gives the exact masked mean of the whole
+        global batch. A target outside ``[0, vocab_size)`` makes the loss and gradients NaN (check host batches
+        first with :meth:`check_batch`); a masked one too (mask it by giving it a valid id, e.g. 0)."""
         logits_BLV = self.logits(params, x_BLD).astype(jnp.float32)
         ce_BL = cross_entropy(logits_BLV, targets_BL) * _nan_where_invalid(targets_BL, self.cfg.vocab_size)
-        loss = ce_BL.mean()
-        return loss, {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
+        if loss_mask_BL is None:
+            return ce_BL.mean(), {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
+        mask_BL = loss_mask_BL.astype(jnp.float32)
+        weight = mask_BL.sum()   # 0 (not NaN) for a row block with no target left, as jp.grads.weighted_mean
+        loss = jnp.where(weight > 0, (ce_BL * mask_BL).sum() / jnp.where(weight > 0, weight, 1.0), 0.0)
+        return loss, {"weight": weight}
 
     def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
         """``tokens_BL (int32) -> logits_BLV`` (``output_dtype``)."""
         return self.logits(params, self.stage(params["blocks"], self.embed(params, tokens_BL)))
 
     def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
-        """``loss_fn`` for the train step: ``batch = {"inputs": int [B, L], "targets": int [B, L]}``."""
+        """``loss_fn`` for the train step: ``batch = {"inputs": int [B, L], "targets": int [B, L]}``, optionally with
+        packed documents' entries (:data:`PACKED_KEYS`, each ``[B, L]``, e.g. from ``jp.data.grain_batches``):
+        ``"segment_ids"`` (int; attention only within a segment), ``"positions"`` (int; each token's position in
+        its document, for learned or rotary positions), ``"loss_mask"`` (bool or numbers; the loss is the masked
+        mean, see :meth:`head_loss`). Without them, the computation is exactly the plain one.
+
+        Raises:
+          ValueError: a packed entry whose shape is not the inputs' (at trace time).
+        """
         del rng
-        x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
-        return self.head_loss(params, x_BLD, batch["targets"])
+        segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)
+        if segment_ids is None and positions is None and loss_mask is None:
+            x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
+            return self.head_loss(params, x_BLD, batch["targets"])
+        check_packed_shapes(batch)
+        x_BLD = self.embed(params, batch["inputs"], positions)
+        x_BLD = self.stage(params["blocks"], x_BLD, segment_ids, positions)
+        return self.head_loss(params, x_BLD, batch["targets"], loss_mask)
 
     def check_batch(self, batch: Any) -> None:
         """Host-side check of a batch for :meth:`loss`: ``{"inputs", "targets"}`` of integer ids in
@@ -448,7 +488,10 @@ class GPT:
 
         Raises:
           ValueError: a missing key, inputs and targets of different or non-``[batch, seq]`` shapes, a sequence
-            longer than ``max_seq_len``, non-integer ids, or an id outside ``[0, vocab_size)`` (naming its index).
+            longer than ``max_seq_len``, non-integer ids, or an id outside ``[0, vocab_size)`` (naming its index);
+            packed entries (:data:`PACKED_KEYS`) of another shape than the inputs, ``segment_ids``/``positions``
+            that are not integers >= 0, learned positions >= ``max_seq_len``, a ``loss_mask`` that is not bool or
+            numeric (:func:`check_packed_entries`).
         """
         if not isinstance(batch, dict) or not {"inputs", "targets"} <= set(batch):
             raise ValueError(f"the GPT's batch is a dict with 'inputs' and 'targets' (int [batch, seq]); got "
@@ -463,6 +506,7 @@ class GPT:
         for key in ("inputs", "targets"):
             if not isinstance(batch[key], jax.Array):
                 check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
+        check_packed_entries(batch, self.cfg.max_seq_len if self.cfg.positions == "learned" else None)
 
     # ------------------------------------------------------------------ structured pruning (the protocol)
     def prune_groups(self) -> None:

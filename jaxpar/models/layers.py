@@ -1,4 +1,5 @@
-"""The layers the GPT and the Llama share (one copy each): norms, activations, rotary positions, attention.
+"""The layers the GPT and the Llama share (one copy each): norms, activations, rotary positions, attention, and
+the batch entries of packed documents (segment ids, positions, loss mask) with their checks.
 
 Shape legend: :data:`jaxpar.models.SHAPE_LEGEND` (B batch, L sequence, H heads, K head dim, ...). Norms and
 activations are rematerialised (``jax.checkpoint``): the backward pass saves their inputs only (see
@@ -12,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.checkpoint
@@ -39,22 +41,28 @@ def gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None) -> jax.Array:
+def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None,
+         positions_BL: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
     Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int, an int32 scalar, e.g. a decode step's,
-    or an int32 ``[B]`` of per-row offsets, e.g. left-padded prompts').
+    or an int32 ``[B]`` of per-row offsets, e.g. left-padded prompts'), or ``positions_BL[:, l]`` when given
+    (int ``[B, L]``: packed documents, each counting from 0).
     ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones)."""
     L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
     half = K // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
-    pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
+    if positions_BL is None:
+        pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
+    else:
+        pos_BL = positions_BL.astype(jnp.float32)
     angle = pos_BL[..., None] * freq          # [B or 1, L, K / 2]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
 
 
-def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2) -> jax.Array:
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
+                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
 
     The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
@@ -64,6 +72,10 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
     cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
     ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
     and heads) on any backend.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
+    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
+    padding (any id, e.g. 0) never gives an all-masked, NaN row.
     """
     L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
     n = max(1, min(num_blocks, L))
@@ -73,14 +85,28 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
         s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
                             preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
         visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        if segment_ids_BL is not None:   # [B, 1, Q, S]: causal and within the query's own document
+            same_BQS = segment_ids_BL[:, start:end, None] == segment_ids_BL[:, None, :end]
+            visible_QS = (visible_QS[None] & same_BQS)[:, None]
         p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
         out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
     return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
 
 
-def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array) -> jax.Array:
-    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32."""
+def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array,
+              segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): attention stays within each segment (packed documents), on the
+    ``"blocked"`` and ``"xla"`` paths.
+
+    Raises:
+      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids.
+    """
     dtype = q_BLHK.dtype
+    if segment_ids_BL is not None and cfg.attention == "cudnn":
+        raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
+                         "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")
     platform = jax.devices()[0].platform
     if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
         raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
@@ -91,9 +117,12 @@ def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array)
         # take attention in float32.
         q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
     if cfg.attention == "blocked":
-        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks)
+        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks, segment_ids_BL)
     else:
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True, implementation=cfg.attention)
+        mask = None if segment_ids_BL is None else (
+            segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])   # [B, 1, Q, S]: same document
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
+                                              implementation=cfg.attention)
     return a_BLHK.astype(dtype)
 
 
@@ -111,3 +140,50 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def silu(x: jax.Array) -> jax.Array:
     """``x * sigmoid(x)`` (Elfwing et al. 2018), rematerialised like :func:`gelu`."""
     return jax.nn.silu(x)
+
+
+# ------------------------------------------------------------- packed documents: the batch entries and their checks
+
+PACKED_KEYS = ("segment_ids", "positions", "loss_mask")   # the optional batch entries of packed documents
+
+
+def check_packed_shapes(batch: dict) -> None:
+    """Raises ValueError naming a packed entry (:data:`PACKED_KEYS`) whose shape is not ``batch["inputs"]``'s (static
+    shapes: traceable)."""
+    want = tuple(np.shape(batch["inputs"]))
+    for key in PACKED_KEYS:
+        if key in batch and tuple(np.shape(batch[key])) != want:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(np.shape(batch[key]))}, the inputs {want}: packed "
+                             "documents' segment_ids, positions and loss_mask are [batch, seq] like the inputs")
+
+
+def check_packed_entries(batch: dict, max_position: int | None = None) -> None:
+    """Host-side check of a batch's packed-document entries (:data:`PACKED_KEYS`, each optional).
+
+    ``segment_ids`` and ``positions`` must be integer arrays >= 0 shaped like ``batch["inputs"]`` (positions below
+    ``max_position`` when given: a learned position table's size), ``loss_mask`` bool or numeric of that shape.
+    Device (``jax.Array``) leaves are checked for shape and dtype only.
+
+    Raises:
+      ValueError: the first entry that breaks a rule, naming it, its shape or dtype or first bad value.
+    """
+    check_packed_shapes(batch)
+    for key in PACKED_KEYS:
+        if key not in batch:
+            continue
+        dtype = np.dtype(batch[key].dtype) if hasattr(batch[key], "dtype") else np.asarray(batch[key]).dtype
+        if key == "loss_mask":
+            if not (dtype == np.bool_ or np.issubdtype(dtype, np.number)):
+                raise ValueError(f"batch['loss_mask'] has dtype {dtype}; it must be bool or numeric (1 keeps a target)")
+            continue
+        if not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"batch[{key!r}] has dtype {dtype}; {key} must be integers (e.g. np.int32)")
+        if isinstance(batch[key], jax.Array):
+            continue
+        values = np.asarray(batch[key])
+        limit = max_position if key == "positions" else None
+        bad = (values < 0) | (values >= limit if limit is not None else False)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            bound = f"[0, max_seq_len={limit})" if limit is not None else ">= 0"
+            raise ValueError(f"batch[{key!r}] holds {int(values[where])} at index {where}; {key} must be {bound}")

@@ -233,9 +233,9 @@ class LlamaBlock(gpt.Block):
         k, v = ((h_TD @ w(p)).reshape(B, L, c.num_kv_heads, c.head_dim) for p in (self.k_kernel, self.v_kernel))
         return q, constrain(k, "batch", "seq", "kv_heads", "kv"), constrain(v, "batch", "seq", "kv_heads", "kv")
 
-    def _positions(self, q_BLHK, k_BLGK, offset=0):
+    def _positions(self, q_BLHK, k_BLGK, offset=0, positions_BL=None):
         freq = self.cfg.inv_freq().astype(np.float32)
-        return rope(q_BLHK, 0.0, offset, freq), rope(k_BLGK, 0.0, offset, freq)
+        return rope(q_BLHK, 0.0, offset, freq, positions_BL), rope(k_BLGK, 0.0, offset, freq, positions_BL)
 
     def _expand_kv(self, t_BLGK: jax.Array) -> jax.Array:
         """``[B, L, G, K] -> [B, L, H, K]``: query head ``h`` reads key/value head ``h // (H // G)`` (HF's
@@ -279,11 +279,12 @@ class Llama(gpt.GPT):
     ``[layers, batch, max_len, num_kv_heads, head_dim]``."""
     Block, Head = LlamaBlock, LlamaHead
 
-    def embed(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
+    def embed(self, params: dict, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """As :meth:`jaxpar.models.GPT.embed`; warns (once per config and mesh) when the key/value heads are
-        replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped)."""
+        replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped).
+        The Llama's positions are rotary: ``positions_BL`` is used by :meth:`stage`, not here."""
         _warn_replicated_kv(self.cfg)
-        return super().embed(params, tokens_BL)
+        return super().embed(params, tokens_BL, positions_BL)
 
     def replace(self, sizes: dict[tuple, int]) -> LlamaConfig:
         """The config after compaction: ``sizes`` maps ``("blocks", "mlp")`` (the kept SwiGLU width: gate, up and down

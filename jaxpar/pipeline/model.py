@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import grads as gr
 from jaxpar import sharding as shd
 from jaxpar.models import protocol
+from jaxpar.models.layers import PACKED_KEYS
 from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, check_stage_fn, struct
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
 from jaxpar.pipeline.layout import from_stage_layout, stage_order, to_stage_layout
@@ -200,7 +201,8 @@ class Pipeline(gr.GradFn):
         inputs ``embed_fn`` cannot index with because they are not integers (float token ids).
 
         Checked: ``params`` is a dict holding ``stage_key`` whose every leaf has a leading layers axis
-        divisible by ``num_stages``; ``batch`` holds ``inputs_key`` and ``targets_key``; the stage function
+        divisible by ``num_stages``; ``batch`` holds ``inputs_key`` and ``targets_key`` and no packed documents'
+        entries (``segment_ids``, ``positions``, ``loss_mask``: not carried through the stages yet); the stage function
         keeps the embedded activation's shape and dtype; ``head_loss_fn`` returns ``(loss, aux)``.
         """
         if not isinstance(params, dict) or self.stage_key not in params:
@@ -221,6 +223,11 @@ class Pipeline(gr.GradFn):
             if not isinstance(batch, dict) or k not in batch:
                 raise ValueError(f"the batch has no {k!r} entry (Pipeline.inputs_key / targets_key name the "
                                  f"entries given to embed_fn and head_loss_fn)")
+        packed = sorted(set(batch) & set(PACKED_KEYS))
+        if packed:
+            raise ValueError(f"the batch holds packed documents' entries {packed}, which the pipeline does not carry "
+                             "yet (its stages take the activations only, so attention would cross documents): train "
+                             "packed batches without a pipeline (pipe=1), or unpacked batches with it")
         self._check_shapes(stages, rest, batch, ctx)
 
     def _check_shapes(self, stages: Any, rest: Any, batch: Any, ctx: gr.Context) -> None:

@@ -276,3 +276,26 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, checkpoint):
     params["blocks"]["q_kernel"] = params["blocks"]["q_kernel"][:, :, :2]
     with pytest.raises(ValueError, match="blocks/q_kernel has shape"):
         hf.save(model, params, str(tmp_path / "out"))
+
+
+def test_packed_documents_match_transformers_with_a_document_mask(checkpoint):
+    """Three documents and padding in one row: jaxpar's Llama with segment ids and per-document positions
+    against LlamaForCausalLM given the same row with a 4-D additive mask (causal within each document) and
+    ``position_ids`` restarting per document."""
+    ref_model, path = checkpoint
+    model, params = hf.load(path)
+    L = 24
+    seg = np.array([[1] * 7 + [2] * 5 + [3] * 9 + [0] * 3], np.int32)
+    pos = np.array([[*range(7), *range(5), *range(9), 0, 1, 2]], np.int32)
+    tokens = np.random.default_rng(4).integers(0, 256, (1, L)).astype(np.int32)
+    visible = (seg[:, :, None] == seg[:, None, :]) & (np.arange(L)[None, :] <= np.arange(L)[:, None])[None]
+    mask = torch.where(torch.tensor(visible)[:, None], 0.0, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(tokens), attention_mask=mask, position_ids=torch.tensor(pos, dtype=torch.long))
+        plain = ref_model(torch.tensor(tokens)).logits.numpy()
+    ref = ref.logits.numpy()
+    got = np.asarray(model.logits(params, model.stage(params["blocks"], model.embed(params, tokens, pos), seg, pos)))
+    err = np.abs(got[..., :256] - ref).max() / np.abs(ref).max()
+    assert err <= 1e-5, err
+    assert np.abs(plain - ref).max() > 0.1 * np.abs(ref).max()       # the document mask matters here
+    print(f"\n[hf llama packed] logits {err:.2e}")

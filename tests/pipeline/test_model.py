@@ -196,3 +196,18 @@ def test_float_tokens_into_a_gpt_pipeline_name_the_dtype(mesh_factory):
              "targets": rng.integers(0, SMALL_GPT.vocab_size, (8, 16)).astype(np.int32)}
     with pytest.raises(TypeError, match=r"batch\['inputs'\] has dtype float32.*token ids must be integers"):
         step(state, batch)
+
+
+def test_pipeline_refuses_packed_batches(mesh_factory):
+    """Packed documents' entries are not carried through the stages yet: a clear error, not attention across
+    documents."""
+    model = GPT(SMALL_GPT)
+    pipe = gpt_pipeline(model, jp.pipeline.gpipe(2, 2))
+    tx = optax.sgd(0.1)
+    mesh = mesh_factory(pipe=2)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
+    step = jp.train.make_train_step(pipe, tx, mesh=mesh)
+    batch = gpt_batch(np.random.default_rng(0), 4, SMALL_GPT)
+    batch["segment_ids"] = np.ones_like(batch["inputs"])
+    with pytest.raises(ValueError, match="segment_ids.*pipeline"):
+        step(state, batch)
