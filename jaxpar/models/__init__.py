@@ -9,4 +9,4 @@ from jaxpar.models.mlp import MLP, MLPModel, classification_loss
 from jaxpar.models.protocol import SHAPE_LEGEND, Model, as_model
 
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPModel", "Model", "SHAPE_LEGEND", "as_model",
-           "classification_loss", "generate"]
+           "classification_loss", "generate", "hf"]
