@@ -54,9 +54,10 @@ class Config:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.checkpoint_interval < 0:
             raise ValueError(f"--checkpoint-interval={self.checkpoint_interval} must be >= 0 (0: only at the end)")
-        if Path(self.out_dir, "hf").resolve() == Path(self.hf).resolve():
-            raise ValueError(f"--hf {self.hf} is --out-dir's own output directory ({self.out_dir}/hf), which the run "
-                             "overwrites at the end: copy the checkpoint elsewhere or pass another --out-dir")
+        out, source = Path(self.out_dir).resolve(), Path(self.hf).resolve()
+        if source in (out, out / "hf"):
+            raise ValueError(f"--hf {self.hf} is --out-dir {self.out_dir} or its hf/ output, which the run overwrites "
+                             "(config.json, checkpoints, metrics): pass another --out-dir")
 
 
 RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "simulate_devices", "devices_per_host", "steps",
@@ -126,7 +127,8 @@ def main(cfg: Config) -> dict:
         experiment.say(f"preempted: saved a checkpoint at step {result.step} in {out / 'checkpoints'}; run the same "
                        "command again to resume")
         return None
-    hf.save(model, jp.train.to_model_order(result.state).params, str(out / "hf"))
+    # the source's tokenizer files and special token ids go with the fine-tuned weights
+    hf.save(model, jp.train.to_model_order(result.state).params, str(out / "hf"), like=cfg.hf)
     first, last = (losses[min(losses)], losses[max(losses)]) if losses else (float("nan"), float("nan"))
     experiment.say(f"fine-tuned steps {step0 + 1}-{cfg.steps}: loss {first:.4f} -> {last:.4f}; saved {out / 'hf'}")
     return {"first_loss": first, "last_loss": last, "saved": str(out / "hf")}

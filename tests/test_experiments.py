@@ -189,8 +189,9 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
     finetune.main(dataclasses.replace(cfg, steps=34))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, 35))
-    with pytest.raises(ValueError, match="overwrites"):   # its own output as its input
-        finetune.Config(hf=out["saved"], out_dir=str(tmp_path / "run"))
+    for out_dir in (tmp_path / "run", tmp_path / "run" / "hf"):   # its own output as its input
+        with pytest.raises(ValueError, match="overwrites"):
+            finetune.Config(hf=out["saved"] if out_dir.name == "run" else str(out_dir), out_dir=str(out_dir))
 
 
 # ------------------------------------------------------------------------------------- charlm on tokens

@@ -172,8 +172,9 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, te
         if len(tokens) > max_len:   # the window slides: its positions move, one forward pass over it
             protocol.require(model, "apply", "generation past max_seq_len tokens")
             logits = window_logits(params, jnp.asarray(tokens[-max_len:], jnp.int32))
-        token = int(jnp.argmax(logits[0, :vocab]) if temperature == 0 else
-                    jax.random.categorical(jax.random.fold_in(rng, i), logits[0, :vocab] / temperature))
+        z = logits[0, :vocab].astype(jnp.float32)   # a float16 apply's logits / a small temperature overflow
+        token = int(jnp.argmax(z) if temperature == 0 else jax.random.categorical(jax.random.fold_in(rng, i),
+                                                                                  z / temperature))
         out.append(token)
         tokens.append(token)
         if i < num_tokens - 1 and len(tokens) <= max_len:   # the new token's position still fits in the cache

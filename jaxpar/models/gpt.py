@@ -346,7 +346,7 @@ def check_token_ids(name: str, ids: Any, vocab_size: int) -> None:
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{name} holds token id {int(ids[where])} at index {where} ({int(bad.sum())} ids out of "
                          f"range); ids must lie in [0, vocab_size={vocab_size}): encode with the corpus' "
-                         f"vocabulary or raise GPTConfig.vocab_size")
+                         f"vocabulary or raise the model config's vocab_size")
 
 
 def _check_auto_mesh() -> None:
@@ -406,7 +406,7 @@ class GPT:
             raise ValueError(f"tokens have shape {tuple(tokens_BL.shape)}; need [batch, seq]")
         if tokens_BL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
-                             "use shorter sequences or a larger GPTConfig.max_seq_len")
+                             f"use shorter sequences or a larger {type(self.cfg).__name__}.max_seq_len")
         x_BLD = self.Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, 0, positions_BL)
         return x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
 
@@ -453,8 +453,21 @@ class GPT:
         loss = jnp.where(weight > 0, (ce_BL * mask_BL).sum() / jnp.where(weight > 0, weight, 1.0), 0.0)
         return loss, {"weight": weight}
 
+    def _check_layers(self, params: dict) -> None:
+        """Raises ValueError unless every stacked block param has ``num_layers`` layers (at trace time; ``stage``
+        takes any slice of them, the whole model's functions take all)."""
+        counts = {np.shape(leaf)[0] for leaf in jax.tree.leaves(params["blocks"])}
+        if counts != {self.cfg.num_layers}:
+            raise ValueError(f"the params' blocks hold {sorted(counts)} layers; {type(self.cfg).__name__}.num_layers is "
+                             f"{self.cfg.num_layers}: load the params with the config they were made with")
+
     def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
-        """``tokens_BL (int32) -> logits_BLV`` (``output_dtype``)."""
+        """``tokens_BL (int32) -> logits_BLV`` (``output_dtype``).
+
+        Raises:
+          ValueError: params with another number of layers than the config (as :meth:`embed`).
+        """
+        self._check_layers(params)
         return self.logits(params, self.stage(params["blocks"], self.embed(params, tokens_BL)))
 
     def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
@@ -468,6 +481,7 @@ class GPT:
           ValueError: a packed entry whose shape is not the inputs' (at trace time).
         """
         del rng
+        self._check_layers(params)
         segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)
         if segment_ids is None and positions is None and loss_mask is None:
             x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
@@ -502,7 +516,7 @@ class GPT:
                              f"inputs shifted by one, cut to the same length); got shapes {shapes}")
         if shapes["inputs"][1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {shapes['inputs'][1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
-                             "use shorter sequences or a larger GPTConfig.max_seq_len")
+                             f"use shorter sequences or a larger {type(self.cfg).__name__}.max_seq_len")
         for key in ("inputs", "targets"):
             if not isinstance(batch[key], jax.Array):
                 check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
@@ -547,6 +561,7 @@ class GPT:
         tokens written at ``0 .. pos`` (float32 rounding). ``start`` (int32 ``[B]``, default 0): the slot where
         each row's sequence begins (left-padded prompts), its positions counted from there and the slots before
         it never attended to. Traceable; ``pos + L <= max_len`` of the cache."""
+        self._check_layers(params)
         tokens_BL = jnp.asarray(tokens_B, jnp.int32)
         tokens_BL = tokens_BL[:, None] if tokens_BL.ndim == 1 else tokens_BL
         start_B = jnp.zeros(tokens_BL.shape[:1], jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
@@ -570,8 +585,16 @@ class GPT:
         ``prompts`` a list of id lists (a batch, any lengths): :func:`jaxpar.models.generation.generate_batch`
         (left-padded, one jitted prefill and decode loop over the KV cache, ``temperature=0`` greedy, ``top_k``,
         ``top_p``, a stop at ``eos_id``); returns a list per prompt. One flat id list: :func:`jaxpar.models.generate`
-        (a window sliding past ``max_seq_len``; ``temperature`` only); returns one list.
+        (a window sliding past ``max_seq_len``; ``temperature`` only); returns one list. A flat prompt with ``top_k``,
+        ``top_p`` or ``eos_id`` runs as a batch of one (the cache: prompt plus new tokens within ``max_seq_len``).
+
+        Raises:
+          ValueError: as those functions; an empty list of prompts.
         """
+        if isinstance(prompts, (list, tuple)) and not len(prompts):
+            raise ValueError("prompts is empty: give one prompt (a list of token ids) or a list of prompts")
+        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:   # a [B, P] array: B prompts
+            prompts = [list(np.asarray(row)) for row in prompts]
         flat = isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1 or (
             isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, np.ndarray,
                                                                                            jax.Array)))

@@ -25,8 +25,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
+import tempfile
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -35,6 +39,8 @@ from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.llama import Llama, LlamaConfig
 
 _INDEX = "model.safetensors.index.json"
+# buffers some checkpoints carry that are not weights: rotary frequencies, GPT-2's causal mask
+_BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 _SINGLE = "model.safetensors"
 
 
@@ -55,18 +61,52 @@ def _read_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{path!r} has no config.json; it is not a Hugging Face checkpoint directory")
-    with open(cfg_path) as f:
-        return json.load(f)
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{cfg_path!r} is not a readable JSON file ({e}); restore the checkpoint's config.json") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{cfg_path!r} holds a JSON {type(hf).__name__}, not an object of config fields")
+    return hf
+
+
+def _need(hf: dict, key: str) -> Any:
+    """``hf[key]``, or a ValueError naming the missing config.json field."""
+    if key not in hf:
+        raise ValueError(f"config.json lacks {key!r}, which the {hf.get('model_type', '?')} config needs")
+    return hf[key]
+
+
+def _num(hf: dict, key: str, default: Any) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.json has {key}={value!r}; it must be a number")
+    return float(value)
+
+
+def _flag(hf: dict, key: str, default: bool) -> bool:
+    value = hf.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json has {key}={value!r}; it must be true or false")
+    return value
+
+
+_HEADS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
 def _arch(hf: dict) -> str:
+    """``"llama"`` or ``"gpt2"``: ``model_type`` and, when given, ``architectures`` must name a causal LM of these."""
     arch = hf.get("architectures") or []
-    if hf.get("model_type") == "llama" or "LlamaForCausalLM" in arch:
-        return "llama"
-    if hf.get("model_type") == "gpt2" or "GPT2LMHeadModel" in arch:
-        return "gpt2"
-    raise ValueError(f"config.json has model_type={hf.get('model_type')!r}, architectures={arch}; "
-                     "jaxpar.models.hf loads LlamaForCausalLM and GPT2LMHeadModel checkpoints")
+    kind = hf.get("model_type")
+    kind = kind if kind in _HEADS else next((k for k, head in _HEADS.items() if head in arch), None)
+    if kind is None:
+        raise ValueError(f"config.json has model_type={hf.get('model_type')!r}, architectures={arch}; "
+                         "jaxpar.models.hf loads LlamaForCausalLM and GPT2LMHeadModel checkpoints")
+    if arch and _HEADS[kind] not in arch:
+        raise ValueError(f"config.json has architectures={arch}: a {kind} model with another head; jaxpar.models.hf "
+                         f"loads the causal language model {_HEADS[kind]} (save that one with save_pretrained)")
+    return kind
 
 
 def gpt2_config(hf: dict, **overrides: Any) -> GPTConfig:
@@ -83,10 +123,10 @@ def gpt2_config(hf: dict, **overrides: Any) -> GPTConfig:
     if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx") \
             or hf.get("reorder_and_upcast_attn"):
         raise ValueError("config.json changes GPT-2's attention scaling; the GPT scales logits by 1/sqrt(head_dim)")
-    kwargs = dict(vocab_size=hf["vocab_size"], num_layers=hf["n_layer"], num_heads=hf["n_head"], d_model=hf["n_embd"],
-                  d_mlp=hf.get("n_inner") or 0, max_seq_len=hf["n_positions"], positions="learned",
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=True,
-                  init_std=float(hf.get("initializer_range", 0.02)))
+    kwargs = dict(vocab_size=_need(hf, "vocab_size"), num_layers=_need(hf, "n_layer"), num_heads=_need(hf, "n_head"),
+                  d_model=_need(hf, "n_embd"), d_mlp=hf.get("n_inner") or 0, max_seq_len=_need(hf, "n_positions"),
+                  positions="learned", tie_embeddings=_flag(hf, "tie_word_embeddings", True), qkv_bias=True,
+                  init_std=_num(hf, "initializer_range", 0.02))
     kwargs.update(overrides)
     return GPTConfig(**kwargs)
 
@@ -108,13 +148,18 @@ def llama_config(hf: dict, **overrides: Any) -> LlamaConfig:
     rope = dict(hf.get("rope_parameters") or {})       # transformers >= 5
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    kwargs = dict(vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-                  num_kv_heads=hf.get("num_key_value_heads") or heads, d_model=d, d_mlp=hf["intermediate_size"],
-                  head_dim=hf.get("head_dim") or d // heads, max_seq_len=hf.get("max_position_embeddings", 2048),
-                  rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  init_std=float(hf.get("initializer_range", 0.02)))
+    d, heads = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
+    if isinstance(scaling, str):
+        raise ValueError(f"config.json has rope_scaling={scaling!r}; it must be an object such as Llama 3's "
+                         "{'rope_type': 'llama3', 'factor': ..., ...}, or null")
+    kwargs = dict(vocab_size=_need(hf, "vocab_size"), num_layers=_need(hf, "num_hidden_layers"), num_heads=heads,
+                  num_kv_heads=hf.get("num_key_value_heads") or heads, d_model=d, d_mlp=_need(hf, "intermediate_size"),
+                  head_dim=hf.get("head_dim") or (d // heads if isinstance(d, int) and isinstance(heads, int) and heads
+                                                  else 0),
+                  max_seq_len=hf.get("max_position_embeddings", 2048),
+                  rope_theta=_num({"rope_theta": theta}, "rope_theta", None), rope_scaling=scaling,
+                  rms_norm_eps=_num(hf, "rms_norm_eps", 1e-6), tie_embeddings=_flag(hf, "tie_word_embeddings", False),
+                  init_std=_num(hf, "initializer_range", 0.02))
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
 
@@ -126,8 +171,13 @@ class _Reader:
         safe_open = _safetensors()
         index = os.path.join(path, _INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                files = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    files = json.load(f)["weight_map"]
+                assert isinstance(files, dict)
+            except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+                raise ValueError(f"{index!r} is not a safetensors index with a 'weight_map' object ({e!r}); "
+                                 "restore it, or remove it next to a single model.safetensors") from None
         elif os.path.isfile(os.path.join(path, _SINGLE)):
             files = None
         else:
@@ -135,17 +185,29 @@ class _Reader:
                              "(save_pretrained(..., safe_serialization=True))")
         self.path, self._open, self._handles = path, safe_open, {}
         if files is None:
-            with safe_open(os.path.join(path, _SINGLE), framework="numpy") as f:
-                files = {k: _SINGLE for k in f.keys()}
+            files = {k: _SINGLE for k in self._file(_SINGLE).keys()}
         self.files = files
+
+    def _file(self, file: str):
+        if file not in self._handles:
+            full = os.path.join(self.path, file)
+            if not os.path.isfile(full):
+                raise ValueError(f"the checkpoint's index names {file!r}, which is not in {self.path!r}")
+            try:
+                self._handles[file] = self._open(full, framework="numpy")
+            except Exception as e:   # safetensors raises its own SafetensorError for a torn or foreign file
+                raise ValueError(f"{full!r} is not a readable safetensors file ({e}); it may be truncated: "
+                                 "copy the checkpoint again") from None
+        return self._handles[file]
 
     def _handle(self, name: str):
         if name not in self.files:
             raise ValueError(f"the checkpoint in {self.path!r} has no tensor {name!r}")
-        file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = self._open(os.path.join(self.path, file), framework="numpy")
-        return self._handles[file]
+        handle = self._file(self.files[name])
+        if name not in handle.keys():
+            raise ValueError(f"the index of {self.path!r} puts tensor {name!r} in {self.files[name]!r}, which does "
+                             "not hold it: the index and the shards disagree")
+        return handle
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
@@ -311,7 +373,9 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
       path_or_dir: the directory (``config.json`` and ``model.safetensors`` or sharded files with their index).
       mesh: place each param by the model's logical names and ``rules`` on this mesh (each device's block read
         from disk by itself: the whole model is never on one device or in host memory); None: the default device.
-      dtype: the params' dtype (default float32, the tensors converted on read).
+      dtype: the params' dtype (default: an overridden ``param_dtype``, else float32; converted on read). The
+        compute dtype is the config's ``dtype`` (an override, e.g. ``dtype=jnp.bfloat16`` here sets the params'
+        dtype, ``config_overrides`` cannot: pass a policy to the train step instead).
       config_overrides: config fields to set (e.g. ``scan_layers=True``, ``remat="full"``).
 
     Returns:
@@ -320,8 +384,9 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
       params), tx, rng, mesh=mesh)`` (:func:`with_names`).
 
     Raises:
-      ValueError: not a checkpoint directory, another architecture, a tensor missing or of another shape than
-        the config says.
+      ValueError: not a checkpoint directory, another architecture (``model_type`` / ``architectures``), a missing
+        or malformed config field, a tensor missing, of another shape than the config says, or with no place in
+        the model (it would be dropped), a torn safetensors file or index.
     """
     hf_cfg = _read_config(path_or_dir)
     if _arch(hf_cfg) == "llama":
@@ -333,10 +398,16 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     reader = _Reader(path_or_dir)
     # GPT-2 checkpoints name their tensors "transformer.h.0..." (save_pretrained) or "h.0..." (the original ones)
     prefix = "transformer." if isinstance(cfg, GPTConfig) and "transformer.wte.weight" in reader.files else ""
-    for name, shape in _hf_shapes(cfg, prefix).items():
+    expected = _hf_shapes(cfg, prefix)
+    for name, shape in expected.items():
         got = reader.shape(name)
         if got != shape:
             raise ValueError(f"tensor {name!r} in {reader.path!r} has shape {got}; config.json implies {shape}")
+    unused = sorted(k for k in reader.files if k not in expected and not k.endswith(_BUFFERS))
+    if unused:
+        raise ValueError(f"{reader.path!r} holds {len(unused)} tensors the {type(model).__name__} of its config.json "
+                         f"has no place for, e.g. {unused[:3]}: another architecture (biases, more layers than "
+                         "num_hidden_layers, another head) whose weights would be dropped")
     boxed = jax.eval_shape(model.init, jax.random.key(0))
     is_box = lambda b: hasattr(b, "names")
     shapes = jax.tree.map(lambda b: b.value.shape if is_box(b) else b.shape, boxed, is_leaf=is_box)
@@ -345,7 +416,9 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     else:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda s: dev, shapes, is_leaf=lambda s: isinstance(s, tuple))
-    out_dtype = np.float32 if dtype is None else dtype
+    out_dtype = np.dtype(dtype if dtype is not None else (cfg.param_dtype or np.float32))
+    if not np.issubdtype(out_dtype, np.floating) and out_dtype != jax.numpy.bfloat16:
+        raise ValueError(f"dtype={dtype!r} must be a floating dtype (float32, bfloat16, float16) for the params")
 
     def make(leaf_fn, shape, sharding):
         cb = lambda index: np.asarray(leaf_fn(reader, _fix_index(index, shape)), out_dtype)
@@ -358,7 +431,12 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
 def with_names(model: Any, params: dict) -> dict:
     """``params`` boxed with the model's logical axis names (``nn.LogicallyPartitioned``), so that
     ``jp.train.init_state(lambda rng: with_names(model, params), tx, rng, mesh=mesh)`` places them, and the
-    optimizer state, by the rules (as ``model.init``'s would be): loaded params become a ``TrainState``."""
+    optimizer state, by the rules (as ``model.init``'s would be): loaded params become a ``TrainState``.
+
+    Raises:
+      ValueError: a leaf whose shape is not the one the model's config gives (named).
+    """
+    _check_shapes(model, params)
     is_box = lambda b: hasattr(b, "names")
     boxed = jax.eval_shape(model.init, jax.random.key(0))
     return jax.tree.map(lambda b, a: b.replace(value=a) if is_box(b) else a, boxed, params, is_leaf=is_box)
@@ -429,17 +507,32 @@ def _export(cfg: Any, params: dict) -> dict[str, Callable[[], np.ndarray]]:
     return out
 
 
-def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30) -> None:
+# files of a checkpoint directory that save() writes (others, e.g. a tokenizer's, are kept)
+_WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json)$")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30, like: str | None = None) -> None:
     """Writes ``params`` of ``model`` (a :class:`Llama`, or a :class:`GPT` with learned positions) as a Hugging Face
     ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` checkpoint in ``dir``: ``config.json`` and float32 safetensors
     (sharded into ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json`` when larger), read by ``from_pretrained(dir)``. The vocabulary padding is
-    dropped; a GPT without ``qkv_bias`` writes zero biases. Each file is written under a temporary name and
-    renamed, ``config.json`` last, so an interrupted save never leaves a half-written file in a file's place.
+    dropped; a GPT without ``qkv_bias`` writes zero biases.
+
+    Atomic as a whole: the checkpoint is written to a temporary directory beside ``dir`` and swapped in by two
+    renames, so an interrupted or failed save leaves the previous ``dir`` as it was (in the instant between the
+    renames it is ``.<name>.jaxpar-old-<pid>`` beside it), and no file of an earlier checkpoint (a stale index or
+    shard) survives next to the new one. Other files of an existing ``dir`` (a tokenizer's, ``generation_config.json``)
+    are kept, as are those of ``like``.
+
+    Args:
+      like: a Hugging Face checkpoint directory (e.g. the one fine-tuned): its ``bos_token_id``, ``eos_token_id``
+        and ``pad_token_id`` go into the new ``config.json``, and its files other than weights and config
+        (tokenizer, ``generation_config.json``) are copied, so ``transformers`` tokenizes and stops as before.
 
     Raises:
       ValueError: another model, a GPT with rotary positions (GPT-2 has learned ones), params of other shapes
-        than its config's.
+        than its config's, ``dir`` an existing file, ``like`` not a checkpoint directory.
     """
     if not isinstance(model, GPT):
         raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.Llama or GPT, got {type(model).__name__}")
@@ -447,7 +540,63 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     if isinstance(cfg, GPTConfig) and cfg.positions != "learned":
         raise ValueError("a GPT with positions='rotary' has no GPT-2 checkpoint (GPT-2 learns its positions); "
                          "save a GPTConfig(positions='learned') model")
+    if os.path.exists(dir) and not os.path.isdir(dir):
+        raise ValueError(f"{dir!r} is a file; save writes a checkpoint directory there: pass a directory path")
+    extra = _read_config(like) if like is not None else {}
     from safetensors.numpy import save_file
+    params = nn.meta.unbox(params)   # model.init's Flax-boxed params are accepted as they are
+    _check_shapes(model, params)
+    tensors = _export(cfg, params)
+    shapes = _hf_shapes(cfg, "transformer." if isinstance(cfg, GPTConfig) else "")
+    sizes = {k: 4 * math.prod(shapes[k]) for k in tensors}
+    shards, current, total = [], [], 0
+    for k in tensors:
+        if current and total + sizes[k] > max_shard_bytes:
+            shards.append(current)
+            current, total = [], 0
+        current.append(k)
+        total += sizes[k]
+    shards.append(current)
+    names = [_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                 for i in range(len(shards))]
+    parent, base = os.path.split(os.path.abspath(dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.jaxpar-tmp-", dir=parent)
+    try:
+        for source in (like, dir):   # the tokenizer and other files of the source and of the old checkpoint
+            if source is not None and os.path.isdir(source):
+                for f in os.listdir(source):
+                    if not _WEIGHTS.match(f) and os.path.isfile(os.path.join(source, f)):
+                        shutil.copy2(os.path.join(source, f), os.path.join(tmp, f))
+        for name, keys in zip(names, shards):
+            save_file({k: np.ascontiguousarray(tensors[k]()) for k in keys}, os.path.join(tmp, name),
+                      metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())},
+                     "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
+            _write_json(os.path.join(tmp, _INDEX), index)
+        _write_json(os.path.join(tmp, "config.json"),
+                    {**_hf_config(cfg), **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
+        _swap_in(tmp, os.path.join(parent, base))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_in(new: str, dir: str) -> None:
+    """Moves directory ``new`` to ``dir``, replacing an existing ``dir`` (renamed aside first, then removed)."""
+    if not os.path.isdir(dir):
+        os.rename(new, dir)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(dir)}.jaxpar-old-", dir=os.path.dirname(dir))
+    os.rmdir(old)
+    os.rename(dir, old)
+    os.rename(new, dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_shapes(model: Any, params: dict) -> None:
+    """Raises a ValueError naming the first leaf of ``params`` whose shape is not the one ``model``'s config gives."""
     want = jax.tree.map(lambda b: b.value.shape, jax.eval_shape(model.init, jax.random.key(0)),
                         is_leaf=lambda b: hasattr(b, "names"))
     got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
@@ -459,29 +608,6 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
         bad = sorted(k for k in flat_want.keys() | flat_got.keys() if flat_want.get(k) != flat_got.get(k))
         raise ValueError(f"params do not match the model's config: {bad[0]} has shape {flat_got.get(bad[0])}, the "
                          f"config's {flat_want.get(bad[0])} ({len(bad)} leaves differ)")
-    tensors = _export(cfg, params)
-    shapes = _hf_shapes(cfg, "transformer." if isinstance(cfg, GPTConfig) else "")
-    sizes = {k: 4 * math.prod(shapes[k]) for k in tensors}
-    os.makedirs(dir, exist_ok=True)
-    shards, current, total = [], [], 0
-    for k in tensors:
-        if current and total + sizes[k] > max_shard_bytes:
-            shards.append(current)
-            current, total = [], 0
-        current.append(k)
-        total += sizes[k]
-    shards.append(current)
-    names = [_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                 for i in range(len(shards))]
-    for name, keys in zip(names, shards):
-        tmp = os.path.join(dir, name + ".tmp")
-        save_file({k: np.ascontiguousarray(tensors[k]()) for k in keys}, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(dir, name))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
-        _write_json(os.path.join(dir, _INDEX), index)
-    _write_json(os.path.join(dir, "config.json"), _hf_config(cfg))
 
 
 def _write_json(path: str, obj: dict) -> None:

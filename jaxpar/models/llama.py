@@ -15,7 +15,8 @@ down_kernel [N, F, D]}, "head": {"norm_scale" [D], "kernel" [D, V] unless tied}}
 ``v_kernel`` carry the logical name ``kv_heads``, which the default rules leave unmapped: under tensor
 parallelism the G key/value heads are replicated on every tensor shard (each shard computes them; the query
 heads, ``heads``, are split), which is correct for any ``tensor`` including ``tensor > num_kv_heads``. Add the
-rule ``("kv_heads", "tensor")`` to split them as well where ``tensor`` divides ``num_kv_heads``.
+rule ``("kv_heads", "tensor")`` before the defaults (Flax reads the first rule naming an axis) to split them as well
+where ``tensor`` divides ``num_kv_heads``.
 """
 
 from __future__ import annotations
@@ -191,13 +192,14 @@ _WARNED: set = set()
 def _warn_replicated_kv(cfg: LlamaConfig) -> None:
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
-    rules = dict(nn.get_logical_axis_rules())
-    if tensor == 1 or rules.get("kv_heads") is not None or (cfg, tensor) in _WARNED:
+    # Flax takes the first rule naming an axis (DEFAULT_RULES has ("kv_heads", None): a later one is never read)
+    rule = next((axis for name, axis in nn.get_logical_axis_rules() if name == "kv_heads"), None)
+    if tensor == 1 or rule is not None or (cfg, tensor) in _WARNED:
         return
     _WARNED.add((cfg, tensor))
     why = (f"tensor={tensor} exceeds num_kv_heads={cfg.num_kv_heads}" if tensor > cfg.num_kv_heads else
-           "the rules leave kv_heads unmapped; adding ('kv_heads', 'tensor') to the rules given to init_state and "
-           "make_train_step splits them")
+           "the rules leave kv_heads unmapped; rules whose first kv_heads entry is ('kv_heads', 'tensor'), given "
+           "to init_state and make_train_step, split them: e.g. (('kv_heads', 'tensor'),) + jp.sharding.DEFAULT_RULES")
     warnings.warn(f"the Llama's {cfg.num_kv_heads} key/value heads are replicated over the tensor axis ({why}): "
                   f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split (correct, "
                   "some duplicated work)", stacklevel=3)

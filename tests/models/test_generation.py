@@ -69,6 +69,18 @@ def test_generate_at_temperature_zero_is_greedy():
     assert got == _reference_sample(model, params, [3, 1, 4], 15, None, 0)
 
 
+def test_float16_sliding_window_at_a_low_temperature_samples_the_argmax():
+    """Past the cache the logits are ``apply``'s, float16 here: divided by 1e-4 in float16 they overflow to inf and
+    the first inf would win; in float32 the top logit's token is drawn (its probability is 1 at this temperature)."""
+    cfg = GPTConfig(vocab_size=37, num_layers=1, num_heads=2, d_model=16, max_seq_len=8, vocab_multiple=8,
+                    init_std=2.0, dtype=jnp.float16)
+    model = GPT(cfg)
+    params = nn.meta.unbox(model.init(jax.random.key(1)))
+    prompt = list(range(1, 12))   # longer than max_seq_len: the window slides
+    want = int(np.argmax(np.asarray(model.apply(params, jnp.asarray([prompt[-8:]], jnp.int32)), np.float32)[0, -1, :37]))
+    assert jp.models.generate(model, params, prompt, 1, jax.random.key(0), 1e-4) == [want]
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=1e-9), dict(temperature=-1.0), dict(temperature=float("nan")),
                                     dict(num_tokens=-1), dict(num_tokens=1.5), dict(prompt=[37]), dict(prompt=[]),
                                     dict(prompt="ab")])

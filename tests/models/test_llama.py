@@ -27,6 +27,7 @@ from transformers import LlamaForCausalLM
 
 import jaxpar as jp
 from jaxpar.models import Llama, LlamaConfig, hf
+from jaxpar.models import llama as llama_module
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -172,6 +173,23 @@ def test_tensor_parallel_step_replicates_kv_heads_and_matches_one_device(mesh_fa
             state.params, jp.train.shard_batch(batch, mesh))
     assert_scalar_close(loss2, loss, what="tensor=8 loss")
     assert_tree_close(grads2, jax.device_get(grads), what="tensor=8 grads")
+
+
+def test_kv_heads_rule_first_splits_them_and_a_later_one_is_still_warned_of(mesh_factory):
+    """Flax reads the first rule naming an axis: ``("kv_heads", "tensor")`` before the defaults splits the key/value
+    kernels (no warning); after them it is never read, so they stay replicated and the warning says so."""
+    import warnings
+    model, mesh = Llama(SMALL_LLAMA), mesh_factory(data=4, tensor=2)
+    batch = jp.train.shard_batch(gpt_batch(np.random.default_rng(5), 8, SMALL_LLAMA), mesh)
+    llama_module._WARNED.clear()
+    for rules, split in ((( ("kv_heads", "tensor"),) + jp.sharding.DEFAULT_RULES, True),
+                         (jp.sharding.DEFAULT_RULES + (("kv_heads", "tensor"),), False)):
+        state = jp.train.init_state(model.init, optax.sgd(0.1), 0, mesh=mesh, rules=rules)
+        assert ("tensor" in state.params["blocks"]["k_kernel"].sharding.spec) == split
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            jp.train.make_train_step(model.loss, optax.sgd(0.1), mesh=mesh, rules=rules)(state, batch)
+        assert any("key/value heads are replicated" in str(w.message) for w in seen) != split
 
 
 @pytest.mark.parametrize("schedule", [jp.pipeline.one_f_one_b,
