@@ -314,3 +314,26 @@ def generate_batch(model: Any, params: Any, prompts: Any, max_new_tokens: int, r
                       jnp.asarray(tokens), jnp.asarray(start), _key(rng))
     out = np.asarray(out)
     return [[int(t) for t in row if t >= 0] for row in out]
+
+
+def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, temperature: float = 0.8, *,
+                 top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> list:
+    """A model's ``generate``: :func:`generate_batch` for a list of prompts (or a ``[B, P]`` array), :func:`generate`
+    for one flat prompt unless ``top_k``, ``top_p`` or ``eos_id`` ask for the batched form (a batch of one).
+
+    Raises:
+      ValueError: as those functions; an empty list of prompts.
+    """
+    if isinstance(prompts, (list, tuple)) and not len(prompts):
+        raise ValueError("prompts is empty: give one prompt (a list of token ids) or a list of prompts")
+    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:   # a [B, P] array: B prompts
+        prompts = [list(np.asarray(row)) for row in prompts]
+    flat = isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1 or (
+        isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, np.ndarray,
+                                                                                       jax.Array)))
+    if flat and top_k is None and top_p is None and eos_id is None:
+        return generate(model, params, prompts, max_new_tokens, rng, temperature)
+    rows = [prompts] if flat else prompts
+    out = generate_batch(model, params, rows, max_new_tokens, rng, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_id=eos_id)
+    return out[0] if flat else out

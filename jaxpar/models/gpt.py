@@ -591,17 +591,5 @@ class GPT:
         Raises:
           ValueError: as those functions; an empty list of prompts.
         """
-        if isinstance(prompts, (list, tuple)) and not len(prompts):
-            raise ValueError("prompts is empty: give one prompt (a list of token ids) or a list of prompts")
-        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:   # a [B, P] array: B prompts
-            prompts = [list(np.asarray(row)) for row in prompts]
-        flat = isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1 or (
-            isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, np.ndarray,
-                                                                                           jax.Array)))
-        if flat and top_k is None and top_p is None and eos_id is None:
-            return generation.generate(self, params, prompts, max_new_tokens, rng, temperature)
-        if flat:
-            return generation.generate_batch(self, params, [prompts], max_new_tokens, rng, temperature=temperature,
-                                             top_k=top_k, top_p=top_p, eos_id=eos_id)[0]
-        return generation.generate_batch(self, params, prompts, max_new_tokens, rng, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, eos_id=eos_id)
+        return generation.generate_any(self, params, prompts, max_new_tokens, rng, temperature, top_k=top_k,
+                                       top_p=top_p, eos_id=eos_id)

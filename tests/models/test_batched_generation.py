@@ -118,7 +118,7 @@ def test_top_k_top_p_draw_only_what_the_warpers_keep(top_k, top_p):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[]), "prompts is empty"),
     (dict(prompts=[[1, 2], []]), r"prompts\[1\]"),
     (dict(prompts=[[1, 99]]), r"prompts\[0\].*\[0, 61\)"),
     (dict(max_new_tokens=120), "exceeds max_seq_len=128"),
