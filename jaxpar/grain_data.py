@@ -70,6 +70,9 @@ class _Pairs:
             raise ValueError(f"grain_batches: a document of {len(doc)} tokens ({len(doc) - 1} input/target pairs) is "
                              f"longer than a row (seq_len={self.seq_len}), and packing='first_fit' never splits a "
                              "document: use packing='concat_then_split', a larger seq_len, or cut documents in a .map")
+        if doc.min() < 0 or doc.max() >= 2 ** 31:
+            raise ValueError(f"grain_batches: a document holds token id {int(doc.min() if doc.min() < 0 else doc.max())}"
+                             "; token ids must lie in [0, 2**31) (int32)")
         doc = doc.astype(np.int32)
         return {"inputs": doc[:-1], "targets": doc[1:]}
 
@@ -146,7 +149,12 @@ class GrainBatches:
 
     def local_batch(self) -> dict[str, np.ndarray]:
         """This process's rows of the next global batch (numpy, int32); advances :attr:`step`."""
-        rows = [next(it) for it in self._iters for _ in range(self.rows_per_shard)]
+        try:
+            rows = [next(it) for it in self._iters for _ in range(self.rows_per_shard)]
+        except StopIteration:
+            raise ValueError(f"grain_batches ran out of documents at batch {self.step} (num_epochs="
+                             f"{self.config.get('num_epochs')}): stop the loop at {self.step}, or pass num_epochs=None "
+                             "to repeat the data") from None
         self.step += 1
         return {k: np.stack([r[k] for r in rows]) for k in KEYS}
 
@@ -197,9 +205,25 @@ class GrainBatches:
                 raise ValueError(f"the restored data state is of another pipeline: its {key} is {saved.get(key)!r}, "
                                  f"this pipeline's is {value!r}; build grain_batches with the settings (and dataset) "
                                  "of the run that saved it")
+        shards, step = state.get("shards"), nonnegative_int("state['step']", state.get("step"))   # checked first:
+        if not isinstance(shards, list) or len(shards) != self.config["num_shards"]:   # nothing half-applied
+            raise ValueError(f"the restored data state holds {len(shards) if isinstance(shards, list) else shards!r} "
+                             f"shard states; this pipeline has num_shards={self.config['num_shards']}")
         for j, it in zip(self.shards, self._iters):
-            it.set_state(state["shards"][j])
-        self.step = nonnegative_int("state['step']", state["step"])
+            it.set_state(_tuples(shards[j]))
+        self.step = step
+
+
+def _tuples(state: Any) -> Any:
+    """A shard state after a JSON round trip with its 2-element lists as the tuples grain wrote: grain's
+    ConcatThenSplitIterDataset compares its ``remainder_slices`` marker with ``(-1, -1)``, so a list would silently
+    skip the rest of a split document on resume."""
+    if isinstance(state, dict):
+        return {k: _tuples(v) for k, v in state.items()}
+    if isinstance(state, list):
+        items = [_tuples(v) for v in state]
+        return tuple(items) if len(items) == 2 and all(isinstance(v, int) for v in items) else items
+    return state
 
 
 def grain_batches(dataset: Any, *, global_batch: int, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES, seed: int,

@@ -11,6 +11,7 @@ inside a step. Re-exported as ``jaxpar.data.TokenFile`` and ``jaxpar.data.TokenC
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -40,6 +41,19 @@ def check_window_sizes(num_tokens: int, batch_size: int, seq_len: int, what: str
     if num_tokens <= seq_len + 1:
         raise ValueError(f"{what} has {num_tokens} tokens, too few for seq_len {seq_len} (windows of seq_len + 1 "
                          "tokens); use more text or a shorter seq_len")
+
+
+def check_draw(seed: Any, step: Any, rows: Any, batch_size: int) -> None:
+    """ValueError unless ``seed`` and ``step`` are ints >= 0 and ``rows`` (None or a slice) lies in the batch."""
+    for name, value in (("seed", seed), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    if rows is None:
+        return
+    ok = isinstance(rows, slice) and rows.step in (None, 1)
+    if not ok or not 0 <= (rows.start or 0) < (batch_size if rows.stop is None else rows.stop) <= batch_size:
+        raise ValueError(f"rows={rows!r} must be a slice of contiguous rows within the batch of {batch_size} "
+                         "(e.g. jp.data.process_slice(batch_size, mesh))")
 
 
 def random_window_starts(seed: int, step: int, split_code: int, num_tokens: int, batch_size: int,
@@ -212,9 +226,10 @@ class TokenFile:
 
         Raises:
           ValueError: ``seq_len`` or ``batch_size`` < 1, a split too short for ``seq_len`` (naming the file), an
-            unknown ``order``.
+            unknown ``order``, a negative or non-int ``seed`` / ``step``, ``rows`` outside the batch.
         """
         check_window_sizes(len(self), batch_size, seq_len, f"{str(self.path)!r} (split {self.split!r})")
+        check_draw(seed, step, rows, batch_size)
         if order == "random":
             starts = random_window_starts(seed, step, self._split_code, len(self), batch_size, seq_len)
         elif order == "epoch":
@@ -265,6 +280,10 @@ class TokenFile:
             if not path.is_file():
                 raise ValueError(f"no {TOKENIZER} beside {str(self.path)!r}; encode/decode need the tokenizer the "
                                  "file was prepared with")
+            want = (self.meta or {}).get("tokenizer_sha256")
+            if want is not None and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+                raise ValueError(f"{str(path)!r} is not the tokenizer {META} names (its sha256 differs): the directory "
+                                 "was prepared with another tokenizer; run prepare_tokens.py again")
             self._tokenizer = require("tokenizers", "jp.data.TokenFile.encode/decode", "data").Tokenizer.from_file(
                 str(path))
         return self._tokenizer

@@ -184,8 +184,13 @@ def load_tokenizer(path: str | os.PathLike, eod_token: str = EOD_TOKEN):
         tokenizer = tk.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
         raise ValueError(f"{str(path)!r} is not a tokenizers tokenizer.json ({e})") from None
-    if tokenizer.token_to_id(eod_token) is None:
+    eod = tokenizer.token_to_id(eod_token)
+    if eod is None:
         tokenizer.add_special_tokens([eod_token])
+    elif not any(t.content == eod_token and t.special for t in tokenizer.get_added_tokens_decoder().values()):
+        raise ValueError(f"the end-of-document token {eod_token!r} is an ordinary token (id {eod}) of {str(path)!r}, "
+                         "so text would encode to it: pass --eod-token with the tokenizer's own end-of-text token "
+                         "or a new string")
     return tokenizer
 
 
@@ -205,6 +210,10 @@ def encode_documents(docs: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     UTF-8 bytes per document) with the worker's tokenizer (set by ``_start_worker``)."""
     tokenizer, eod = _WORKER["tokenizer"], _WORKER["eod_id"]
     encoded = [e.ids + [eod] for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+    for doc, ids in zip(docs, encoded):
+        if eod in ids[:-1]:   # the text itself holds the eod token: it would end documents in their middle
+            raise ValueError(f"a document holds the end-of-document token {tokenizer.id_to_token(eod)!r} in its text "
+                             f"({doc[:60]!r}...): choose an eod token that never occurs in the corpus (--eod-token)")
     lengths = np.fromiter((len(ids) for ids in encoded), np.int64, len(encoded))
     ids = np.fromiter((i for e in encoded for i in e), np.uint32, int(lengths.sum()))
     return ids, lengths, np.fromiter((len(d.encode("utf-8")) for d in docs), np.int64, len(docs))
@@ -296,12 +305,14 @@ def prepare(inputs: Iterable[str | os.PathLike], out: str | os.PathLike, *, form
         bad input (:func:`read_documents`), no document in the validation split while ``val_fraction > 0``.
     """
     inputs = [Path(p) for p in inputs]
-    _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction, chunk_documents)
+    _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction, chunk_documents, seed, eod_token)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # meta.json goes first and comes back last: a directory interrupted in between is refused by TokenFile
+    (out / META).unlink(missing_ok=True)
     tok = (train_bpe(documents(inputs, format, field), train_bpe_vocab, eod_token) if train_bpe_vocab
            else load_tokenizer(tokenizer, eod_token))
-    (out / TOKENIZER).write_text(tok.to_str(pretty=True))
+    tokenizer_text = tok.to_str(pretty=True)
     vocab_size, eod_id = tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(eod_token)
     dtype = token_dtype(vocab_size)
     chunks = _chunks(documents(inputs, format, field), chunk_documents)
@@ -310,17 +321,29 @@ def prepare(inputs: Iterable[str | os.PathLike], out: str | os.PathLike, *, form
     if val_fraction > 0 and not counts["val"]["documents"]:
         raise ValueError(f"no document of the {counts['train']['documents']} fell in the validation split "
                          f"(val_fraction {val_fraction}); give more documents or a larger --val-fraction")
+    _write_text(out / TOKENIZER, tokenizer_text)
     meta = {"format": "jaxpar.tokens", "version": 1, "vocab_size": vocab_size, "dtype": dtype, "eod_id": eod_id,
             "eod_token": eod_token, "tokenizer": TOKENIZER,
-            "tokenizer_sha256": hashlib.sha256((out / TOKENIZER).read_bytes()).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(tokenizer_text.encode("utf-8")).hexdigest(),
             "splits": {s: {"file": f"{s}.bin", **counts[s]} for s in SPLITS},
             "sources": [{"path": str(p), "format": file_format(p, format), "bytes": p.stat().st_size} for p in inputs],
             "field": field, "val_fraction": val_fraction, "seed": seed}
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    _write_text(out / META, json.dumps(meta, indent=2) + "\n")
     return meta
 
 
-def _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction, chunk_documents) -> None:
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction, chunk_documents, seed,
+                        eod_token) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**63)")
+    if not isinstance(eod_token, str) or not eod_token:
+        raise ValueError(f"eod_token={eod_token!r} must be a non-empty string (e.g. {EOD_TOKEN!r})")
     if not inputs:
         raise ValueError("no input files; pass --input FILE [FILE ...]")
     for path in inputs:

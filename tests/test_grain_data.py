@@ -231,3 +231,40 @@ def test_bad_inputs_are_clear_errors():
     floats = grain.MapDataset.source([np.ones(4, np.float32)])
     with pytest.raises(ValueError, match="documents must be 1-D integer token ids"):
         jp.data.grain_batches(floats, global_batch=1, mesh=mesh, seed=0, seq_len=L)(0)
+
+
+@pytest.mark.parametrize("packing", ["first_fit", "concat_then_split"])
+def test_state_through_json_resumes_exactly_at_every_step(packing):
+    """The state as a checkpoint stores it (JSON): a pipeline restored after batch k gives batches k, k+1, ... of the
+    uninterrupted one, for both packings (grain's concat-then-split marker is a tuple that JSON turns into a list)."""
+    docs = grain.MapDataset.source(random_docs(40, 3 * L, seed=6) if packing == "concat_then_split"
+                                   else random_docs(40, L + 1, seed=6))
+    make = lambda: jp.data.grain_batches(docs, global_batch=2, mesh=one_device_mesh(), seed=3, seq_len=L,
+                                         packing=packing)
+    straight = make()
+    want = [jax.device_get(straight(t)) for t in range(6)]
+    for k in range(4):
+        first = make()
+        for t in range(k):
+            first(t)
+        resumed = make()
+        resumed.set_state(json.loads(json.dumps(first.get_state())))
+        for t in range(k, 6):
+            got = jax.device_get(resumed(t))
+            assert all(np.array_equal(got[key], want[t][key]) for key in got), (packing, k, t)
+
+
+def test_a_truncated_state_is_refused_before_anything_is_applied_and_running_out_is_named():
+    docs = grain.MapDataset.source(random_docs(6, L + 1, seed=7))
+    b = jp.data.grain_batches(docs, global_batch=2, mesh=one_device_mesh(), seed=0, seq_len=L, num_epochs=1)
+    state = b.get_state()
+    b(0)
+    with pytest.raises(ValueError, match="holds 1 shard states; this pipeline has num_shards=2"):
+        b.set_state({**state, "shards": state["shards"][:1]})
+    assert b.step == 1
+    with pytest.raises(ValueError, match="ran out of documents at batch"):
+        for t in range(1, 10):
+            b(t)
+    big = grain.MapDataset.source([np.asarray([3, 2 ** 32 + 7, 4], np.int64)])
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 2\*\*31\)"):
+        jp.data.grain_batches(big, global_batch=1, mesh=one_device_mesh(), seed=0, seq_len=L)(0)

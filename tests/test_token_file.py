@@ -142,6 +142,11 @@ def test_encode_decode_through_the_tokenizer_beside_the_file(tmp_path):
     assert corpus.vocab_size == 300 and corpus.train.eod_id == tok.token_to_id("<|endoftext|>")
     row = corpus.batch(0, 0, 1, 40, "val")["inputs"][0]
     assert corpus.decode(row) == tok.decode(row.tolist(), skip_special_tokens=False)
+    other = tk.Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    other.add_special_tokens(["<|other|>"])
+    other.save(str(tmp_path / "out" / "tokenizer.json"))   # a tokenizer swapped in after prepare
+    with pytest.raises(ValueError, match="not the tokenizer meta.json names"):
+        jp.data.TokenCorpus(tmp_path / "out").decode([1, 2])
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -209,6 +214,10 @@ def test_bad_arguments(stream, tmp_path):
         val.batch(0, 0, 4, 700)
     with pytest.raises(ValueError, match="need seq_len >= 1"):
         val.batch(0, 0, 4, 0)
+    for kwargs, match in ((dict(seed=-1), "seed=-1 must be an int >= 0"), (dict(step=1.5), "step=1.5"),
+                          (dict(rows=slice(10, 20)), "rows=slice"), (dict(rows=3), "rows=3")):
+        with pytest.raises(ValueError, match=match):
+            val.batch(**{"seed": 0, "step": 0, "batch_size": 4, "seq_len": 8, **kwargs})
     with pytest.raises(ValueError, match=r"dtype='uint32' contradicts meta.json .* \(dtype 'uint16'\)"):
         jp.data.TokenFile(directory, dtype="uint32")
     (tmp_path / "x.bin").write_bytes(b"\x00\x00")

@@ -193,6 +193,9 @@ def test_prepare_tokens_cli(tmp_path, capsys):
     ("a.txt", "x", {"tokenizer": "t.json"}, r"either a tokenizer file .* or --train-bpe"),
     ("a.txt", "x", {"val_fraction": 1.0}, r"val_fraction=1.0 must lie in \[0, 1\)"),
     ("a.txt", "one\n\ntwo\n", {"val_fraction": 0.001}, r"no document of the 2 fell in the validation split"),
+    ("a.txt", "a cat sat\n\non a mat\n", {"eod_token": "a"}, r"holds the end-of-document token 'a' in its text"),
+    ("a.txt", "x", {"eod_token": ""}, r"eod_token='' must be a non-empty string"),
+    ("a.txt", "x", {"seed": -1}, r"seed=-1 must be an int in \[0, 2\*\*63\)"),
 ])
 def test_bad_input_names_the_file(tmp_path, name, content, kwargs, pattern):
     path = tmp_path / name
@@ -225,3 +228,22 @@ def test_entry_point_without_the_data_extra_names_it():
     assert out.stderr.strip().splitlines()[-1] == (
         "ImportError: experiments/prepare_tokens.py needs the 'data' extra, and tokenizers is not installed: "
         "pip install 'jaxpar[data]' (from a checkout: pip install -e '.[data]')"), out.stderr[-2000:]
+
+
+def test_an_ordinary_token_as_eod_and_an_interrupted_rerun_are_refused(tmp_path):
+    """A given tokenizer's ordinary token as the eod token would end documents at every occurrence; a rerun that
+    fails halfway leaves no meta.json, so TokenFile refuses the directory instead of pairing old bins and a new
+    tokenizer."""
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of some text\n\n" for i in range(60)))
+    tokens.prepare([tmp_path / "a.txt"], tmp_path / "out", train_bpe_vocab=300, val_fraction=0.2, workers=1,
+                   progress=False)
+    with pytest.raises(ValueError, match=r"'e' is an ordinary token"):
+        tokens.prepare([tmp_path / "a.txt"], tmp_path / "other", tokenizer=tmp_path / "out" / "tokenizer.json",
+                       eod_token="e", progress=False)
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        tokens.prepare([tmp_path / "a.txt", tmp_path / "bad.txt"], tmp_path / "out", train_bpe_vocab=280,
+                       val_fraction=0.2, workers=1, progress=False)
+    assert not (tmp_path / "out" / "meta.json").exists()
+    with pytest.raises(ValueError, match="meta.json"):
+        jp.data.TokenCorpus(tmp_path / "out")

@@ -167,7 +167,9 @@ class Embed(nn.Module):
         if c.positions == "learned":
             L = tokens_BL.shape[1]
             if positions_BL is not None:
-                pos_BLD = jnp.take(self.pos_embedding, positions_BL, axis=0, mode="fill", fill_value=jnp.nan)
+                # a negative index would wrap to the table's end: send it out of range, so it fills NaN too
+                safe_BL = jnp.where(positions_BL < 0, c.max_seq_len, positions_BL)
+                pos_BLD = jnp.take(self.pos_embedding, safe_BL, axis=0, mode="fill", fill_value=jnp.nan)
             elif isinstance(offset, int) and offset == 0:
                 pos_BLD = self.pos_embedding[:L][None]
             else:   # per-row offsets (left-padded prompts): padding slots' negative positions clip to 0

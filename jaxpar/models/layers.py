@@ -175,6 +175,11 @@ def check_packed_entries(batch: dict, max_position: int | None = None) -> None:
         if key == "loss_mask":
             if not (dtype == np.bool_ or np.issubdtype(dtype, np.number)):
                 raise ValueError(f"batch['loss_mask'] has dtype {dtype}; it must be bool or numeric (1 keeps a target)")
+            mask = np.asarray(batch[key]) if not isinstance(batch[key], jax.Array) else None
+            if mask is not None and not (np.isfinite(mask) & (mask >= 0)).all():
+                where = tuple(int(i) for i in np.argwhere(~(np.isfinite(mask) & (mask >= 0)))[0])
+                raise ValueError(f"batch['loss_mask'] holds {mask[where]} at index {where}; loss weights must be finite "
+                                 "and >= 0 (0 drops a target, 1 keeps it)")
             continue
         if not np.issubdtype(dtype, np.integer):
             raise ValueError(f"batch[{key!r}] has dtype {dtype}; {key} must be integers (e.g. np.int32)")

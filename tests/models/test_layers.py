@@ -168,13 +168,20 @@ def test_bad_packed_batches_raise_clear_errors():
              ({"segment_ids": ok.astype(np.float32)}, r"segment_ids.*float32.*integers"),
              ({"positions": ok * -1}, r"positions.*-1 at index \(0, 0\)"),
              ({"positions": ok * 16}, r"positions.*16.*max_seq_len=16"),
-             ({"loss_mask": ok.astype(str)}, r"loss_mask.*bool or numeric")]
+             ({"loss_mask": ok.astype(str)}, r"loss_mask.*bool or numeric"),
+             ({"loss_mask": np.where(ok, np.nan, 0)}, r"loss_mask.*nan at index \(0, 0\).*finite and >= 0"),
+             ({"loss_mask": -ok}, r"loss_mask.*-1 at index \(0, 0\).*finite and >= 0")]
     for extra, match in cases:
         with pytest.raises(ValueError, match=match):
             model.check_batch(dict(batch, **extra))
     model.check_batch(dict(batch, segment_ids=ok, positions=ok, loss_mask=ok.astype(bool)))
     with pytest.raises(ValueError, match="segment_ids.*shape"):   # at trace time too
         jax.eval_shape(model.loss, jax.eval_shape(model.init, jax.random.key(0)), dict(batch, segment_ids=ok[:1]))
+    # on the device nothing reads them back: a negative learned position gives NaN (no wrap to the table's end)
+    params = jax.tree.map(lambda x: x.value, model.init(jax.random.key(0)), is_leaf=lambda x: hasattr(x, "value"))
+    wrapped = jax.device_put(dict(batch, positions=np.where(np.arange(L) == L - 1, -1, np.arange(L))[None].repeat(2, 0)
+                                  .astype(np.int32)))
+    assert np.isnan(float(jax.jit(model.loss)(params, wrapped)[0]))
     cudnn = dataclasses.replace(SMALL_GPT, attention="cudnn")
     q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="segment ids.*attention='blocked'"):
