@@ -36,6 +36,8 @@ def test_vs_pytorch_same_model_same_losses():
     assert out["tokens_per_s_ratios"]["jaxpar_over_torch_eager"]["median"] > 0
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_vs_pytorch_llama_against_transformers_same_losses():
     """--model llama: transformers' LlamaForCausalLM (sdpa, from jaxpar's weights through hf.save) and jaxpar's
     Llama (GQA: 4 query heads, 2 key/value heads) give the same losses over three AdamW steps."""
@@ -117,6 +119,8 @@ def test_train_step_script_compares_a_model_module():
     assert out["after_over_before_ms_per_step"]["1 device"] > 0
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_pipeline_memory_script():
     import pipeline_memory
     out = pipeline_memory.main(["--stages", "2", "--growth-stages", "--microbatches", "4",
@@ -136,6 +140,8 @@ def test_pipeline_schedules_script():
     assert row["lockstep_time"] >= row["ideal_time"] > 0
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_kv_cache_script_tiny():
     import kv_cache
     report = kv_cache.main(["--tiny"])

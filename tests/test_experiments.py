@@ -148,6 +148,8 @@ def test_charlm_runs_data2_pipe2_tensor2(schedule, tmp_path):
     assert (tmp_path / "schedule.png").stat().st_size > 0
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_charlm_trains_a_llama_on_data2_tensor2_pipe2(tmp_path, capsys):
     """--model llama (GQA: 4 query heads, 2 key/value heads) through the 1F1B pipeline on data=2 x pipe=2 x
     tensor=2: the loss falls and it samples text through the KV cache."""

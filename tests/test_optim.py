@@ -178,7 +178,7 @@ def _decayed(tx, params):
     return {"/".join(str(k.key) for k in path) for path, u in flat if bool(jnp.any(u != 0))}
 
 
-@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tie", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_adamw_decays_gpt_block_matrices_with_and_without_names(tie):
     cfg = GPTConfig(vocab_size=11, num_layers=3, num_heads=2, d_model=8, max_seq_len=4, tie_embeddings=tie)
     names = jax.eval_shape(GPT(cfg).init, jax.random.key(0))

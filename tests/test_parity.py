@@ -165,7 +165,7 @@ def _plain_reference(loss_fn, params, batch, tx):
     return jax.device_get((loss, aux, grads, optax.apply_updates(params, updates)))
 
 
-@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("cfg", [SMALL_GPT, pytest.param(SMALL_LLAMA, marks=pytest.mark.slow)], ids=["gpt", "llama"])
 def test_grad_accumulation_matches_one_big_step(cfg, mesh_factory):
     """grad_accum_steps=4 on a batch of 32 is one step on the whole batch (GPT and Llama, data=2 x fsdp=2 x
     tensor=2)."""

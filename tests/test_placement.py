@@ -123,7 +123,7 @@ def ratio(state) -> float:
 
 # ------------------------------------------------------------------------------------------ auto FSDP
 
-@pytest.mark.parametrize("name", ["dict_mlp", "linen_cnn"])
+@pytest.mark.parametrize("name", ["dict_mlp", pytest.param("linen_cnn", marks=pytest.mark.slow)])
 def test_unannotated_models_shard_over_fsdp_and_match_one_device(mesh_factory, name):
     init_fn, loss_fn, batches = {"dict_mlp": (mlp_init, mlp_loss, mlp_batches(3)),
                                  "linen_cnn": (cnn_init, cnn_loss, image_batches(3))}[name]

@@ -23,7 +23,7 @@ def _gpt(positions):
     return model, nn.meta.unbox(model.init(jax.random.key(3)))
 
 
-@pytest.mark.parametrize("positions", ["learned", "rotary"])
+@pytest.mark.parametrize("positions", [pytest.param("learned", marks=pytest.mark.slow), "rotary"])
 def test_decode_step_equals_apply(positions):
     model, params = _gpt(positions)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (3, 12)), jnp.int32)

@@ -57,8 +57,8 @@ CONFIGS = {"gpt": SMALL_GPT, "gpt_rotary_untied_scan": SMALL_GPT_VARIANT, "llama
            "gpt_xla_attention": dataclasses.replace(SMALL_GPT, attention="xla", positions="rotary")}
 
 
-# the fast set keeps the GPT and the Llama; .ci/run runs the other variants too (a compile per document length)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n not in ("gpt", "llama") else [])
+# the fast set keeps the GPT; .ci/run runs the other variants too (a compile per document length)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "gpt" else [])
                                   for n in CONFIGS])
 def test_packed_loss_is_the_sum_of_each_documents_loss_alone(name):
     cfg = CONFIGS[name]

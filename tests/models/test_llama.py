@@ -46,7 +46,7 @@ def hf_llama(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.slow)], ids=["untied", "tied"])
 def checkpoint(request, tmp_path_factory):
     model = hf_llama(tie=request.param)
     path = tmp_path_factory.mktemp("hf") / "llama"
@@ -175,6 +175,8 @@ def test_tensor_parallel_step_replicates_kv_heads_and_matches_one_device(mesh_fa
     assert_tree_close(grads2, jax.device_get(grads), what="tensor=8 grads")
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_kv_heads_rule_first_splits_them_and_a_later_one_is_still_warned_of(mesh_factory):
     """Flax reads the first rule naming an axis: ``("kv_heads", "tensor")`` before the defaults splits the key/value
     kernels (no warning); after them it is never read, so they stay replicated and the warning says so."""
@@ -192,9 +194,8 @@ def test_kv_heads_rule_first_splits_them_and_a_later_one_is_still_warned_of(mesh
         assert any("key/value heads are replicated" in str(w.message) for w in seen) != split
 
 
-@pytest.mark.parametrize("schedule", [jp.pipeline.one_f_one_b,
-                                      pytest.param(jp.pipeline.zero_bubble_v, marks=pytest.mark.slow)],
-                         ids=["1f1b", "zbv"])
+@pytest.mark.slow   # the GPT's pipeline parity and an NNX model's 1F1B stay in the fast set
+@pytest.mark.parametrize("schedule", [jp.pipeline.one_f_one_b, jp.pipeline.zero_bubble_v], ids=["1f1b", "zbv"])
 def test_pipelined_llama_step_matches_single_device(schedule, mesh_factory):
     cfg = dataclasses.replace(SMALL_LLAMA, num_layers=4)
     model, tx = Llama(cfg), optax.sgd(0.1, momentum=0.9)
@@ -228,7 +229,8 @@ def _momentum_trace(opt_state):
 BF16_RTOL = 3e-2
 
 
-@pytest.mark.parametrize("layout", ["2x2x2", pytest.param("pipe2_1f1b", marks=pytest.mark.slow)])
+@pytest.mark.slow   # bf16 policies on the GPT stay in the fast set (tests/test_precision.py)
+@pytest.mark.parametrize("layout", ["2x2x2", "pipe2_1f1b"])
 def test_mixed_bf16_llama_step_matches_the_single_device_bf16_step(layout, mesh_factory):
     policy = jp.precision.Policy.from_string("mixed_bf16")
     cfg = dataclasses.replace(SMALL_LLAMA, num_layers=4)

@@ -170,6 +170,8 @@ def test_nnx_transformer_with_partitioning_names_matches_one_device(mesh_factory
     print(f"NNX transformer on {layout}: worst param error {worst:.2e}; specs {specs}")
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_nnx_batchnorm_and_dropout_on_data8_match_one_device_with_running_stats(mesh_factory):
     batches = digit_batches(20)
     model_fn = lambda rngs: BNClassifier(rngs)

@@ -92,6 +92,8 @@ def test_compacted_llama_logits_equal_masked_logits(sparsity, distribution, layo
     assert np.max(np.abs(ref[..., valid])) > 0.1
 
 
+# slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
+@pytest.mark.slow
 def test_compacted_llama_trains_on_and_loads_in_transformers(tmp_path, mesh_factory):
     """AdamW + one-shot uniform pruning at step 1 on data=2 x tensor=2; compact_state (heads a multiple of
     tensor=2 by default) continues with the losses the masked model gives; padding heads stay zero; the
