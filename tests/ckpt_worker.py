@@ -60,6 +60,20 @@ _JOBS: dict = {}
 HANG_GUARD = 600  # seconds a job blocked at a sync point waits for the test's signal before it gives up
 
 
+def start_worker():
+    """A worker process's start: 8 simulated CPU devices unless XLA_FLAGS says otherwise, ``jax.distributed`` from
+    the launcher's environment, the tests' compilation cache. Returns the ``jax`` module."""
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    import jax
+
+    import jaxpar as jp
+    jp.initialize_distributed()
+    jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+    return jax
+
+
 def sync(what: str) -> None:
     """Tells the test (reading stdout) that the job reached the point ``what`` (process 0 only). The line
     starts on a line of its own (a progress bar on stderr may have left a partial line in the pipe)."""
@@ -243,14 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-after-checkpoint", type=int, default=None)
     p.add_argument("--await-sigterm-before-step", type=int, default=None)
     a = p.parse_args(argv)
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    import jax
-
-    import jaxpar as jp
-    jp.initialize_distributed()
-    jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+    jax = start_worker()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     layouts = [tuple(int(v) for v in m.split(",")) for m in (a.mesh or ["2,2,2"])]

@@ -147,14 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt", choices=["gpt", "bigram"])
     p.add_argument("--sigterm-before-step", type=int, default=None)
     a = p.parse_args(argv)
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    import jax
-
-    import jaxpar as jp
-    jp.initialize_distributed()
-    jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+    from ckpt_worker import start_worker
+    jax = start_worker()
     start, stopped = train(a.out, a.steps, tuple(int(v) for v in a.mesh.split(",")), a.model, a.sigterm_before_step)
     if jax.process_index() == 0:
         print(f"worker: trained from step {start} to {stopped or a.steps}" + (" (preempted)" if stopped else ""),

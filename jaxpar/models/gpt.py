@@ -484,13 +484,9 @@ class GPT:
         """
         del rng
         self._check_layers(params)
-        segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)
-        if segment_ids is None and positions is None and loss_mask is None:
-            x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
-            return self.head_loss(params, x_BLD, batch["targets"])
         check_packed_shapes(batch)
-        x_BLD = self.embed(params, batch["inputs"], positions)
-        x_BLD = self.stage(params["blocks"], x_BLD, segment_ids, positions)
+        segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)   # None: the plain computation
+        x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"], positions), segment_ids, positions)
         return self.head_loss(params, x_BLD, batch["targets"], loss_mask)
 
     def check_batch(self, batch: Any) -> None:
