@@ -1,17 +1,20 @@
-"""Device meshes with jaxpar's four named axes, flat or split over hosts (interconnect-aware).
+"""Device meshes with jaxpar's five named axes, flat or split over hosts (interconnect-aware).
 
-The mesh axes are ``('data', 'pipe', 'fsdp', 'tensor')``: slow links outside (data and pipe tolerate
-inter-host links), fast links inside (fsdp gathers every layer, tensor all-reduces inside every layer).
+The mesh axes are ``('data', 'pipe', 'fsdp', 'context', 'tensor')``: slow links outside (data and pipe
+tolerate inter-host links), fast links inside (fsdp gathers every layer; context passes keys and values inside
+every attention layer; tensor all-reduces inside every layer). ``context`` (default 1) shards the sequence:
+context parallelism (:mod:`jaxpar.attention`); at size 1 every program is the four-axis one, device for device.
 
 Public API (signatures are stable; the planner ``jaxpar/plan.py`` builds on them)::
 
-    make_mesh(data=-1, pipe=1, fsdp=1, tensor=1, devices=None, axis_types=None, *,
+    make_mesh(data=-1, pipe=1, fsdp=1, tensor=1, devices=None, axis_types=None, *, context=1,
               hosts=None, devices_per_host=None, across_hosts=None) -> Mesh
         # flat form (hosts, devices_per_host and across_hosts all None): as before.
         # hybrid form (any of them given): data/pipe/fsdp/tensor are still the WHOLE mesh's sizes;
         # the devices are grouped into hosts (by process_index; simulated CPU devices: consecutive
         # groups of devices_per_host = fake hosts) and each axis is split into a within-host part and
         # an across-host part (split_axes), like MaxText's ici_*/dcn_* parallelism.
+        # context is keyword-only, so positional calls of the four-axis form keep their meaning.
     split_axes(sizes: Mapping[str, int], hosts: int, across_hosts: Mapping[str, int] | None = None)
         -> tuple[dict[str, int], dict[str, int]]      # (per_host, across_hosts), keys AXES, ints
     make_hybrid_mesh(per_host: Mapping[str, int], across_hosts: Mapping[str, int],
@@ -41,7 +44,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar import _compat
 from jaxpar.checks import positive_int
 
-AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "tensor")
+AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "context", "tensor")
 
 
 def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -72,9 +75,12 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
 
 
 def _check_axis_types(axis_types: tuple[AxisType, ...] | None) -> tuple[AxisType, ...]:
+    """One type per axis of ``AXES``; the four-axis form (data, pipe, fsdp, tensor) gives context tensor's type."""
     if axis_types is None:
         return (AxisType.Auto,) * len(AXES)
     axis_types = tuple(axis_types)
+    if len(axis_types) == len(AXES) - 1:
+        axis_types = (*axis_types[:3], axis_types[3], axis_types[3])
     if len(axis_types) != len(AXES):
         raise ValueError(f"axis_types has {len(axis_types)} entries; give one per axis {AXES}")
     return axis_types
@@ -92,10 +98,10 @@ def _check_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
 
 def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None,
-              axis_types: tuple[AxisType, ...] | None = None, *,
+              axis_types: tuple[AxisType, ...] | None = None, *, context: int = 1,
               hosts: int | None = None, devices_per_host: int | None = None,
               across_hosts: Mapping[str, int] | None = None) -> Mesh:
-    """Builds a ``Mesh`` with axes ``('data', 'pipe', 'fsdp', 'tensor')``, flat or split over hosts.
+    """Builds a ``Mesh`` with axes ``('data', 'pipe', 'fsdp', 'context', 'tensor')``, flat or split over hosts.
 
     Flat form (``hosts``, ``devices_per_host``, ``across_hosts`` all None): the devices in order,
     reshaped, tensor innermost (adjacent devices). Hybrid form (any of the three given), for multi-host
@@ -107,10 +113,13 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
     fsdp x tensor inside each.
 
     Args:
-      data, pipe, fsdp, tensor: axis sizes; at most one may be ``-1`` to take the remaining devices.
+      data, pipe, fsdp, tensor, context: axis sizes; at most one may be ``-1`` to take the remaining devices.
+        ``context`` (keyword-only) shards the sequence (context parallelism, :mod:`jaxpar.attention`); 1, the
+        default, gives the four-axis layout's devices and programs unchanged.
       devices: the devices to use (default: all of ``jax.devices()``); a subset gives a smaller mesh.
-      axis_types: one ``jax.sharding.AxisType`` per axis; default all ``Auto`` (``jax.make_mesh``
-        defaults to ``Explicit`` on jax 0.10, under which Flax tensor-parallel layers raise).
+      axis_types: one ``jax.sharding.AxisType`` per axis (or four, without context: it takes tensor's); default
+        all ``Auto`` (``jax.make_mesh`` defaults to ``Explicit`` on jax 0.10, under which Flax tensor-parallel
+        layers raise).
       hosts: the number of hosts the devices form (real multi-host: ``jax.process_count()`` with one
         process per host).
       devices_per_host: devices per host (GPUs per node, e.g. 8); ``len(devices) // hosts`` if omitted.
@@ -118,7 +127,7 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
         ``dcn_*_parallelism``); omitted axes get 1; the within-host sizes are the quotients.
 
     Returns:
-      A ``jax.sharding.Mesh`` of shape ``(data, pipe, fsdp, tensor)``.
+      A ``jax.sharding.Mesh`` of shape ``(data, pipe, fsdp, context, tensor)``.
 
     Raises:
       ValueError: sizes that are zero, below -1, more than one -1, or that do not multiply to the number of
@@ -127,7 +136,7 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
         :func:`split_axes` and :func:`host_groups`.
     """
     devices = _check_devices(devices)
-    sizes = _resolve_sizes(dict(data=data, pipe=pipe, fsdp=fsdp, tensor=tensor), len(devices))
+    sizes = _resolve_sizes(dict(data=data, pipe=pipe, fsdp=fsdp, context=context, tensor=tensor), len(devices))
     axis_types = _check_axis_types(axis_types)
     if hosts is None and devices_per_host is None and across_hosts is None:
         shape = tuple(sizes[a] for a in AXES)
@@ -164,8 +173,9 @@ def split_axes(sizes: Mapping[str, int], hosts: int,
     """Splits whole-mesh axis sizes into within-host and across-host parts: ``(per_host, across_hosts)``.
 
     Default split (``across_hosts`` None): each host's devices are filled from the innermost axis out:
-    ``tensor`` entirely (it all-reduces inside every layer: it never spans hosts), then as much of ``fsdp``
-    as fits (``gcd`` with the room left), then ``pipe``, then ``data``; what does not fit goes across
+    ``tensor`` entirely (it all-reduces inside every layer: it never spans hosts), then as much of ``context``
+    (it passes keys and values in every attention layer) and then of ``fsdp`` as fits (``gcd`` with the room
+    left), then ``pipe``, then ``data``; what does not fit goes across
     hosts. So tensor and fsdp stay inside a host whenever tensor x fsdp fits in one, and data / pipe take
     the hosts; a larger fsdp spans hosts (MaxText's ``dcn_fsdp_parallelism``, e.g. FSDP over 128 nodes).
 
@@ -214,7 +224,7 @@ def split_axes(sizes: Mapping[str, int], hosts: int,
 
 
 def _default_split(sizes: dict[str, int], per: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Fills a host of ``per`` devices innermost-first (tensor, fsdp, pipe, data); see :func:`split_axes`."""
+    """Fills a host of ``per`` devices innermost-first (tensor, context, fsdp, pipe, data); see :func:`split_axes`."""
     per_host, room = {}, per
     for a in reversed(AXES):
         per_host[a] = math.gcd(sizes[a], room)
@@ -222,7 +232,7 @@ def _default_split(sizes: dict[str, int], per: int) -> tuple[dict[str, int], dic
     if room != 1:
         raise ValueError(
             f"cannot split {' x '.join(f'{a}={sizes[a]}' for a in AXES)} into hosts of {per} devices by the default "
-            f"rule (tensor, then fsdp, pipe, data fill a host); pass across_hosts= explicitly")
+            f"rule (tensor, then context, fsdp, pipe, data fill a host); pass across_hosts= explicitly")
     per_host = {a: per_host[a] for a in AXES}
     return per_host, {a: sizes[a] // per_host[a] for a in AXES}
 
@@ -317,7 +327,7 @@ def host_groups(devices: Sequence[jax.Device], devices_per_host: int) -> list[li
 
 
 def describe(mesh: Mesh) -> str:
-    """One line naming each axis size and the device kind, e.g. ``data=2 pipe=1 fsdp=2 tensor=2 (8 x cpu)``."""
+    """One line naming each axis size and the device kind, e.g. ``data=2 pipe=1 fsdp=2 context=1 tensor=2 (8 x cpu)``."""
     axes = " ".join(f"{n}={s}" for n, s in mesh.shape.items())
     kind = mesh.devices.flat[0].platform
     return f"{axes} ({mesh.devices.size} x {kind}, {jax.process_count()} process(es))"

@@ -16,7 +16,7 @@ import optax
 
 from jaxpar import sharding as shd
 
-EMBEDDING_AXIS_NAMES = frozenset({"vocab", "seq"})    # a table indexed by token or position
+EMBEDDING_AXIS_NAMES = frozenset({"vocab", "seq", "position"})    # a table indexed by token or position
 
 
 def _decays(path, leaf, names: tuple | None) -> bool:

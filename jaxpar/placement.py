@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import traceback
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -165,7 +166,9 @@ _original_constraint = linen_spmd._with_sharding_constraint_one_fallback
 
 def _recording(array_dim_names, rules=None):
     out = _original(array_dim_names, rules)
-    record = getattr(_audit, "record", None)
+    record, used = getattr(_audit, "record", None), getattr(_audit, "used", None)
+    if used is not None and array_dim_names is not None:
+        used.update(n for n in array_dim_names if isinstance(n, str))
     if record is not None and array_dim_names is not None:
         known = {r[0] for r in (rules if rules is not None else linen_spmd.get_logical_axis_rules())}
         for n in array_dim_names:
@@ -204,12 +207,47 @@ def record_unknown_names():
     if linen_spmd._logical_to_mesh_axes is not _recording:   # both delegate; they act only inside this context
         linen_spmd._logical_to_mesh_axes = _recording
         linen_spmd._with_sharding_constraint_one_fallback = _rank_tolerant
-    outer = getattr(_audit, "record", None)
-    _audit.record = {}
+    outer = getattr(_audit, "record", None), getattr(_audit, "used", None)
+    _audit.record, _audit.used = {}, set()
     try:
         yield _audit.record
     finally:
-        _audit.record = outer
+        _audit.record, _audit.used = outer
 
 
-__all__ = ["AUTO_FSDP_MIN_SIZE", "Placement", "boxed_names", "check_tensor_used", "place", "record_unknown_names"]
+def names_used() -> set[str]:
+    """The logical names the constraints traced so far inside :func:`record_unknown_names` used (empty outside)."""
+    return set(getattr(_audit, "used", None) or ())
+
+
+@contextlib.contextmanager
+def audit_activation_names(mesh: Mesh, rules: shd.Rules):
+    """A step's trace: warns (once per trace) of activation constraints whose logical names no rule knows, and
+    refuses a mesh whose ``context`` axis no traced activation uses.
+
+    Raises:
+      ValueError: ``context > 1`` and no activation constraint traced inside names a logical axis the rules map to
+        ``context`` (the sequence would be replicated on every context device: the model's activations never name
+        ``seq``).
+    """
+    with record_unknown_names() as unknown:
+        yield
+        used = names_used()
+    if unknown:
+        where = ", ".join(f"{n!r} (at {w})" for n, w in unknown.items())
+        warnings.warn(f"activation constraints name logical axes no rule knows: {where}; Flax leaves those "
+                      "dimensions unsharded. Add rules for them (rules=(..., (name, mesh axes), ...)), e.g. "
+                      "MaxText's names with MaxText's rules", stacklevel=3)
+    context = dict(mesh.shape).get("context", 1)
+    targets = {n: (t,) if isinstance(t, str) else tuple(t or ()) for n, t in rules}
+    if context > 1 and not any("context" in targets.get(n, ()) for n in used):
+        raise ValueError(
+            f"the mesh has context={context}, but no activation of this step names a logical axis the rules map to "
+            f"'context' (names used: {sorted(used)}), so every context device would hold the whole sequence. "
+            "Name the sequence axis of activations (jp.sharding.constrain(x, 'batch', 'seq', 'embed'); "
+            "DEFAULT_RULES map 'seq' to 'context') and attend with jp.attention.causal, or build the mesh with "
+            "context=1")
+
+
+__all__ = ["AUTO_FSDP_MIN_SIZE", "Placement", "audit_activation_names", "boxed_names", "check_tensor_used", "names_used",
+           "place", "record_unknown_names"]

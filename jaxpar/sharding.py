@@ -32,7 +32,9 @@ Rules = tuple[tuple[str, Any], ...]
 
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),   # activations: batch over every data-parallel axis
-    ("seq", None),                 # no sequence parallelism
+    ("seq", "context"),            # activations' sequence: context parallelism (jaxpar.attention); a context
+                                   # axis of size 1 (the default mesh) leaves it whole
+    ("position", None),            # the rows of a learned position table: whole on every device
     ("embed", "fsdp"),             # params: FSDP shards the model dimension of every weight
     ("mlp", "tensor"),             # Megatron column split of the MLP up-projection, row split of down
     ("heads", "tensor"),           # Megatron split of attention by heads
@@ -410,18 +412,33 @@ def opt_state_shardings(tx: Any, param_shapes: Any, param_shardings: Any, mesh: 
     return treedef.unflatten([_leaf_sharding(x, o, h, specs, mesh) for x, o, h in zip(leaves, origins, hits)])
 
 
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+def constrain(x: jax.Array, *names: str | tuple[str, ...] | None) -> jax.Array:
     """Constrains an activation's sharding by logical axis names, e.g. ``constrain(x, 'batch', 'seq', 'embed')``.
 
-    Takes effect under a mesh and rules in context (jaxpar's init/step builders enter both); elsewhere it is
-    the identity, as Flax's ``with_logical_constraint`` is.
+    A dimension that flattens several logical axes takes a tuple of names, sharded over all their mesh axes in
+    order: ``constrain(h_TF, ('batch', 'seq'), 'mlp')`` for tokens ``T = B * L`` (the batch axes, then the context
+    axis). Takes effect under a mesh and rules in context (jaxpar's init/step builders enter both); elsewhere it
+    is the identity, as Flax's ``with_logical_constraint`` is.
     """
     if len(names) != x.ndim:
         raise ValueError(f"constrain got {len(names)} names {names} for an array of rank {x.ndim}")
     rules = nn.get_logical_axis_rules()
+    if any(isinstance(n, tuple) for n in names):
+        if not rules or jax.sharding.get_abstract_mesh().empty:
+            return x
+        return constrain_spec(x, P(*(_merged_axes(n, rules) for n in names)))
     if rules and _explicit_in_context():
         return constrain_spec(x, nn.logical_to_mesh_axes(names, rules))
     return nn.with_logical_constraint(x, names)
+
+
+def _merged_axes(names: str | tuple[str, ...] | None, rules: Rules) -> Any:
+    """The mesh axes of one dimension named by a logical name or a tuple of them (concatenated, in order)."""
+    if not isinstance(names, tuple):
+        return nn.logical_to_mesh_axes((names,), rules)[0]
+    axes = [a for e in nn.logical_to_mesh_axes(names, rules) if e is not None
+            for a in ((e,) if isinstance(e, str) else e)]
+    return tuple(axes) or None
 
 
 def _explicit_in_context() -> bool:

@@ -501,7 +501,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
         ctx = _context(mesh, rules, state, param_specs(shardings[0].params))
-        with jax.named_scope("forward_backward"), _warn_unknown_names():
+        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules):
             out = grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale, ctx)
         carried = ctx.stateful and grad_fn.carries_model_state
         loss, aux, grads, model_state = _check_grad_output(out, state.params, grad_fn, carried)
@@ -519,18 +519,6 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
 
 def _context(mesh: Mesh, rules: shd.Rules, state: TrainState, specs: Any) -> gr.Context:
     return gr.Context(mesh, rules, state.policy, state.layout, specs, state.model_state, state.graphdef)
-
-
-@contextlib.contextmanager
-def _warn_unknown_names():
-    """Warns (once per trace) of activation constraints whose logical names no rule knows."""
-    with placement.record_unknown_names() as unknown:
-        yield
-    if unknown:
-        where = ", ".join(f"{n!r} (at {w})" for n, w in unknown.items())
-        warnings.warn(f"activation constraints name logical axes no rule knows: {where}; Flax leaves those "
-                      "dimensions unsharded. Add rules for them (rules=(..., (name, mesh axes), ...)), e.g. "
-                      "MaxText's names with MaxText's rules", stacklevel=2)
 
 
 def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
@@ -576,7 +564,7 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
 
     def _eval(state: TrainState, batch: Any):
         params = state.params if state.policy is None else state.policy.cast_to_compute(state.params)
-        with _warn_unknown_names():
+        with placement.audit_activation_names(mesh, rules):
             loss, aux = gr.check_loss_output(loss_fn(params, _cast_inputs(state.policy, batch), jax.random.fold_in(
                 state.rng, state.step), _context(mesh, rules, state, None)))
         return {"loss": loss.astype(jnp.float32), **aux}

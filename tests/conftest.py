@@ -54,18 +54,19 @@ def devices():
 
 @pytest.fixture(scope="session")
 def mesh_factory():
-    """``mesh_factory(data=, pipe=, fsdp=, tensor=)``: a jaxpar mesh over the first ``prod(sizes)`` devices.
+    """``mesh_factory(data=, pipe=, fsdp=, tensor=, context=)``: a jaxpar mesh over the first ``prod(sizes)`` devices.
 
     ``mesh_factory()`` (all sizes 1) is the single-device reference mesh.
     """
     import jaxpar as jp
     cache = {}
 
-    def make(data: int = 1, pipe: int = 1, fsdp: int = 1, tensor: int = 1):
-        key = (data, pipe, fsdp, tensor)
+    def make(data: int = 1, pipe: int = 1, fsdp: int = 1, tensor: int = 1, context: int = 1):
+        key = (data, pipe, fsdp, tensor, context)
         if key not in cache:
-            n = data * pipe * fsdp * tensor
-            cache[key] = jp.make_mesh(data=data, pipe=pipe, fsdp=fsdp, tensor=tensor, devices=jax.devices()[:n])
+            n = data * pipe * fsdp * tensor * context
+            cache[key] = jp.make_mesh(data=data, pipe=pipe, fsdp=fsdp, tensor=tensor, context=context,
+                                      devices=jax.devices()[:n])
         return cache[key]
     return make
 

@@ -23,7 +23,7 @@ import jaxpar as jp
 from jaxpar.mesh import host_groups, make_hybrid_mesh, split_axes
 
 
-AXES = ("data", "pipe", "fsdp", "tensor")
+AXES = ("data", "pipe", "fsdp", "context", "tensor")
 
 
 def test_axes_constant():
@@ -34,15 +34,17 @@ def test_default_is_all_data(devices):
     mesh = jp.make_mesh()
     assert isinstance(mesh, Mesh)
     assert mesh.axis_names == AXES
-    assert dict(mesh.shape) == {"data": 8, "pipe": 1, "fsdp": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 8, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 1}
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    (dict(data=-1, fsdp=2, tensor=2), (2, 1, 2, 2)),
-    (dict(data=2, fsdp=-1, tensor=2), (2, 1, 2, 2)),
-    (dict(data=1, tensor=-1), (1, 1, 1, 8)),
-    (dict(data=1, pipe=-1, fsdp=2), (1, 4, 2, 1)),
-    (dict(data=2, pipe=2, fsdp=2, tensor=1), (2, 2, 2, 1)),
+    (dict(data=-1, fsdp=2, tensor=2), (2, 1, 2, 1, 2)),
+    (dict(data=2, fsdp=-1, tensor=2), (2, 1, 2, 1, 2)),
+    (dict(data=1, tensor=-1), (1, 1, 1, 1, 8)),
+    (dict(data=1, pipe=-1, fsdp=2), (1, 4, 2, 1, 1)),
+    (dict(data=2, pipe=2, fsdp=2, tensor=1), (2, 2, 2, 1, 1)),
+    (dict(data=2, context=-1, tensor=2), (2, 1, 1, 2, 2)),
+    (dict(data=1, fsdp=2, context=4), (1, 1, 2, 4, 1)),
 ])
 def test_fill_and_shape(devices, kwargs, expected):
     mesh = jp.make_mesh(**kwargs)
@@ -62,13 +64,27 @@ def test_tensor_is_innermost(devices):
 
 def test_auto_axis_types_by_default(devices):
     mesh = jp.make_mesh(data=2, fsdp=4)
-    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 4
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 5
 
 
 def test_explicit_axis_types_passed_through(devices):
-    types = (AxisType.Explicit, AxisType.Auto, AxisType.Explicit, AxisType.Auto)
+    types = (AxisType.Explicit, AxisType.Auto, AxisType.Explicit, AxisType.Auto, AxisType.Explicit)
     mesh = jp.make_mesh(data=2, fsdp=2, tensor=2, axis_types=types)
     assert tuple(mesh.axis_types) == types
+    # the four-axis form of earlier releases (no context): context takes tensor's type
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2, axis_types=types[:3] + types[4:])
+    assert tuple(mesh.axis_types) == types[:3] + (types[4], types[4])
+
+
+def test_context_is_keyword_only_and_positional_calls_keep_their_meaning(devices):
+    """The four-axis positional form ``make_mesh(data, pipe, fsdp, tensor)`` still means what it did; context
+    sits between fsdp and tensor in the mesh, so at size 1 the device grid is the four-axis one."""
+    mesh = jp.make_mesh(2, 1, 2, 2)
+    assert tuple(mesh.shape[a] for a in AXES) == (2, 1, 2, 1, 2)
+    old = jax.make_mesh((2, 1, 2, 2), ("data", "pipe", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 4)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in old.devices.flat]
+    with pytest.raises(TypeError):
+        jp.make_mesh(1, 1, 1, 1, None, None, 8)
 
 
 def test_axis_types_wrong_length(devices):
@@ -79,26 +95,26 @@ def test_axis_types_wrong_length(devices):
 def test_device_subset(devices):
     subset = devices[:4]
     mesh = jp.make_mesh(data=2, tensor=-1, devices=subset)
-    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 2}
     assert [d.id for d in mesh.devices.flat] == [d.id for d in subset]
-    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 4
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 5
 
 
 def test_single_device_mesh(devices):
     mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
     assert mesh.devices.size == 1
-    assert tuple(mesh.shape[a] for a in AXES) == (1, 1, 1, 1)
+    assert tuple(mesh.shape[a] for a in AXES) == (1, 1, 1, 1, 1)
 
 
 def test_describe(devices):
     text = jp.describe(jp.make_mesh(data=2, fsdp=2, tensor=2))
-    assert "data=2 pipe=1 fsdp=2 tensor=2" in text
+    assert "data=2 pipe=1 fsdp=2 context=1 tensor=2" in text
     assert "8 x" in text
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
     # the message names the sizes, their product and the device count, and suggests a fix
-    (dict(data=3, fsdp=2), r"data=3 x pipe=1 x fsdp=2 x tensor=1 multiply to 6, but there are 8 devices.*-1"),
+    (dict(data=3, fsdp=2), r"data=3 x pipe=1 x fsdp=2 x context=1 x tensor=1 multiply to 6, but there are 8 devices.*-1"),
     (dict(data=2, fsdp=2, tensor=4), r"multiply to 16, but there are 8 devices"),
     (dict(data=-1, fsdp=3), r"cannot fill data=-1.*multiply to 3.*does not divide the 8 devices"),
     (dict(data=0), r"data=0 must be positive"),
@@ -142,7 +158,7 @@ def check_layout(mesh, devices, per_host, across):
     per_host = {a: per_host.get(a, 1) for a in AXES}
     across = {a: across.get(a, 1) for a in AXES}
     assert mesh.axis_names == AXES
-    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 4
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 5
     assert tuple(mesh.shape[a] for a in AXES) == tuple(per_host[a] * across[a] for a in AXES)
     for coord in itertools.product(*(range(n) for n in mesh.devices.shape)):
         assert mesh.devices[coord] == devices[expected_device_index(coord, per_host, across)], coord
@@ -184,16 +200,22 @@ def test_hybrid_device_order(devices, kwargs, per_host, across):
             assert neighbours_share_host(hosts, axis) == {False}, axis
 
 
+def _all(**sizes):
+    return {a: sizes.get(a, 1) for a in AXES}
+
+
 def test_default_split_rules():
     # 1,024 GPUs = 128 nodes x 8: tensor=8 fills a node; FSDP spans the nodes
-    assert split_axes(dict(fsdp=128, tensor=8), 128) == (
-        dict(data=1, pipe=1, fsdp=1, tensor=8), dict(data=1, pipe=1, fsdp=128, tensor=1))
+    assert split_axes(dict(fsdp=128, tensor=8), 128) == (_all(tensor=8), _all(fsdp=128))
     # 64 = 8 nodes x 8: fsdp x tensor inside (4 x 2), data across
-    assert split_axes(dict(data=8, fsdp=4, tensor=2), 8) == (
-        dict(data=1, pipe=1, fsdp=4, tensor=2), dict(data=8, pipe=1, fsdp=1, tensor=1))
+    assert split_axes(dict(data=8, fsdp=4, tensor=2), 8) == (_all(fsdp=4, tensor=2), _all(data=8))
     # inner axes first: pipe takes the room fsdp x tensor leave in a node, data and the rest of pipe go across
-    assert split_axes(dict(data=4, pipe=4, fsdp=2, tensor=2), 8) == (
-        dict(data=1, pipe=2, fsdp=2, tensor=2), dict(data=4, pipe=2, fsdp=1, tensor=1))
+    assert split_axes(dict(data=4, pipe=4, fsdp=2, tensor=2), 8) == (_all(pipe=2, fsdp=2, tensor=2),
+                                                                     _all(data=4, pipe=2))
+    # context stays inside a host after tensor (its keys and values move in every layer), before fsdp
+    assert split_axes(dict(data=4, fsdp=4, context=4, tensor=2), 8) == (_all(fsdp=2, context=4, tensor=2),
+                                                                        _all(data=4, fsdp=2))
+    assert split_axes(dict(fsdp=2, context=16, tensor=2), 8) == (_all(context=4, tensor=2), _all(fsdp=2, context=4))
 
 
 @pytest.mark.parametrize("kwargs, pattern", [

@@ -33,7 +33,7 @@ import jaxpar as jp
 from helpers import assert_tree_close, mlp_batch, mlp_parts
 from jaxpar.models import GPT, GPTConfig, MLP
 
-LOGICAL = ("batch", "seq", "embed", "mlp", "heads", "kv", "kv_heads", "vocab", "layers", "stage")
+LOGICAL = ("batch", "seq", "position", "embed", "mlp", "heads", "kv", "kv_heads", "vocab", "layers", "stage")
 SMALL_GPT = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16)
 
 
@@ -54,7 +54,8 @@ def test_default_rules_mapping():
     assert rules["embed"] == "fsdp"
     assert rules["mlp"] == rules["heads"] == rules["vocab"] == "tensor"
     assert rules["stage"] == "pipe"
-    assert rules["seq"] is None and rules["kv"] is None and rules["layers"] is None
+    assert rules["seq"] == "context"        # context parallelism; a size-1 context axis leaves the sequence whole
+    assert rules["position"] is None and rules["kv"] is None and rules["layers"] is None
 
 
 def test_named_shardings_of_boxed_tree(mesh_factory):
@@ -228,10 +229,12 @@ def test_train_step_lowers_with_activation_constraints(mesh_factory, np_rng):
     constraints = [line for line in text.splitlines() if "sharding_constraint" in line]
     # every block constrains q, k, v, the attention output, two residuals and the MLP hidden: >= 7 per layer
     assert len(constraints) >= 7 * SMALL_GPT.num_layers, len(constraints)
-    # the residual stream [B, L, D] is split by batch over data and fsdp
-    assert any('[{"data", "fsdp"}, {}, {}]' in line and "16x16x64" in line for line in constraints), constraints[:5]
+    # the residual stream [B, L, D] is split by batch over data and fsdp (and the sequence over the context axis,
+    # of size 1 here: the compiled program is the four-axis mesh's, tests/test_context.py)
+    assert any('[{"data", "fsdp"}, {"context"}, {}]' in line and "16x16x64" in line for line in constraints), \
+        constraints[:5]
     # attention activations [B, L, H, K] are split by heads over tensor
-    assert any('[{"data", "fsdp"}, {}, {"tensor"}, {}]' in line for line in constraints), constraints[:5]
+    assert any('[{"data", "fsdp"}, {"context"}, {"tensor"}, {}]' in line for line in constraints), constraints[:5]
     # the embedding table is gathered along its FSDP axis before the lookup (vocab stays on tensor)
     assert any('[{"tensor"}, {}]' in line and "128x64" in line for line in constraints), constraints[:5]
 
@@ -253,7 +256,7 @@ def test_constraints_follow_the_rules(mesh_factory, np_rng):
     constraints = [line for line in text.splitlines() if "sharding_constraint" in line]
     assert constraints
     assert not any('[{"data", "fsdp"}' in line for line in constraints)
-    assert any('[{"data"}, {}, {"tensor"}, {}]' in line for line in constraints)
+    assert any('[{"data"}, {"context"}, {"tensor"}, {}]' in line for line in constraints)
 
 
 @pytest.mark.parametrize("rules", [None, "batch", (("batch", 3),), (("batch", ("data", "data")),)])

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import attention as cp
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
 from jaxpar.models.layers import (  # noqa: F401 (public here too)
@@ -63,6 +64,8 @@ class GPTConfig:
                                    # "xla" or "cudnn": jax.nn.dot_product_attention(implementation=...)
                                    # ("cudnn": cuDNN flash attention, GPU only, float16/bfloat16 compute)
     attention_blocks: int = 2      # query blocks of "blocked" attention: the work is (n + 1) / (2 n) of full
+    context_attention: str = "ring"  # with the sequence sharded over a context mesh axis: "ring" or "all_gather"
+                                   # (jaxpar.attention; the batch is put in the zigzag layout by loss and apply)
     dtype: Any = None              # compute dtype; None: the dtype of the params given (the step casts them
                                    # to the state's policy's compute dtype), passed to every layer explicitly
     param_dtype: Any = None        # dtype params are created in; None: float32 (init_state casts to the policy's)
@@ -102,6 +105,8 @@ class GPTConfig:
             raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
+        if self.context_attention not in cp.STRATEGIES:
+            raise ValueError(f"context_attention={self.context_attention!r}; use one of {list(cp.STRATEGIES)}")
         object.__setattr__(self, "d_mlp", nonnegative_int("GPTConfig.d_mlp", self.d_mlp, " (0 means 4 * d_model)"))
 
     def as_model(self, params: Any = None) -> "GPT":
@@ -150,7 +155,7 @@ class Embed(nn.Module):
         c = self.cfg
         self.embedding = _param(self, "embedding", (c.padded_vocab, c.d_model), ("vocab", "embed"), c.init_std)
         if c.positions == "learned":
-            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("seq", "embed"),
+            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("position", "embed"),
                                         c.init_std / 2)
 
     def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0,
@@ -231,7 +236,7 @@ class Block(nn.Module):
         o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = layer_norm(x_BLD, self.ln2_scale, self.ln2_bias).reshape(B * L, D)
-        u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), "batch", "mlp")
+        u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), ("batch", "seq"), "mlp")
         m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 
@@ -256,8 +261,8 @@ class Block(nn.Module):
         c = self.cfg
         q_BLHK, k_BLHK, v_BLHK = self._qkv(x_BLD)
         q_BLHK, k_BLHK = self._positions(q_BLHK, k_BLHK, positions_BL=positions_BL)
-        k_BLHK, v_BLHK = self._expand_kv(k_BLHK), self._expand_kv(v_BLHK)
-        a_BLHK = constrain(attention(c, q_BLHK, k_BLHK, v_BLHK, segment_ids_BL), "batch", "seq", "heads", "kv")
+        a_BLHK = attention(c, q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, self._expand_kv)
+        a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
         return self._finish(x_BLD, a_BLHK)
 
     def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
@@ -470,7 +475,10 @@ class GPT:
           ValueError: params with another number of layers than the config (as :meth:`embed`).
         """
         self._check_layers(params)
-        return self.logits(params, self.stage(params["blocks"], self.embed(params, tokens_BL)))
+        positions_BL = cp.shard_sequence({"inputs": tokens_BL}).get("positions")   # None unless context > 1
+        tokens_BL = cp.to_zigzag(tokens_BL, cp.context_axis()[1])
+        x_BLD = self.stage(params["blocks"], self.embed(params, tokens_BL, positions_BL), None, positions_BL)
+        return cp.from_zigzag(self.logits(params, x_BLD), cp.context_axis()[1])
 
     def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
         """``loss_fn`` for the train step: ``batch = {"inputs": int [B, L], "targets": int [B, L]}``, optionally with
@@ -485,6 +493,7 @@ class GPT:
         del rng
         self._check_layers(params)
         check_packed_shapes(batch)
+        batch = cp.shard_sequence(batch)   # a sequence sharded over a context axis: the zigzag layout, positions
         segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)   # None: the plain computation
         x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"], positions), segment_ids, positions)
         return self.head_loss(params, x_BLD, batch["targets"], loss_mask)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import attention as cp
+
 
 @jax.checkpoint
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
@@ -93,17 +95,29 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
     return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
 
 
-def attention(cfg: Any, q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array,
-              segment_ids_BL: jax.Array | None = None) -> jax.Array:
+def attention(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
+              segment_ids_BL: jax.Array | None = None, expand: Any = None) -> jax.Array:
     """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32.
 
     ``segment_ids_BL`` (int ``[B, L]``, optional): attention stays within each segment (packed documents), on the
-    ``"blocked"`` and ``"xla"`` paths.
+    ``"blocked"`` and ``"xla"`` paths. ``expand``: the model's ``[B, L, G, K] -> [B, L, H, K]`` of keys and values
+    (grouped-query heads), applied here on one device's sequence; with the sequence sharded over a context axis
+    (:func:`jaxpar.attention.context_axis`), the ``G`` heads go to :func:`jaxpar.attention.causal` (zigzag layout,
+    ``cfg.context_attention``), which repeats them locally.
 
     Raises:
-      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids.
+      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids or a context axis.
     """
     dtype = q_BLHK.dtype
+    if cp.context_axis()[1] > 1:
+        if cfg.attention == "cudnn":
+            raise ValueError("attention='cudnn' cannot shard the sequence over the context axis (cuDNN's kernel sees "
+                             "one device's keys); set GPTConfig/LlamaConfig attention='blocked', which runs "
+                             f"context_attention={cfg.context_attention!r} over it, or use a mesh with context=1")
+        up = (lambda t: t.astype(jnp.float32)) if dtype == jnp.float16 else (lambda t: t)
+        return cp.causal(up(q_BLHK), up(k_BLGK), up(v_BLGK), segment_ids_BL, context_attention=cfg.context_attention,
+                         layout="zigzag").astype(dtype)
+    k_BLHK, v_BLHK = (k_BLGK, v_BLGK) if expand is None else (expand(k_BLGK), expand(v_BLGK))
     if segment_ids_BL is not None and cfg.attention == "cudnn":
         raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
                          "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import gpt
+from jaxpar.attention import STRATEGIES
 from jaxpar.models.gpt import _REMAT, ATTENTION, _param
 from jaxpar.models.layers import rms_norm, rope, silu
 from jaxpar.precision import is_floating_dtype
@@ -61,6 +62,7 @@ class LlamaConfig:
     remat: str = "none"            # "none", "full" or "dots"
     attention: str = "blocked"     # as GPTConfig.attention
     attention_blocks: int = 2
+    context_attention: str = "ring"  # as GPTConfig.context_attention
     dtype: Any = None              # compute dtype (None: the params')
     param_dtype: Any = None        # None: float32
     output_dtype: Any = None       # logits dtype (None: compute dtype)
@@ -104,6 +106,8 @@ class LlamaConfig:
             raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
+        if self.context_attention not in STRATEGIES:
+            raise ValueError(f"context_attention={self.context_attention!r}; use one of {list(STRATEGIES)}")
         object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
 
     def as_model(self, params: Any = None) -> "Llama":
@@ -253,8 +257,8 @@ class LlamaBlock(gpt.Block):
         o_TD = a_BLHK.reshape(B * L, c.num_heads * c.head_dim) @ w(self.out_kernel).reshape(-1, D)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = rms_norm(x_BLD, self.mlp_norm_scale, c.rms_norm_eps).reshape(B * L, D)
-        g_TF = constrain(silu(h_TD @ w(self.gate_kernel)), "batch", "mlp")
-        u_TF = constrain(g_TF * (h_TD @ w(self.up_kernel)), "batch", "mlp")
+        g_TF = constrain(silu(h_TD @ w(self.gate_kernel)), ("batch", "seq"), "mlp")
+        u_TF = constrain(g_TF * (h_TD @ w(self.up_kernel)), ("batch", "seq"), "mlp")
         return constrain(x_BLD + (u_TF @ w(self.down_kernel)).reshape(B, L, D), "batch", "seq", "embed")
 
 

@@ -1,0 +1,315 @@
+"""Causal attention over a sequence sharded on a mesh axis: context parallelism (CP).
+
+The rules in context map the logical ``seq`` axis of activations to a mesh axis (``jp.sharding.DEFAULT_RULES``:
+``context``). Where that axis has more than one device, :func:`causal` runs inside ``jax.shard_map`` manual over
+it (the other axes stay automatic, so batch, heads and tensor parallelism compose): every device keeps its own
+queries and meets the keys and values of the whole sequence one block at a time, folding each block into
+running softmax statistics (the online softmax of Milakov & Gimelshein 2018, sec. 3). Two strategies:
+
+* ``"ring"``: the K/V blocks travel round the devices with ``ppermute``, ``context - 1`` hops, each sent
+  before the block in hand is computed so transfer and compute can overlap (Liu et al. 2023, "Ring Attention
+  with Blockwise Transformers", sec. 3);
+* ``"all_gather"``: one ``all_gather`` of K and V, then the same blocks (the context parallelism of the Llama 3
+  paper, Dubey et al. 2024, sec. 3.3.2).
+
+Causal load balance: with a ``"contiguous"`` layout device ``i`` holds chunk ``i`` and the last device does most of
+the work. The ``"zigzag"`` layout cuts the sequence into ``2 * context`` chunks and gives device ``i`` chunks ``i``
+and ``2 * context - 1 - i`` (Megatron-core's CP split; Brandon et al. 2023, "Striped Attention", sec. 3): every
+device then computes ``2 * context + 1`` blocks of ``(L / 2C)^2`` scores, and no block wholly above the diagonal
+is ever computed. :func:`to_zigzag` / :func:`from_zigzag` reorder per-token arrays (inputs, targets, positions,
+masks; outputs back); :func:`shard_sequence` reorders a batch; :func:`work_per_device` counts each device's
+blocks.
+
+With the ``seq`` axis unsharded (``context == 1``), :func:`causal` is the single-device block-skipping attention
+(:func:`jaxpar.models.layers.causal_attention`), unchanged.
+
+Shape legend: B batch, L sequence (the whole one; ``n`` on one device), H query heads, G key/value heads (``H``
+a multiple of ``G``: grouped-query attention), K head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+
+STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
+LAYOUTS = ("zigzag", "contiguous")      # which chunks of the sequence a device holds
+_NEG = -1e30                            # a finite "minus infinity" for masked scores (no inf - inf = NaN)
+
+
+# ---------------------------------------------------------------------------------------------- the mesh axis
+
+def context_axis() -> tuple[str | None, int]:
+    """``(mesh axis, size)`` the logical ``seq`` axis maps to under the mesh and rules in context; ``(None, 1)``
+    where there is no mesh or rules in context, ``seq`` maps to nothing, or its axis has one device.
+
+    Raises:
+      ValueError: rules that map ``seq`` to several mesh axes (context parallelism runs over one).
+    """
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return None, 1
+    axis = nn.logical_to_mesh_axes(("seq",), rules)[0]
+    if isinstance(axis, (tuple, list)):
+        if len(axis) != 1:
+            raise ValueError(f"the rules map 'seq' to mesh axes {tuple(axis)}; context parallelism shards the sequence "
+                             "over one mesh axis: map 'seq' to 'context' (jp.sharding.DEFAULT_RULES)")
+        axis = axis[0]
+    if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
+        return None, 1
+    return axis, mesh.shape[axis]
+
+
+def _check(seq_len: int, context: int, layout: str, strategy: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; use one of {LAYOUTS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context_attention={strategy!r}; use one of {STRATEGIES}")
+    parts = 2 * context if layout == "zigzag" else context
+    if seq_len % parts:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {parts} (the {layout} layout cuts it into "
+            f"{'2 x ' if layout == 'zigzag' else ''}context={context} chunks); use a sequence length that is a "
+            f"multiple of {parts}, or a smaller context axis")
+
+
+# ----------------------------------------------------------------------------------------- the zigzag layout
+
+def zigzag_order(seq_len: int, context: int) -> np.ndarray:
+    """The original position of each slot of the zigzag layout (int ``[seq_len]``): device ``i`` holds chunks ``i``
+    and ``2 * context - 1 - i`` of ``seq_len / (2 * context)`` tokens each, in that order.
+
+    Raises:
+      ValueError: ``seq_len`` not divisible by ``2 * context``.
+    """
+    _check(seq_len, context, "zigzag", "ring")
+    c = seq_len // (2 * context)
+    chunks = [j for i in range(context) for j in (i, 2 * context - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def to_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
+    """Reorders ``x``'s sequence ``axis`` (length ``L``, divisible by ``2 * context``) into the zigzag layout:
+    ``to_zigzag(x)[..., s, ...] == x[..., zigzag_order(L, context)[s], ...]`` (reshapes and a reverse, no gather).
+    ``context == 1`` returns ``x``."""
+    if context == 1:
+        return x
+    axis = axis % x.ndim
+    L = x.shape[axis]
+    _check(L, context, "zigzag", "ring")
+    y = x.reshape(*x.shape[:axis], 2, context, L // (2 * context), *x.shape[axis + 1:])
+    first = jax.lax.index_in_dim(y, 0, axis, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(y, 1, axis, keepdims=False), axis)
+    return jnp.stack([first, second], axis + 1).reshape(x.shape)
+
+
+def from_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
+    """The inverse of :func:`to_zigzag`: a per-token output in the zigzag layout back in the original order."""
+    if context == 1:
+        return x
+    axis = axis % x.ndim
+    L = x.shape[axis]
+    _check(L, context, "zigzag", "ring")
+    y = x.reshape(*x.shape[:axis], context, 2, L // (2 * context), *x.shape[axis + 1:])
+    first = jax.lax.index_in_dim(y, 0, axis + 1, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(y, 1, axis + 1, keepdims=False), axis)
+    return jnp.stack([first, second], axis).reshape(x.shape)
+
+
+def shard_sequence(batch: dict, keys: tuple[str, ...] = ("inputs", "targets", "segment_ids", "positions",
+                                                         "loss_mask")) -> dict:
+    """A ``[B, L]`` token batch in the zigzag layout for the context axis in context, with ``"positions"`` (each
+    token's original position, int32 ``[B, L]``) added when absent, so rotary and learned positions follow the
+    original token order. The entries named in ``keys`` are reordered, others kept. Where the sequence is not
+    sharded (:func:`context_axis` size 1) the batch is returned unchanged.
+
+    Raises:
+      ValueError: a sequence length not divisible by ``2 * context``.
+    """
+    _, context = context_axis()
+    if context == 1:
+        return batch
+    tokens = batch["inputs"]
+    out = dict(batch)
+    if "positions" not in out:
+        out["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return {k: to_zigzag(v, context) if k in keys else v for k, v in out.items()}
+
+
+def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarray]:
+    """The attention blocks :func:`causal` computes on each device, in units of one ``(L / 2C) x (L / 2C)`` block
+    of scores (``L / C`` query rows of the contiguous layout count as two such rows): ``"computed"`` (float
+    ``[context]``: every score the kernel evaluates, masked or not) and ``"unmasked"`` (the query-key pairs at or
+    below the diagonal among them; the useful FLOPs). The zigzag layout: ``2C + 1`` computed and ``2C`` unmasked on
+    every device; the contiguous one: device ``i`` computes ``4i + 4`` and ``4i + 2`` of them.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; use one of {LAYOUTS}")
+    if layout == "zigzag":   # step 0: two diagonal blocks and one full one; then two full blocks a step
+        computed = np.full(context, 3.0 + 2 * (context - 1))
+        return {"computed": computed, "unmasked": computed - 1.0}
+    i = np.arange(context, dtype=float)   # chunk i is 2 units long: its diagonal (4 computed, 2 unmasked), i full chunks
+    return {"computed": 4 * i + 4, "unmasked": 4 * i + 2}
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+
+def _block(q_BQGRK, k_BSGK, v_BSGK, visible):
+    """One block's unnormalised output, row max and row sum: ``(o [B,Q,G,R,K], m [B,Q,G,R], l [B,Q,G,R])``,
+    float32; ``visible`` a bool mask broadcastable to ``[B, Q, G, R, S]`` or None (all visible)."""
+    s = jnp.einsum("bqgrk,bsgk->bqgrs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(q_BQGRK.shape[-1]))
+    if visible is not None:
+        s = jnp.where(visible, s, _NEG)
+    m = jax.lax.stop_gradient(s.max(-1))    # the softmax does not depend on it: no gradient through the max
+    p = jnp.exp(s - m[..., None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)      # a row with nothing visible contributes nothing (l = 0)
+    o = jnp.einsum("bqgrs,bsgk->bqgrk", p.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32)
+    return o, m, p.sum(-1)
+
+
+def _empty(q_BQGRK):
+    shape = q_BQGRK.shape[:-1]
+    zero = q_BQGRK[..., 0].astype(jnp.float32) * 0.0      # derived from q: it varies over the manual axes as q does
+    return zero[..., None] * jnp.zeros(q_BQGRK.shape[-1:], jnp.float32), zero + _NEG, zero.reshape(shape)
+
+
+def _merge(acc, blk):
+    """Folds a block into running ``(o, m, l)`` (the online softmax: Milakov & Gimelshein 2018, alg. 3)."""
+    (o1, m1, l1), (o2, m2, l2) = acc, blk
+    m = jnp.maximum(m1, m2)
+    a, b = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return o1 * a[..., None] + o2 * b[..., None], m, l1 * a + l2 * b
+
+
+def _mask(seg_q_BQ, seg_k_BS, diagonal: bool, q_len: int, k_len: int):
+    """``[B or 1, Q, 1, 1, S]`` visibility: same segment (if given) and, on a diagonal block, key <= query."""
+    vis = None
+    if diagonal:
+        vis = (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])[None]
+    if seg_q_BQ is not None:
+        same = seg_q_BQ[:, :, None] == seg_k_BS[:, None, :]
+        vis = same if vis is None else vis & same
+    return None if vis is None else vis[:, :, None, None, :]
+
+
+def _rows(x, start, stop):
+    return None if x is None else x[:, start:stop]
+
+
+def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str, context: int, strategy: str, layout: str):
+    """The per-device body (inside a ``shard_map`` manual over ``axis``): local queries against every block."""
+    B, n, H, K = q_BnHK.shape
+    G = k_BnGK.shape[2]
+    q = q_BnHK.reshape(B, n, G, H // G, K)
+    kv = jnp.stack([k_BnGK, v_BnGK])          # one transfer of K and V per hop
+    me = jax.lax.axis_index(axis)
+    if strategy == "all_gather":
+        every_kv = jax.lax.all_gather(kv, axis)
+        every_seg = None if seg_Bn is None else jax.lax.all_gather(seg_Bn, axis)
+    zig = layout == "zigzag"
+    c = n // 2 if zig else n
+    # Step 0: the device's own keys. Zigzag: rows [0, c) are chunk me (its diagonal), rows [c, n) chunk 2C-1-me
+    # (chunk me wholly below it, then its diagonal).
+    accs = [_block(q[:, :c], kv[0][:, :c], kv[1][:, :c], _mask(_rows(seg_Bn, 0, c), _rows(seg_Bn, 0, c), True, c, c))]
+    if zig:
+        vis2 = _mask(_rows(seg_Bn, c, n), seg_Bn, False, c, n)
+        diag = jnp.concatenate([jnp.ones((c, c), bool), jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]], 1)
+        vis2 = diag[None, :, None, None, :] if vis2 is None else vis2 & diag[None, :, None, None, :]
+        accs.append(_block(q[:, c:], kv[0], kv[1], vis2))
+    hop = [(j, (j + 1) % context) for j in range(context)]
+    held_kv, held_seg = kv, seg_Bn
+    for step in range(1, context):
+        if strategy == "ring":   # the next block travels while this one is computed
+            held_kv = jax.lax.ppermute(held_kv, axis, hop)
+            held_seg = None if seg_Bn is None else jax.lax.ppermute(held_seg, axis, hop)
+        else:
+            src = (me - step) % context
+            held_kv = jax.lax.dynamic_index_in_dim(every_kv, src, 0, keepdims=False)
+            held_seg = None if seg_Bn is None else jax.lax.dynamic_index_in_dim(every_seg, src, 0, keepdims=False)
+        below = (me - step) % context < me    # the source device's first chunk lies below all of this one's rows
+        blks = jax.lax.cond(below, functools.partial(_below, zig=zig), functools.partial(_above, zig=zig), q, held_kv,
+                            seg_Bn, held_seg)
+        accs = [_merge(a, b) for a, b in zip(accs, blks)]
+    out = [o / l[..., None] for o, _, l in accs]
+    return jnp.concatenate(out, 1).reshape(B, n, H, K).astype(q_BnHK.dtype)
+
+
+def _below(q, kv, seg_q, seg_k, zig: bool):
+    """Source chunk(s) from a device before this one: every local row sees the source's first chunk (zigzag: its
+    second chunk lies above every local row); contiguous: the source's whole chunk."""
+    n = q.shape[1]
+    c = kv.shape[2] // 2 if zig else kv.shape[2]
+    o, m, l = _block(q, kv[0][:, :c], kv[1][:, :c], _mask(seg_q, _rows(seg_k, 0, c), False, n, c))
+    if not zig:
+        return [(o, m, l)]
+    h = n // 2
+    return [(o[:, :h], m[:, :h], l[:, :h]), (o[:, h:], m[:, h:], l[:, h:])]
+
+
+def _above(q, kv, seg_q, seg_k, zig: bool):
+    """Source chunk(s) from a device after this one: zigzag: only the local second chunk's rows see them, both
+    of them; contiguous: nothing is visible."""
+    if not zig:
+        return [_empty(q)]
+    h = q.shape[1] // 2
+    return [_empty(q[:, :h]), _block(q[:, h:], kv[0], kv[1], _mask(_rows(seg_q, h, 2 * h), seg_k, False, h, 2 * h))]
+
+
+def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_BL: jax.Array | None = None, *,
+           context_attention: str = "ring", layout: str = "contiguous", num_blocks: int = 2) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1) that shards
+    the sequence over the mesh axis the rules map ``seq`` to (:func:`context_axis`).
+
+    Args:
+      q_BLHK: queries ``[B, L, H, K]`` (any float dtype; logits and softmax are float32, the output has q's dtype).
+      k_BLGK, v_BLGK: keys and values ``[B, L, G, K]``, ``H`` a multiple of ``G`` (grouped-query attention:
+        query head ``h`` uses key head ``h // (H // G)``; the K/V heads travel, never repeated copies).
+      segment_ids_BL: int ``[B, L]`` or None: packed documents; a query attends only to keys of its own segment.
+      context_attention: ``"ring"`` or ``"all_gather"`` (see the module docstring).
+      layout: ``"contiguous"`` (the sequence in its own order: correct, but the last device does most of the
+        causal work) or ``"zigzag"`` (the sequence as :func:`to_zigzag` orders it: balanced; the caller
+        reorders inputs, positions and targets, e.g. with :func:`shard_sequence`).
+      num_blocks: the single-device path's query blocks (``context == 1``).
+
+    Returns:
+      ``[B, L, H, K]`` in q's dtype, in the layout of the inputs.
+
+    Raises:
+      ValueError: an unknown strategy or layout; ``L`` not divisible by ``2 * context`` (zigzag) or ``context``;
+        ``H`` not a multiple of ``G``; shapes that disagree.
+    """
+    if q_BLHK.ndim != 4 or k_BLGK.shape != v_BLGK.shape or k_BLGK.shape[:2] != q_BLHK.shape[:2] \
+            or k_BLGK.shape[3] != q_BLHK.shape[3] or q_BLHK.shape[2] % k_BLGK.shape[2]:
+        raise ValueError(f"causal attention takes q [B, L, H, K] and k, v [B, L, G, K] with H a multiple of G; got "
+                         f"q {tuple(q_BLHK.shape)}, k {tuple(k_BLGK.shape)}, v {tuple(v_BLGK.shape)}")
+    axis, context = context_axis()
+    _check(q_BLHK.shape[1], context, layout, context_attention)
+    if context == 1:
+        from jaxpar.models.layers import causal_attention   # noqa: PLC0415 (models import this module)
+        reps = q_BLHK.shape[2] // k_BLGK.shape[2]
+        k, v = (jnp.repeat(t, reps, axis=2) if reps > 1 else t for t in (k_BLGK, v_BLGK))
+        return causal_attention(q_BLHK, k, v, num_blocks, segment_ids_BL)
+    body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=context_attention,
+                                      layout=layout)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh._name_to_type[axis] == AxisType.Manual:   # already inside a shard_map over it (a pipeline stage)
+        return body(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+    spec = P(None, axis)
+    if segment_ids_BL is None:
+        return jax.shard_map(lambda q, k, v: body(q, k, v, None), in_specs=(spec,) * 3, out_specs=spec,
+                             axis_names={axis})(q_BLHK, k_BLGK, v_BLGK)
+    return jax.shard_map(body, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis})(
+        q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+
+
+__all__ = ["LAYOUTS", "STRATEGIES", "causal", "context_axis", "from_zigzag", "shard_sequence", "to_zigzag",
+           "work_per_device", "zigzag_order"]
