@@ -17,8 +17,8 @@ the work. The ``"zigzag"`` layout cuts the sequence into ``2 * context`` chunks 
 and ``2 * context - 1 - i`` (Megatron-core's CP split; Brandon et al. 2023, "Striped Attention", sec. 3): every
 device then computes ``2 * context + 1`` blocks of ``(L / 2C)^2`` scores, and no block wholly above the diagonal
 is ever computed. :func:`to_zigzag` / :func:`from_zigzag` reorder per-token arrays (inputs, targets, positions,
-masks; outputs back); :func:`shard_sequence` reorders a batch; :func:`work_per_device` counts each device's
-blocks.
+masks; outputs back); :func:`shard_sequence` reorders a batch, :func:`positions` gives the original positions
+of the slots; :func:`work_per_device` counts each device's blocks.
 
 With the ``seq`` axis unsharded (``context == 1``), :func:`causal` is the single-device block-skipping attention
 (:func:`jaxpar.models.layers.causal_attention`), unchanged.
@@ -29,8 +29,10 @@ a multiple of ``G``: grouped-query attention), K head dim.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from typing import Any
 
 import flax.linen as nn
@@ -42,6 +44,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
 LAYOUTS = ("zigzag", "contiguous")      # which chunks of the sequence a device holds
 _NEG = -1e30                            # a finite "minus infinity" for masked scores (no inf - inf = NaN)
+CONTEXT = "context"                     # the mesh axis a pipeline's stages are manual over (jaxpar.mesh.AXES)
 
 
 # ---------------------------------------------------------------------------------------------- the mesh axis
@@ -54,6 +57,8 @@ def context_axis() -> tuple[str | None, int]:
       ValueError: rules that map ``seq`` to several mesh axes (context parallelism runs over one).
     """
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if _manual_context(mesh):   # inside a shard_map manual over it (a pipeline's stages): rules no longer name it
+        return CONTEXT, mesh.shape[CONTEXT]
     if mesh.empty or not rules:
         return None, 1
     axis = nn.logical_to_mesh_axes(("seq",), rules)[0]
@@ -65,6 +70,28 @@ def context_axis() -> tuple[str | None, int]:
     if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
         return None, 1
     return axis, mesh.shape[axis]
+
+
+_traced = threading.local()
+
+
+@contextlib.contextmanager
+def pipeline_stages():
+    """Marks a trace as inside a pipeline's actions (:mod:`jaxpar.pipeline.interpreter`), where stages run different
+    actions at one tick: there :func:`causal` refuses the ring, whose ``ppermute`` would run inside a branch only
+    some devices take (XLA:CPU's collective-permute waits for every device of the program, so the ticks mix)."""
+    outer = getattr(_traced, "pipeline", False)
+    _traced.pipeline = True
+    try:
+        yield
+    finally:
+        _traced.pipeline = outer
+
+
+def _manual_context(mesh: Any) -> bool:
+    """Whether the trace is inside a ``shard_map`` manual over a ``context`` axis of size > 1."""
+    return (not mesh.empty and CONTEXT in mesh.axis_names and mesh.shape[CONTEXT] > 1
+            and mesh._name_to_type[CONTEXT] == AxisType.Manual)
 
 
 def _check(seq_len: int, context: int, layout: str, strategy: str) -> None:
@@ -125,10 +152,11 @@ def from_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
 
 def shard_sequence(batch: dict, keys: tuple[str, ...] = ("inputs", "targets", "segment_ids", "positions",
                                                          "loss_mask")) -> dict:
-    """A ``[B, L]`` token batch in the zigzag layout for the context axis in context, with ``"positions"`` (each
-    token's original position, int32 ``[B, L]``) added when absent, so rotary and learned positions follow the
-    original token order. The entries named in ``keys`` are reordered, others kept. Where the sequence is not
-    sharded (:func:`context_axis` size 1) the batch is returned unchanged.
+    """A batch with its per-token entries in the zigzag layout for the context axis in context: every leaf of rank
+    >= 2 of the entries named in ``keys`` (``[B, L, ...]``) reordered along axis 1 (:func:`to_zigzag`), other
+    entries kept. Where the sequence is not sharded (:func:`context_axis` size 1) the batch itself is returned.
+    The model then takes each token's original position from :func:`positions` (or from a reordered
+    ``"positions"`` entry, packed documents).
 
     Raises:
       ValueError: a sequence length not divisible by ``2 * context``.
@@ -136,11 +164,27 @@ def shard_sequence(batch: dict, keys: tuple[str, ...] = ("inputs", "targets", "s
     _, context = context_axis()
     if context == 1:
         return batch
-    tokens = batch["inputs"]
-    out = dict(batch)
-    if "positions" not in out:
-        out["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return {k: to_zigzag(v, context) if k in keys else v for k, v in out.items()}
+    move = lambda t: jax.tree.map(lambda a: to_zigzag(a, context) if jnp.ndim(a) >= 2 else a, t)
+    return {k: move(v) if k in keys else v for k, v in batch.items()}
+
+
+def positions(seq_len: int) -> np.ndarray | None:
+    """Each slot's original position (int32 ``[seq_len]``) when the sequence is sharded over a context axis (the
+    zigzag layout :func:`shard_sequence` gives); None where it is not. Models read it where they would use
+    ``arange(seq_len)``: learned position tables and rotary angles follow the original token order. Inside a
+    ``shard_map`` manual over the context axis (a pipeline stage), ``seq_len`` is the device's own length and the
+    result is its slots' positions (traced, from ``axis_index``).
+
+    Raises:
+      ValueError: ``seq_len`` not divisible by ``2 * context``.
+    """
+    _, context = context_axis()
+    if context == 1:
+        return None
+    if _manual_context(jax.sharding.get_abstract_mesh()):   # this device's two chunks of a longer sequence
+        c, i = seq_len // 2, jax.lax.axis_index(CONTEXT)
+        return jnp.concatenate([i * c + jnp.arange(c), (2 * context - 1 - i) * c + jnp.arange(c)]).astype(jnp.int32)
+    return zigzag_order(seq_len, context).astype(np.int32)
 
 
 def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarray]:
@@ -292,7 +336,15 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
         raise ValueError(f"causal attention takes q [B, L, H, K] and k, v [B, L, G, K] with H a multiple of G; got "
                          f"q {tuple(q_BLHK.shape)}, k {tuple(k_BLGK.shape)}, v {tuple(v_BLGK.shape)}")
     axis, context = context_axis()
-    _check(q_BLHK.shape[1], context, layout, context_attention)
+    manual = _manual_context(jax.sharding.get_abstract_mesh())   # already inside a shard_map over it: local arrays
+    _check(q_BLHK.shape[1] * (context if manual else 1), context, layout, context_attention)
+    if context > 1 and context_attention == "ring" and getattr(_traced, "pipeline", False):
+        raise ValueError(
+            "context_attention='ring' inside pipeline stages (a mesh with pipe > 1 and context > 1): the ring's "
+            "ppermute would run inside the actions, which the stages take at different ticks, and XLA:CPU's "
+            "collective-permute waits for every device (the ticks would mix). Use context_attention='all_gather' "
+            "with a pipeline (GPTConfig/LlamaConfig.context_attention, or this function's argument); the ring "
+            "without one")
     if context == 1:
         from jaxpar.models.layers import causal_attention   # noqa: PLC0415 (models import this module)
         reps = q_BLHK.shape[2] // k_BLGK.shape[2]
@@ -300,8 +352,7 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
         return causal_attention(q_BLHK, k, v, num_blocks, segment_ids_BL)
     body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=context_attention,
                                       layout=layout)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh._name_to_type[axis] == AxisType.Manual:   # already inside a shard_map over it (a pipeline stage)
+    if manual:
         return body(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
     spec = P(None, axis)
     if segment_ids_BL is None:
@@ -311,5 +362,5 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
         q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
 
 
-__all__ = ["LAYOUTS", "STRATEGIES", "causal", "context_axis", "from_zigzag", "shard_sequence", "to_zigzag",
-           "work_per_device", "zigzag_order"]
+__all__ = ["LAYOUTS", "STRATEGIES", "causal", "context_axis", "from_zigzag", "positions", "shard_sequence",
+           "to_zigzag", "work_per_device", "zigzag_order"]

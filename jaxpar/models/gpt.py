@@ -37,7 +37,8 @@ from jaxpar import attention as cp
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
 from jaxpar.models.layers import (  # noqa: F401 (public here too)
-    PACKED_KEYS, attention, causal_attention, check_packed_entries, check_packed_shapes, gelu, layer_norm, rope)
+    PACKED_KEYS, _nan_where_invalid, attention, causal_attention, check_packed_entries, check_packed_shapes,
+    check_token_ids, cross_entropy, gelu, layer_norm, rope)
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -175,8 +176,9 @@ class Embed(nn.Module):
                 # a negative index would wrap to the table's end: send it out of range, so it fills NaN too
                 safe_BL = jnp.where(positions_BL < 0, c.max_seq_len, positions_BL)
                 pos_BLD = jnp.take(self.pos_embedding, safe_BL, axis=0, mode="fill", fill_value=jnp.nan)
-            elif isinstance(offset, int) and offset == 0:
-                pos_BLD = self.pos_embedding[:L][None]
+            elif isinstance(offset, int) and offset == 0:   # a context axis: the slots' own positions
+                zz = cp.positions(L)
+                pos_BLD = (self.pos_embedding[:L] if zz is None else jnp.take(self.pos_embedding, zz, axis=0))[None]
             else:   # per-row offsets (left-padded prompts): padding slots' negative positions clip to 0
                 pos_BL = jnp.clip(jnp.reshape(offset, (-1, 1)) + jnp.arange(L), 0, c.max_seq_len - 1)
                 pos_BLD = jnp.take(self.pos_embedding, pos_BL, axis=0)
@@ -325,37 +327,6 @@ class Head(nn.Module):
         return constrain(logits_TV.reshape(B, L, -1).astype(out_dtype), "batch", "seq", "vocab")
 
 
-def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
-    """Per-token softmax cross-entropy ``[B, L]``: ``logsumexp(logits) - logits[target]``.
-
-    The target logit is taken by a one-hot contraction, not a gather: the numbers are those of
-    ``optax.softmax_cross_entropy_with_integer_labels`` (a sum of one value and zeros is exact), and it
-    partitions over a vocab-sharded axis inside ``shard_map`` over ``pipe``, where XLA's SPMD partitioner
-    aborts on the gather (jax 0.10.2, operand sharded over a batch axis and the gathered axis).
-    """
-    one_hot_BLV = jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype)
-    return jax.nn.logsumexp(logits_BLV, axis=-1) - jnp.sum(logits_BLV * one_hot_BLV, axis=-1)
-
-
-def _nan_where_invalid(ids: jax.Array, vocab_size: int, dtype: Any = jnp.float32) -> jax.Array:
-    """1 where ``0 <= id < vocab_size``, NaN elsewhere: multiplied in, an out-of-range id makes the loss and
-    every gradient NaN instead of a finite, silently wrong loss (``jnp.take`` wraps negative ids)."""
-    return jnp.where((ids >= 0) & (ids < vocab_size), jnp.ones((), dtype), jnp.asarray(jnp.nan, dtype))
-
-
-def check_token_ids(name: str, ids: Any, vocab_size: int) -> None:
-    """Raises ValueError unless host array ``ids`` holds integers in ``[0, vocab_size)`` (naming the first bad one)."""
-    ids = np.asarray(ids)
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{name} has dtype {ids.dtype}; token ids must be integers (e.g. np.int32)")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name} holds token id {int(ids[where])} at index {where} ({int(bad.sum())} ids out of "
-                         f"range); ids must lie in [0, vocab_size={vocab_size}): encode with the corpus' "
-                         f"vocabulary or raise the model config's vocab_size")
-
-
 def _check_auto_mesh() -> None:
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and has_explicit_axes(mesh):
@@ -475,10 +446,9 @@ class GPT:
           ValueError: params with another number of layers than the config (as :meth:`embed`).
         """
         self._check_layers(params)
-        positions_BL = cp.shard_sequence({"inputs": tokens_BL}).get("positions")   # None unless context > 1
-        tokens_BL = cp.to_zigzag(tokens_BL, cp.context_axis()[1])
-        x_BLD = self.stage(params["blocks"], self.embed(params, tokens_BL, positions_BL), None, positions_BL)
-        return cp.from_zigzag(self.logits(params, x_BLD), cp.context_axis()[1])
+        context = cp.context_axis()[1]   # > 1: the zigzag layout in, logits back in token order
+        x_BLD = self.stage(params["blocks"], self.embed(params, cp.to_zigzag(tokens_BL, context)))
+        return cp.from_zigzag(self.logits(params, x_BLD), context)
 
     def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
         """``loss_fn`` for the train step: ``batch = {"inputs": int [B, L], "targets": int [B, L]}``, optionally with
@@ -493,7 +463,7 @@ class GPT:
         del rng
         self._check_layers(params)
         check_packed_shapes(batch)
-        batch = cp.shard_sequence(batch)   # a sequence sharded over a context axis: the zigzag layout, positions
+        batch = cp.shard_sequence(batch)   # a sequence sharded over a context axis: the zigzag layout
         segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)   # None: the plain computation
         x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"], positions), segment_ids, positions)
         return self.head_loss(params, x_BLD, batch["targets"], loss_mask)

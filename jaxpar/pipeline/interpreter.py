@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxpar import _compat
+from jaxpar.attention import pipeline_stages
 from jaxpar.grads import merge_microbatches, microbatch, split_microbatches
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
@@ -65,6 +66,7 @@ from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Ac
 
 AXIS = "pipe"
 FSDP = "fsdp"
+CONTEXT = "context"
 FSDP_GATHER = ("step", "action")
 
 
@@ -485,6 +487,24 @@ def manual_batch_axes(schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...
     return tuple(a for a in batch_axes if mesh.shape[a] > 1)
 
 
+def context_axes(schedule: Schedule, mesh: Mesh, takes_rng: bool = False, comm: str = "step") -> tuple[str, ...]:
+    """``('context',)`` when the interpreter's ``shard_map`` is manual over the sequence's context axis: the mesh
+    has ``context > 1`` and the body is manual over the batch axes (:func:`manual_batch_axes`'s conditions). Each
+    device then runs its chunk of every microbatch's sequence (the zigzag layout, :mod:`jaxpar.attention`), and
+    the loss and gradients are reduced over ``context`` as over the batch axes.
+
+    Raises:
+      ValueError: ``context > 1`` with ``comm='action'`` or a stage function that takes an rng.
+    """
+    if schedule.num_stages == 1 or dict(mesh.shape).get(CONTEXT, 1) == 1:
+        return ()
+    if comm == "action" or takes_rng:
+        raise ValueError(f"a pipeline over a context axis (context={mesh.shape[CONTEXT]}) runs manual over it, which "
+                         f"needs comm='step' and a stage function without an rng; got comm={comm!r}, "
+                         f"stage_takes_rng={takes_rng}")
+    return (CONTEXT,)
+
+
 def fsdp_dims(stage_specs: Any, num_leaves: int) -> tuple:
     """Per stage-param leaf, the dim of its ``[chunks, layers, ...]`` block sharded over ``fsdp`` by
     ``stage_specs`` (its ``PartitionSpec``\\ s as the state holds them; an entry ``fsdp`` or led by it), else None
@@ -555,7 +575,8 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the ``shard_map``'s entry, for
     all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
     """
-    manual = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, comm)
+    rows_over = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, comm)
+    manual = rows_over + context_axes(schedule, mesh, takes_rng, comm)   # the shards of one microbatch
     batch_size = int(np.prod([mesh.shape[a] for a in manual], dtype=int))
     fsdp = mesh.shape[FSDP] if FSDP in manual else 1
 
@@ -566,17 +587,19 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
                               fsdp_gather, fsdp)
 
         def inner(stage_params, head_params, x_micro, t_micro, scale, data):
-            with _local_rules(manual):
+            with _local_rules(manual), pipeline_stages():
                 return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
 
         x_micro = split_microbatches(x, m, batch_axes)
         t_micro = jax.tree.map(lambda t: split_microbatches(t, m, batch_axes), targets)
         scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
         data, unwrap = _key_data(rng, takes_rng)
-        rows = P(manual) if manual else P()
+        rows = lambda t: P(rows_over or None, *((None, CONTEXT) if CONTEXT in manual and t.ndim >= 3 else ()))
         body = _over_pipe(inner, schedule, mesh,
-                          in_specs=(_stage_specs(stage_params, interp, interp.gathers), P(), rows, rows, P(), P()),
-                          out_specs=(P(), (_stage_specs(stage_params, interp, True), P(), rows), P()), batch=manual)
+                          in_specs=(_stage_specs(stage_params, interp, interp.gathers), P(), rows(x_micro),
+                                    jax.tree.map(rows, t_micro), P(), P()),
+                          out_specs=(P(), (_stage_specs(stage_params, interp, True), P(), rows(x_micro)), P()),
+                          batch=manual)
         loss, (g_stage, g_head, gx_micro), aux = body(stage_params, head_params, x_micro, t_micro, scale, data)
         return (loss, (g_stage, g_head, merge_microbatches(gx_micro, batch_axes))), aux
     return run
@@ -586,13 +609,18 @@ def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: t
                takes_rng: bool = False) -> Callable:
     """The traceable body of :func:`jaxpar.pipeline.apply`: ``f(stage_params, x, rng=None) -> y`` (with
     ``takes_rng``, the stage function gets the keys :func:`value_and_grad_core` gives the same F)."""
+    manual = context_axes(schedule, mesh, takes_rng)   # the sequence's context axis, as in training
     interp = _Interpreter(stage_fn, None, schedule.forward_only() if schedule.has_backward else schedule,
-                          takes_rng=takes_rng)
+                          takes_rng=takes_rng, batch=manual)
 
     def run(stage_params, x, rng=None):
         x_micro = split_microbatches(x, schedule.num_microbatches, batch_axes)
         data, unwrap = _key_data(rng, takes_rng)
-        body = _over_pipe(lambda s, xm, d: interp.apply(s, xm, unwrap(d)), schedule, mesh,
-                          in_specs=(P(AXIS), P(), P()), out_specs=P())
+
+        def inner(stage_params, x_micro, data):
+            with _local_rules(manual), pipeline_stages():
+                return interp.apply(stage_params, x_micro, unwrap(data))
+        rows = P(None, None, CONTEXT) if manual and x_micro.ndim >= 3 else P()
+        body = _over_pipe(inner, schedule, mesh, in_specs=(P(AXIS), rows, P()), out_specs=rows, batch=manual)
         return merge_microbatches(body(stage_params, x_micro, data), batch_axes)
     return run

@@ -19,6 +19,12 @@
    gradient of the same tree, so tied weights (the GPT's embedding used as the unembedding) get the sum of
    both uses.
 
+With a ``context`` mesh axis (context parallelism) the per-token leaves (rank >= 2) of the inputs and targets are put
+in the zigzag layout first (:func:`jaxpar.attention.shard_sequence`); the sequence stays sharded over ``context``
+inside the stages (an automatic axis of the interpreter's ``shard_map``), where a stage function attends with
+``jp.attention.causal(..., layout="zigzag")`` and reads positions from ``jp.attention.positions`` (the GPT and
+the Llama do).
+
 ``jp.train.make_eval_step(Pipeline(...), mesh=mesh)`` evaluates through the schedule's forward-only table
 (:meth:`Pipeline.eval_loss`). With ``stage_takes_rng=True`` the stage function gets per-layer keys folded from
 the step's key (see the class docstring, "Keys").
@@ -38,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import grads as gr
 from jaxpar import sharding as shd
 from jaxpar.models import protocol
+from jaxpar.attention import shard_sequence
 from jaxpar.models.layers import PACKED_KEYS
 from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, check_stage_fn, struct
 from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
@@ -272,6 +279,7 @@ class Pipeline(gr.GradFn):
         float32 loss scale; ``loss`` is unscaled); ``aux`` holds scalars (``weight`` summed).
         """
         staged, rest = self._staged(params, ctx)
+        batch = shard_sequence(batch, (self.inputs_key, self.targets_key))   # context > 1: the zigzag layout
         x, embed_vjp = jax.vjp(lambda r: self.embed_fn(r, batch[self.inputs_key]), rest)
         core = value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
                                    ctx.mesh, ctx.batch_axes, self.stash, True, self.stage_takes_rng,
@@ -332,6 +340,7 @@ class Pipeline(gr.GradFn):
         eval loss equals the train step's loss at the same params. ``params`` in the layout ``ctx.layout`` says.
         """
         staged, rest = self._staged(params, ctx)
+        batch = shard_sequence(batch, (self.inputs_key, self.targets_key))
         x = self.embed_fn(rest, batch[self.inputs_key])
         core = apply_core(self.stage_fn, self.schedule, ctx.mesh, ctx.batch_axes, self.stage_takes_rng)
         y = core(staged, x, rng if self.stage_takes_rng else None)
