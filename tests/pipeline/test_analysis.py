@@ -76,7 +76,7 @@ def test_costs_reject_unknown_keys_and_non_mappings():
     s = P.gpipe(2, 2)
     for key in ("X", "I", "f", 0):
         with pytest.raises(ValueError, match=rf"costs has unknown key {re.escape(repr(key))}; the keys are the action "
-                                             r"kinds \('F', 'B', 'W'\)"):
+                                             r"kinds \('F', 'B', 'W', 'FB'\)"):
             P.compare([s], {"F": 1, "B": 2, key: 1})
     with pytest.raises(TypeError, match=r"costs must be a dict of per-action costs like \{'F': 1, 'B': 2, 'W': 1\}, "
                                         r"got list \[1, 2\]"):
