@@ -39,6 +39,28 @@ def test_from_actions_torch_strings_read_the_placement():
     assert got.placement == v_shape(2) and got.split_backward and got.table == zbv.table
 
 
+def test_from_actions_reads_fused_actions_and_mixed_backwards():
+    """DualPipeV's table (FBs; full and split backwards mixed) written as lists in jaxpar's form ('F3.1+B1', the
+    V placement given) and in torch's ('(4F3;3B1)OVERLAP_F_B' as ScheduleDualPipeV writes it, 'I' for a B with a
+    W, 'B' for a full one) gives the table back."""
+    s = jp.pipeline.dualpipe_v(2, 4)
+    when = s.ticks()
+
+    def torch_str(st, a):
+        vs = lambda x: s.virtual_stage(st, x.chunk)
+        if a.kind == "FB":
+            return f"({vs(a)}F{a.microbatch};{vs(a.backward)}B{a.backward.microbatch})OVERLAP_F_B"
+        kind = "I" if a.kind == "B" and ("W", a.microbatch, vs(a)) in when else a.kind
+        return f"{vs(a)}{kind}{a.microbatch}"
+    ours = [[str(r[st]) for r in s.table if r[st] is not None] for st in range(2)]
+    theirs = [[torch_str(st, r[st]) for r in s.table if r[st] is not None] for st in range(2)]
+    assert any("+" in a for a in ours[0]) and any(a.endswith("OVERLAP_F_B") for a in theirs[1])
+    assert {a[1] for a in theirs[0] if a[0].isdigit()} >= {"B", "I", "W"}
+    assert jp.pipeline.from_actions(ours, placement=v_shape(2)).table == s.table
+    got = jp.pipeline.from_actions(theirs)
+    assert got.table == s.table and got.placement == v_shape(2)
+
+
 BAD = [([["F0", "X1"], ["F0"]], r"stage 0, entry 1: 'X1' is not an action"),
        ([["F0", "B0"], ["0F0", "1B0"]], r"mix jaxpar \('F3.1'\) and torch \('4F3'\) action strings"),
        ([["0F0", "0B0", "0W0"], ["1F0", "1I0", "1W0"]], r"stage 0, entry 2: 0W0 has no matching 0I0: .* or write a "
