@@ -301,21 +301,24 @@ def _dualpipe_v_order(p: int, m: int, s: int) -> list[Action]:
 
 
 def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
-    """DualPipeV (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1, fig. 5: DualPipe "cut in half";
-    DeepSeek's ``DualPipeV``, torch's ``ScheduleDualPipeV``): the V placement of ZB-V
-    (:func:`~jaxpar.pipeline.schedules.v_shape`: stage ``s`` holds virtual stages ``s`` and ``2p - 1 - s``; the
-    loss is on stage 0), with the forward of one microbatch and the full backward of another fused in one tick
-    as an ``FB`` action (:func:`~jaxpar.pipeline.schedules.FB`) through the steady state, so a device's
-    forward and backward computations (and their sends, one down and one up the V) run together.
+    """DualPipeV: DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1, fig. 4-5) "cut in half"
+    onto ``p`` devices, as DeepSeek's ``DualPipeV`` (github.com/deepseek-ai/DualPipe) and torch's
+    ``ScheduleDualPipeV``: the V placement of ZB-V (:func:`~jaxpar.pipeline.schedules.v_shape`: stage ``s`` holds
+    virtual stages ``s`` and ``2p - 1 - s``; the loss is on stage 0), with the forward of one microbatch and the
+    full backward of another fused in one tick as an ``FB`` action (:func:`~jaxpar.pipeline.schedules.FB`)
+    through the steady state, so a device's forward and backward computations (and their sends) run together.
 
     Each stage follows DualPipeV's order (:func:`_dualpipe_v_order`: the same per-stage orders as torch's), each
-    entry at the earliest tick its dependencies allow. The table mixes full backwards (in the ``FB``\\ s and
-    the steady state) with split ones (a ``B`` for the input gradient and a later ``W``) in the warm-up and the
-    cool-down, where the ``W``\\ s fill the bubbles. At ``p = 4, m = 8``: 37 ticks; with ``F = B = W = 1``
-    (a full backward 2, an ``FB`` 3) bubble 0.123 (ZB-V 0.059; 1F1B with ``B = 2`` 0.273), peak stash ``(10, 8,
-    6, 8)`` chunk-microbatches (:meth:`~jaxpar.pipeline.schedules.Schedule.peak_stash`), i.e. up to ``p + 1``
-    microbatches of a stage's layers (DeepSeek's figure for DualPipe, Table 2; ZB-V ``p``); torch's order gives
-    the same table.
+    entry at the earliest tick its dependencies allow: torch's order gives the same table. It mixes full
+    backwards (in the ``FB``\\ s and the steady state) with split ones (a ``B`` for the input gradient and a
+    later ``W``) in the warm-up and the cool-down, where the ``W``\\ s fill the bubbles. With ``F = B = W = 1``
+    (a full backward 2, an ``FB`` 3; :func:`jaxpar.pipeline.analysis.timing`) every device idles ``(p - 1)
+    (F&B + B - 3W) = 2 (p - 1)`` units, DualPipe's bubble formula (``B`` the full backward), whatever ``m``: at
+    ``p = 4, m = 8`` 34 ticks, bubble 6/54 = 0.111 (ZB-V 0.059, 1F1B with ``B = 2`` 0.273), peak stash ``(8,
+    8, 8, 9)`` chunk-microbatches (:meth:`~jaxpar.pipeline.schedules.Schedule.peak_stash`; ZB-V 8 on every
+    device), i.e. up to ``p + 1/2`` microbatches of a stage's layers. The cost model has no communication,
+    which is what the fused ticks are for (DeepSeek overlaps an ``FB``'s all-to-all and pipeline sends with its
+    compute); the interpreter runs an ``FB`` as one branch holding both computations.
 
     Args:
       num_stages: ``p >= 1`` (devices; the model is ``2p`` virtual stages).

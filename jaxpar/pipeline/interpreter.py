@@ -16,14 +16,17 @@ loop, exist only from 0.11). It is a ``lax.scan`` over the schedule's ticks; at 
    for the head parameters and the loss cotangent of the stage output); ``B`` (the stashed pullback applied
    to the received cotangent: parameter gradients are accumulated, the input cotangent is sent back); in a
    table with split backwards, ``B`` computes the input cotangent only and stashes what ``W`` needs, and ``W``
-   the parameter gradient (:mod:`jaxpar.pipeline.split`);
-3. hands its one output (activation or cotangent) to both neighbouring stages with ``lax.ppermute``\\ s and
-   keeps it itself, and writes what it received into the receive slots the table names (the table's
-   routing: sends in both directions in one tick, local hand-offs between chunks of one stage).
+   the parameter gradient (:mod:`jaxpar.pipeline.split`); a ``B`` without a ``W`` is a full one; ``FB``
+   (DualPipeV) runs an ``F`` and a full ``B`` of another microbatch and chunk in one branch (independent
+   computations the compiler may overlap), its ``B`` read from :class:`~jaxpar.pipeline.table.Fused`;
+3. hands its one output (activation or cotangent; an ``FB``'s ``B`` has a second, on a second channel, in tables
+   with ``FB``\\ s) to both neighbouring stages with ``lax.ppermute``\\ s and keeps it itself, and writes what
+   it received into the receive slots the table names (the table's routing: sends in both directions in one
+   tick, local hand-offs between chunks of one stage).
 
 The backward is driven by hand, one ``jax.vjp`` per microbatch and chunk, not by differentiating a forward
 loop, so any order of ``F``\\ s, ``B``\\ s and ``W``\\ s runs: GPipe, a true 1F1B whose stash holds only the
-microbatches in flight, interleaved 1F1B, ZB-H1, ZB-V. Buffers are sized from the table
+microbatches in flight, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV. Buffers are sized from the table
 (:class:`~jaxpar.pipeline.table.BufferSizes`).
 
 Stage parameters come in the stage layout (:func:`jaxpar.pipeline.layout.to_stage_layout`): leading axis

@@ -2,9 +2,13 @@
 
 A :class:`Schedule` says what every stage (device on the ``pipe`` axis) does at every tick:
 ``F(microbatch, chunk)`` (forward), ``B(microbatch, chunk)`` (backward), ``W(microbatch, chunk)`` (a separate
-weight-gradient pass, in zero-bubble tables) or ``None`` (idle). Without ``W``\\ s a ``B`` computes the input
-and the weight gradients together; with them (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2) a
-``B`` computes the input gradient only and the ``W`` of the same microbatch and chunk the weight gradient.
+weight-gradient pass, in zero-bubble tables), ``FB(mb, chunk, b_mb, b_chunk)`` (a forward and a full backward
+fused in one tick, DualPipeV's overlapped pair: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1)
+or ``None`` (idle). A ``B`` without a ``W`` of the same microbatch and chunk computes the input and the weight
+gradients together; with one (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2) the ``B`` computes
+the input gradient only and the ``W`` the weight gradient. Zero-bubble tables split every backward, DualPipeV
+only some; an ``FB``'s backward is always full. An ``FB`` is its ``F`` and its ``B`` at the same tick for every
+check and count below.
 
 **Chunks and placement.** Each stage holds ``num_chunks`` model chunks (virtual stages; Narayanan et al. 2021,
 sec. 2.2, interleaved stages). The model is the chain of ``num_stages * num_chunks`` virtual stages
