@@ -154,7 +154,7 @@ class _Out(NamedTuple):
     send: jax.Array        # the message: F's activation (last virtual stage: the loss cotangent), B's d input
     res: tuple             # one stash slot's values, (held leaves, shared buffers): F's stash, or (split B)
                            # zeros and, in the shared buffers, what its W needs (SharedSlots: B-only leaves' room)
-    dparams: Any           # B (fused) or W: this microbatch's chunk-parameter gradient (float32); a split B: its part
+    dparams: Any           # B (full) or W: this microbatch's chunk-parameter gradient (float32); a split B: its part
     dhead: Any             # F on the last virtual stage: head-parameter gradient (float32)
     loss: jax.Array        # F on the last virtual stage: loss / m (float32)
     aux: Any               # F on the last virtual stage: loss_fn's aux
