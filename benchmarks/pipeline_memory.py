@@ -18,7 +18,7 @@ held fixed: 8 rows of ``[32, 64]`` activations, 4 per device on a ``data=2 x pip
 GPipe stashes every microbatch (``m`` slots), 1F1B at most ``p`` (stage 0), so 1F1B's activation part stays
 flat in ``m`` while GPipe's grows linearly; ``1f1b_over_stages`` shows 1F1B's growing with ``p``.
 
-``schedules``: one row per schedule (GPipe, 1F1B, interleaved 1F1B with ``v = 2``, ZB-H1, ZB-V) at ``p = 4``,
+``schedules``: one row per schedule (GPipe, 1F1B, interleaved 1F1B with ``v = 2``, ZB-H1, ZB-V, DualPipeV) at ``p = 4``,
 ``m = --table-microbatches``, the same model (``LAYERS_PER_STAGE * p`` layers, each virtual
 stage its share) and microbatch size, from ``jp.pipeline.compare(..., stage_fn=...)``: ticks, bubble, peak
 stash, ``temp_bytes`` and ``activation_bytes`` (as above), and ``stash_bytes``, what the stash buffers
@@ -44,7 +44,7 @@ MICROBATCH, SEQ, D, F, LAYERS_PER_STAGE, DATA = 8, 32, 64, 256, 2, 2
 SCHEDULES = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}
 ALL_SCHEDULES = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b,
                  "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
-                 "zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v}
+                 "zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v, "dualpipev": jp.pipeline.dualpipe_v}
 
 
 def stage_fn(params, x_BLD):

@@ -7,7 +7,8 @@ AdamW from the same init on the same batches (global batch 32) through ``jp.trai
 
 * the plain step on one device (the reference), and on ``data=8`` (the data-parallel drift to compare with);
 * ``Pipeline(model.embed, model.stage, model.head_loss, schedule)`` on ``data=8/pipe x pipe`` for each
-  schedule: gpipe, 1f1b, interleaved (``v = 2``), zb (ZB-H1), zbv (ZB-V).
+  schedule: gpipe, 1f1b, interleaved (``v = 2``), zb (ZB-H1), zbv (ZB-V), dualpipev (DualPipeV: fused ``FB`` ticks
+  cost ``F`` plus a full backward).
 
 Per run: the loss curve, ``rel_diff_step1`` (``|loss - ref| / |ref|`` at the first step), ``max_rel_drift``
 (the largest over the steps). Per schedule, from the table (:mod:`jaxpar.pipeline.analysis`, default costs
@@ -40,7 +41,7 @@ CFG = GPTConfig(vocab_size=61, num_layers=4, num_heads=4, d_model=32, max_seq_le
 BATCH, SEED = 32, 41
 BUILDERS = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b,
             "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
-            "zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v}
+            "zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v, "dualpipev": jp.pipeline.dualpipe_v}
 
 
 def batches(steps: int) -> list[dict]:

@@ -60,13 +60,15 @@ class Config:
     """Main job configuration. Mesh axes multiply to the device count (one may be -1 to fill)."""
     mesh: Annotated[experiment.MeshConfig, Flat] = experiment.MeshConfig()
     pipe: int = 1                  # pipeline stages (layers split over them); > 1 trains through jp.pipeline
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"] = "1f1b"
     """pipeline schedule (pipe > 1):
     gpipe: all forwards, then all backwards;
     1f1b: forwards and backwards alternate (less memory);
     interleaved: 1F1B over --chunks stages per device;
     zb: ZB-H1, weight grads fill the bubble (Qi et al.);
-    zbv: ZB-V, 2 chunks per device in a V (least bubble)"""
+    zbv: ZB-V, 2 chunks per device in a V (least bubble);
+    dualpipev: DualPipeV, the V with one microbatch's forward and another's backward fused per tick (DeepSeek-V3;
+    --microbatches >= 2 --pipe)"""
     chunks: int = 2                # virtual stages per device of --schedule interleaved
     microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
     model: Literal["gpt", "llama"] = "gpt"
@@ -155,7 +157,8 @@ class Config:
         p, m = self.pipe, self.microbatches
         return {"gpipe": lambda: jp.pipeline.gpipe(p, m), "1f1b": lambda: jp.pipeline.one_f_one_b(p, m),
                 "interleaved": lambda: jp.pipeline.interleaved_1f1b(p, m, self.chunks),
-                "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m)}[self.schedule]()
+                "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m),
+                "dualpipev": lambda: jp.pipeline.dualpipe_v(p, m)}[self.schedule]()
 
 
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and

@@ -222,7 +222,8 @@ def schedule_gantt(schedule: Any, path: str | Path | None = None, title: str | N
 
     ``F`` actions are blue, ``B`` orange, ``W`` green; with several chunks (interleaved, ZB-V) each bar is
     labelled ``<microbatch>c<chunk>`` (e.g. ``3c1``: microbatch 3 on chunk 1) and later chunks are paler (hatched);
-    with one chunk the label is the microbatch. The legend lists every (action, chunk) drawn. Idle ticks are
+    with one chunk the label is the microbatch. A fused ``FB`` (DualPipeV) is a split bar, its ``F`` on top and its
+    ``B`` below, labelled with both. The legend lists every (action, chunk) drawn. Idle ticks are
     blank, so the bubble is the white area. ``schedule`` is a ``jp.pipeline.Schedule``; ``path``: the PNG to
     write, or None to return the Figure.
     """
@@ -235,18 +236,25 @@ def schedule_gantt(schedule: Any, path: str | Path | None = None, title: str | N
     drawn = set()
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
-            if a is not None:
-                ax.broken_barh([(t, 1)], (s - 0.4, 0.8), facecolors=colours[a.kind], alpha=alpha(a.chunk),
-                               hatch=hatch(a.chunk), edgecolor="white", linewidth=0.5)
-                label = f"{a.microbatch}c{a.chunk}" if chunks > 1 else str(a.microbatch)
-                ax.text(t + 0.5, s, label, ha="center", va="center", fontsize=6 if chunks > 1 else 7)
-                drawn.add((a.kind, a.chunk))
+            if a is None:
+                continue
+            parts = a.parts()
+            for i, x in enumerate(parts):        # an FB: the F in the top half, the B in the bottom half
+                height = 0.8 / len(parts)
+                ax.broken_barh([(t, 1)], (s - 0.4 + i * height, height), facecolors=colours[x.kind],
+                               alpha=alpha(x.chunk), hatch=hatch(x.chunk), edgecolor="white", linewidth=0.5)
+                drawn.add((x.kind, x.chunk))
+            label = "/".join(f"{x.microbatch}c{x.chunk}" if chunks > 1 else str(x.microbatch) for x in parts)
+            ax.text(t + 0.5, s, label, ha="center", va="center", fontsize=(6 if chunks > 1 else 7) - len(parts) + 1)
     ax.set_xlim(0, schedule.num_ticks)
     ax.set_ylim(schedule.num_stages - 0.5, -0.5)
     ax.set_yticks(range(schedule.num_stages), [f"stage {s}" for s in range(schedule.num_stages)])
     ax.set_xlabel("tick")
-    names = {"F": "F (forward)", "B": "B (input grad)" if schedule.split_backward else "B (backward)",
-             "W": "W (weight grad)"}
+    when = schedule.ticks()
+    full = [k for k in when if k[0] == "B" and ("W", *k[1:]) not in when]      # B's without a W: full backwards
+    names = {"F": "F (forward)", "W": "W (weight grad)",
+             "B": ("B (input grad)" if not full else "B (backward)" if not schedule.split_backward
+                   else "B (backward; input grad before a W)")}
     handles = [Patch(facecolor=colours[k], alpha=alpha(c), hatch=hatch(c), edgecolor="white",
                      label=names[k] + (f", chunk {c}" if chunks > 1 else ""))
                for k, c in sorted(drawn, key=lambda kc: ("FBW".index(kc[0]), kc[1]))]

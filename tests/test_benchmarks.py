@@ -128,7 +128,7 @@ def test_pipeline_memory_script():
     by = {(r["schedule"], r["microbatches"]): r for r in out["rows"]}
     assert by[("1f1b", 4)]["stash_slots"] < by[("gpipe", 4)]["stash_slots"]
     assert all(r["temp_bytes"] > 0 for r in out["rows"])
-    assert [r["schedule"] for r in out["schedules"]] == ["gpipe", "1f1b", "interleaved", "zb", "zbv"]
+    assert [r["schedule"] for r in out["schedules"]] == ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
 
 
 @pytest.mark.slow   # compiles the GPT's train step three times (~1 min)

@@ -100,10 +100,10 @@ def test_charlm_help_explains_every_schedule(capsys):
         tyro.cli(charlm.Config, args=["--help"])
     text = " ".join(line.strip(" │") for line in capsys.readouterr().out.splitlines())  # undo rich's wrapping
     text = " ".join(text.split())
-    assert "--schedule {gpipe,1f1b,interleaved,zb,zbv}" in text
+    assert "--schedule {gpipe,1f1b,interleaved,zb,zbv,dualpipev}" in text
     for line in ("gpipe: all forwards, then all backwards;", "1f1b: forwards and backwards alternate",
                  "interleaved: 1F1B over --chunks stages per device;", "zb: ZB-H1, weight grads fill the bubble",
-                 "zbv: ZB-V, 2 chunks per device in a V"):
+                 "zbv: ZB-V, 2 chunks per device in a V", "dualpipev: DualPipeV, the V with one microbatch's forward"):
         assert line in text, (line, text[:3000])
 
 
@@ -115,6 +115,8 @@ def test_charlm_header_names_the_pipeline():
         "pipeline: schedule interleaved, pipe 2, microbatches 4, 2 chunks per device")
     assert head(pipe=2, schedule="zbv", microbatches=4) == (
         "pipeline: schedule zbv, pipe 2, microbatches 4, 2 chunks per device")
+    assert head(pipe=2, schedule="dualpipev", microbatches=4) == (
+        "pipeline: schedule dualpipev, pipe 2, microbatches 4, 2 chunks per device")
 
 
 # ------------------------------------------------------------------------------------- charlm pipelined
@@ -130,10 +132,13 @@ def test_charlm_pipeline_config_errors():
     with pytest.raises(ValueError, match=r"--schedule 1f1b with --pipe 4 --microbatches 2: 1F1B needs "
                                          r"num_microbatches >= num_stages"):
         charlm.Config(pipe=4, microbatches=2, num_layers=4)
+    with pytest.raises(ValueError, match=r"--schedule dualpipev with --pipe 2 --microbatches 3: dualpipe_v needs "
+                                         r"num_microbatches >= 2 \* num_stages .* use num_microbatches >= 4"):
+        charlm.Config(pipe=2, microbatches=3, num_layers=4, schedule="dualpipev")
 
 
 @pytest.mark.slow  # one short charlm run per schedule (~30 s each); .ci/run runs it
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb", "zbv"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"])
 def test_charlm_runs_data2_pipe2_tensor2(schedule, tmp_path):
     """The main job end to end with each schedule on data=2 x pipe=2 x tensor=2: training lowers the loss, the
     eval loss is finite, and the Gantt chart of the schedule it ran is saved beside the metrics."""

@@ -63,3 +63,12 @@ def test_gantt_plot(tmp_path):
     assert {"0c0", "3c1"} <= labels and len(ax.texts) == 3 * 4 * 4     # one label per action: 3 kinds, m=4, V=4
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == [f"{k}, chunk {c}" for k in ("F (forward)", "B (input grad)", "W (weight grad)") for c in (0, 1)]
+    fig = jp.plot.schedule_gantt(jp.pipeline.dualpipe_v(2, 4))    # fused FB entries: one split bar, two labels
+    ax = fig.axes[0]
+    s = jp.pipeline.dualpipe_v(2, 4)
+    fused = sum(a is not None and a.kind == "FB" for row in s.table for a in row)
+    assert fused and len(ax.texts) == sum(a is not None for row in s.table for a in row)
+    first = next(a for row in s.table for a in row if a is not None and a.kind == "FB")
+    want = f"{first.microbatch}c{first.chunk}/{first.backward.microbatch}c{first.backward.chunk}"
+    assert sum("/" in t.get_text() for t in ax.texts) == fused and want in {t.get_text() for t in ax.texts}
+    assert "B (backward; input grad before a W), chunk 0" in [t.get_text() for t in ax.get_legend().get_texts()]

@@ -29,8 +29,28 @@ from jaxpar.pipeline.schedules import Schedule, dependencies
 
 
 def default_costs(schedule: Schedule) -> dict[str, float]:
-    """``{'F': 1, 'B': 1, 'W': 1}`` for a table with split backwards, else ``{'F': 1, 'B': 2, 'W': 1}``."""
+    """``{'F': 1, 'B': 1, 'W': 1}`` for a table with split backwards, else ``{'F': 1, 'B': 2, 'W': 1}``.
+
+    An ``FB`` costs its ``F`` plus its full backward unless ``costs`` gives ``'FB'`` (:func:`action_costs`)."""
     return {"F": 1.0, "B": 1.0 if schedule.split_backward else 2.0, "W": 1.0}
+
+
+def action_costs(schedule: Schedule, costs: Mapping[str, float]) -> Callable[[int, Any], float]:
+    """``cost(stage, action)`` of one table entry under per-kind ``costs`` (checked ones).
+
+    ``F``, ``W``: their cost. ``B``: its cost; in a table with ``W``\\ s, a ``B`` without a ``W`` of its own is a
+    full backward and costs ``B + W`` (DualPipeV mixes both). ``FB`` (a forward and a full backward in one tick,
+    DeepSeek-AI 2024, sec. 3.2.1): ``costs['FB']`` when given (e.g. below ``F + B`` where the pair overlaps
+    communication with compute), else ``F`` plus its full backward's cost.
+    """
+    when, split = schedule.ticks(), schedule.split_backward
+
+    def cost(stage: int, a) -> float:
+        if a.kind == "FB":
+            return costs["FB"] if "FB" in costs else costs["F"] + cost(stage, a.backward)
+        full = a.kind == "B" and split and ("W", a.microbatch, schedule.virtual_stage(stage, a.chunk)) not in when
+        return costs[a.kind] + (costs["W"] if full else 0.0)
+    return cost
 
 
 class Timing(NamedTuple):
@@ -49,8 +69,9 @@ def timing(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timi
 
     Args:
       schedule: a :class:`Schedule`.
-      costs: ``{kind: cost}`` for kinds among ``'F'``, ``'B'``, ``'W'``: finite positive numbers (time units);
-        every kind the table runs needs one.
+      costs: ``{kind: cost}`` for kinds among ``'F'``, ``'B'``, ``'W'``, ``'FB'``: finite positive numbers (time
+        units); every kind the table runs needs one (an ``FB`` runs an ``F`` and a ``B``; see
+        :func:`action_costs` for how a full backward and an ``FB`` are costed).
 
     Raises:
       TypeError: ``schedule`` not a :class:`Schedule` (e.g. a builder's name), or ``costs`` not a mapping.
@@ -60,22 +81,22 @@ def timing(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timi
     check_schedule(schedule, "timing")
     costs = check_costs(costs)
     costs = dict(default_costs(schedule) if costs is None else costs)
-    used = {a.kind for row in schedule.table for a in row if a is not None}
+    used = {x.kind for row in schedule.table for a in row if a is not None for x in a.parts()}
     for kind in sorted(used):
         if kind not in costs:
             raise ValueError(f"costs={costs}: the table runs {kind} actions; give {kind!r} a positive cost")
-    free, end, start = [0.0] * schedule.num_stages, {}, {}
-    num_v = schedule.num_virtual_stages
+    cost, num_v = action_costs(schedule, costs), schedule.num_virtual_stages
+    free, end, start, work = [0.0] * schedule.num_stages, {}, {}, 0.0
     for row in schedule.table:                        # tick order is a topological order of a valid table
         for s, a in enumerate(row):
             if a is None:
                 continue
-            key = (a.kind, a.microbatch, schedule.virtual_stage(s, a.chunk))
-            t0 = max([free[s]] + [end[d] for d in dependencies(*key, num_v)])
-            start[key], end[key] = t0, t0 + costs[a.kind]
-            free[s] = end[key]
+            keys = [(x.kind, x.microbatch, schedule.virtual_stage(s, x.chunk)) for x in a.parts()]
+            t0 = max([free[s]] + [end[d] for key in keys for d in dependencies(*key, num_v)])
+            free[s], work = t0 + cost(s, a), work + cost(s, a)
+            for key in keys:                          # an FB's outputs are ready when the pair ends
+                start[key], end[key] = t0, free[s]
     makespan = max(end.values())
-    work = sum(costs[k] for k, _, _ in end)
     return Timing(makespan, work, 1.0 - work / (schedule.num_stages * makespan), start)
 
 
@@ -90,8 +111,9 @@ def lockstep_time(schedule: Schedule, costs: Mapping[str, float] | None = None) 
     """
     check_schedule(schedule, "lockstep_time")
     timing(schedule, costs)                                  # validates the costs
-    costs = dict(default_costs(schedule) if costs is None else check_costs(costs))
-    return float(sum(max([costs[a.kind] for a in row if a is not None], default=0.0) for row in schedule.table))
+    cost = action_costs(schedule, dict(default_costs(schedule) if costs is None else check_costs(costs)))
+    return float(sum(max([cost(s, a) for s, a in enumerate(row) if a is not None], default=0.0)
+                     for row in schedule.table))
 
 
 _MEMORY_ARGS = ("loss_fn", "layers", "head", "x", "targets", "mesh")
@@ -183,4 +205,4 @@ def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = N
     return rows
 
 
-__all__ = ["Timing", "compare", "compiled_temp_bytes", "default_costs", "lockstep_time", "timing"]
+__all__ = ["Timing", "action_costs", "compare", "compiled_temp_bytes", "default_costs", "lockstep_time", "timing"]

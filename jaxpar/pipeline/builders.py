@@ -1,4 +1,4 @@
-"""Schedule builders: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V, each a plain-Python table.
+"""Schedule builders: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V, DualPipeV, each a plain-Python table.
 
 Every builder returns a :class:`~jaxpar.pipeline.schedules.Schedule` (validated on construction) that the one
 interpreter runs. Costs in the docstrings count unit-cost ticks (every ``F``, ``B`` and ``W`` one tick, a
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxpar.pipeline.checks import builder_sizes
-from jaxpar.pipeline.schedules import (Action, B, F, Placement, Schedule, W, dependencies, place_in_order,
+from jaxpar.pipeline.schedules import (FB, Action, B, F, Placement, Schedule, W, dependencies, place_in_order,
                                        round_robin, v_shape)
 
 
@@ -223,4 +223,117 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
                           lambda a, vs: (rank[a.kind], a.microbatch, -vs))
 
 
-__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble", "zero_bubble_v"]
+# ------------------------------------------------------------------------------------------ DualPipeV
+
+class _Order:
+    """One stage's action list as DualPipeV writes it: microbatches counted per (kind, chunk), a queue of the
+    ``W``\\ s owed by input-only ``B``\\ s."""
+
+    def __init__(self):
+        self.actions: list[Action] = []
+        self.next: dict[tuple[str, int], int] = {}
+        self.owed: list[Action] = []
+
+    def _take(self, kind: str, chunk: int) -> int:
+        j = self.next.get((kind, chunk), 0)
+        self.next[(kind, chunk)] = j + 1
+        return j
+
+    def f(self, chunk: int) -> None:
+        self.actions.append(F(self._take("F", chunk), chunk))
+
+    def b(self, chunk: int, split: bool = False) -> None:
+        """A ``B``: a full backward, or (``split``) the input gradient with its ``W`` owed."""
+        j = self._take("B", chunk)
+        self.actions.append(B(j, chunk))
+        self.owed += [W(j, chunk)] if split else []
+
+    def fb(self, f_chunk: int, b_chunk: int) -> None:
+        self.actions.append(FB(self._take("F", f_chunk), f_chunk, self._take("B", b_chunk), b_chunk))
+
+    def w(self) -> None:
+        """The oldest owed ``W``, if any."""
+        if self.owed:
+            self.actions.append(self.owed.pop(0))
+
+
+def _dualpipe_v_order(p: int, m: int, s: int) -> list[Action]:
+    """Stage ``s``'s DualPipeV order (chunk 0 is virtual stage ``s``, chunk 1 is ``2p - 1 - s``), in the eight
+    steps of DeepSeek's ``DualPipeV`` and torch's ``ScheduleDualPipeV._calculate_single_rank_operations``:
+    forwards of chunk 0; pairs of forwards; zero-bubble ``B W F`` of chunk 1; the steady state of fused
+    ``FB``\\ s (forward of one chunk, full backward of the other; the last stage's first pair unfused); full
+    ``B``\\ s of chunk 1 with ``FB``\\ s; the backwards of both chunks, the later half split (input gradient, its
+    ``W`` deferred); ``W B`` of chunk 0; the remaining ``W``\\ s."""
+    o = _Order()
+    for _ in range(2 * (p - s - 1)):
+        o.f(0)
+    for _ in range(s + 1):
+        o.f(0)
+        o.f(1)
+    for _ in range(p - s - 1):
+        o.b(1, split=True)
+        o.w()
+        o.f(1)
+    for i in range(m - 2 * p + s + 1):
+        if i == 0 and s == p - 1:          # not fused: a smaller bubble on the last stage
+            o.f(0)
+            o.b(1)
+        else:
+            o.fb(0, 1)
+        o.fb(1, 0)
+    for _ in range(p - s - 1):
+        o.b(1)
+        o.fb(1, 0)
+    split = False
+    for i in range(s + 1):                 # the second half of the backwards split (zero bubble)
+        split = split or (i == (s + 1) // 2 and s % 2 == 1)
+        o.b(1, split)
+        split = split or (i == (s + 1) // 2 and s % 2 == 0)
+        o.b(0, split)
+    for _ in range(p - s - 1):
+        o.w()
+        o.b(0, split)
+    for _ in range(s + 1):
+        o.w()
+    if o.owed:
+        raise AssertionError(f"dualpipe_v: stage {s} still owes {o.owed}")     # a builder bug
+    return o.actions
+
+
+def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipeV: DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1, fig. 4-5) "cut in half"
+    onto ``p`` devices, as DeepSeek's ``DualPipeV`` (github.com/deepseek-ai/DualPipe) and torch's
+    ``ScheduleDualPipeV``: the V placement of ZB-V (:func:`~jaxpar.pipeline.schedules.v_shape`: stage ``s`` holds
+    virtual stages ``s`` and ``2p - 1 - s``; the loss is on stage 0), with the forward of one microbatch and the
+    full backward of another fused in one tick as an ``FB`` action (:func:`~jaxpar.pipeline.schedules.FB`)
+    through the steady state, so a device's forward and backward computations (and their sends) run together.
+
+    Each stage follows DualPipeV's order (:func:`_dualpipe_v_order`: the same per-stage orders as torch's), each
+    entry at the earliest tick its dependencies allow: torch's order gives the same table. It mixes full
+    backwards (in the ``FB``\\ s and the steady state) with split ones (a ``B`` for the input gradient and a
+    later ``W``) in the warm-up and the cool-down, where the ``W``\\ s fill the bubbles. With ``F = B = W = 1``
+    (a full backward 2, an ``FB`` 3; :func:`jaxpar.pipeline.analysis.timing`) every device idles ``(p - 1)
+    (F&B + B - 3W) = 2 (p - 1)`` units, DualPipe's bubble formula (``B`` the full backward), whatever ``m``: at
+    ``p = 4, m = 8`` 34 ticks, bubble 6/54 = 0.111 (ZB-V 0.059, 1F1B with ``B = 2`` 0.273), peak stash ``(8,
+    8, 8, 9)`` chunk-microbatches (:meth:`~jaxpar.pipeline.schedules.Schedule.peak_stash`; ZB-V 8 on every
+    device), i.e. up to ``p + 1/2`` microbatches of a stage's layers. The cost model has no communication,
+    which is what the fused ticks are for (DeepSeek overlaps an ``FB``'s all-to-all and pipeline sends with its
+    compute); the interpreter runs an ``FB`` as one branch holding both computations.
+
+    Args:
+      num_stages: ``p >= 1`` (devices; the model is ``2p`` virtual stages).
+      num_microbatches: ``m >= 2p`` (one in flight per virtual stage before the fused steady state).
+
+    Raises:
+      ValueError: a size that is not a positive integer (any integral type, numpy's too; not a bool), a table
+        over :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES`, or ``num_microbatches < 2 * num_stages``.
+    """
+    p, m, _ = builder_sizes("dualpipe_v", num_stages, num_microbatches, actions=2)
+    if m < 2 * p:
+        raise ValueError(f"dualpipe_v needs num_microbatches >= 2 * num_stages (one microbatch per virtual stage of "
+                         f"the V before the fused steady state), got {m} microbatches for {p} stages; use "
+                         f"num_microbatches >= {2 * p}")
+    return place_in_order("dualpipev", m, [_dualpipe_v_order(p, m, s) for s in range(p)], 2, v_shape(p))
+
+
+__all__ = ["dualpipe_v", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble", "zero_bubble_v"]

@@ -98,7 +98,7 @@ def check_costs(costs: Any) -> dict[str, float] | None:
     for key, value in costs.items():
         if key not in KINDS:
             raise ValueError(f"costs has unknown key {key!r}; the keys are the action kinds {KINDS} "
-                             "(F forward, B backward, W weight gradient)")
+                             "(F forward, B backward, W weight gradient, FB a fused forward and backward)")
         if (not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value)
                 or value <= 0):
             raise ValueError(f"costs[{key!r}]={value!r}: a cost must be a finite positive number (time units of "
@@ -130,11 +130,19 @@ def check_action(entry: Any, where: str) -> Action:
     """An :class:`Action` with a known kind and int microbatch and chunk ``>= 0`` (numpy ints become ints);
     else ValueError naming ``where`` (e.g. ``'stage 0, entry 3'``) and the entry."""
     if entry.kind not in KINDS:
-        raise ValueError(f"{where}: {entry!r} has kind {entry.kind!r}; the kinds are {KINDS} (jp.pipeline.F, B, W)")
-    for field in ("microbatch", "chunk"):
-        if not is_index(getattr(entry, field)):
-            raise ValueError(f"{where}: {entry!r} has {field}={getattr(entry, field)!r}; it must be an int >= 0")
-    return Action(entry.kind, int(entry.microbatch), int(entry.chunk))
+        raise ValueError(f"{where}: {entry!r} has kind {entry.kind!r}; the kinds are {KINDS} (jp.pipeline.F, B, W, "
+                         "FB)")
+    if (entry.kind == "FB") != isinstance(entry.backward, Action) or (
+            entry.kind == "FB" and entry.backward.kind != "B"):
+        raise ValueError(f"{where}: {entry!r}: only an FB action has a backward (a B), and it needs one; build it "
+                         "with jp.pipeline.FB(mb, chunk, b_mb, b_chunk)")
+    for x in entry.parts():
+        for field in ("microbatch", "chunk"):
+            if not is_index(getattr(x, field)):
+                raise ValueError(f"{where}: {entry!r} has {field}={getattr(x, field)!r}; it must be an int >= 0")
+    back = entry.backward
+    return Action(entry.kind, int(entry.microbatch), int(entry.chunk),
+                  None if back is None else Action("B", int(back.microbatch), int(back.chunk)))
 
 
 # ------------------------------------------------------------------------------------- the runtime

@@ -4,13 +4,15 @@
 :class:`~jaxpar.pipeline.schedules.Schedule`, which the one interpreter runs like any builder's table. An entry
 is an :class:`~jaxpar.pipeline.schedules.Action`, ``None`` (idle), or a string in one of two forms:
 
-* jaxpar's own, ``str(action)``: ``"F3"``, ``"B3"``, ``"W3"`` (chunk 0), ``"F3.1"`` (chunk 1); chunks are
-  placed by ``placement`` (default round-robin);
+* jaxpar's own, ``str(action)``: ``"F3"``, ``"B3"``, ``"W3"`` (chunk 0), ``"F3.1"`` (chunk 1), ``"F3+B1.1"`` (an
+  ``FB``: forward of 3 on chunk 0 and full backward of 1 on chunk 1 in one tick); chunks are placed by
+  ``placement`` (default round-robin);
 * torch's (``torch.distributed.pipelining``'s ``_Action`` strings, e.g. a row of its CSV schedules):
   ``"<virtual stage><kind><microbatch>"``, e.g. ``"4F0"``, with kind ``F`` (forward), ``B`` (full backward),
-  ``I`` (input-gradient backward) or ``W`` (weight gradient). The virtual stages a stage's list names are its
-  chunks, in increasing order; that gives the placement (round-robin, V, or any other). A table's backwards
-  are either all full (``B``) or all split: an ``I`` and a ``W`` for every microbatch and virtual stage.
+  ``I`` (input-gradient backward) or ``W`` (weight gradient), and ``"(1F6;6B2)OVERLAP_F_B"`` (an ``FB``, as
+  torch's ``ScheduleDualPipeV`` writes its overlapped forward and backward). The virtual stages a stage's list
+  names are its chunks, in increasing order; that gives the placement (round-robin, V, or any other). Full
+  (``B``) and split (an ``I`` and its ``W``) backwards may be mixed, as DualPipeV does.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from collections.abc import Sequence
 
 from jaxpar.checks import positive_int
 from jaxpar.pipeline.checks import check_action, check_placement
-from jaxpar.pipeline.schedules import Action, Placement, Schedule, check_table_size, place_in_order, round_robin
+from jaxpar.pipeline.schedules import (FB, Action, Placement, Schedule, check_table_size, place_in_order,
+                                       round_robin)
 
 _OURS = re.compile(r"^([FBW])(\d+)(?:\.(\d+))?$")
+_OURS_FB = re.compile(r"^F(\d+)(?:\.(\d+))?\+B(\d+)(?:\.(\d+))?$")
 _TORCH = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_TORCH_FB = re.compile(r"^\((\d+)F(\d+);(\d+)B(\d+)\)OVERLAP_F_B$")
 
 
 def _parse(entry, s: int, i: int):
@@ -36,16 +41,20 @@ def _parse(entry, s: int, i: int):
         text = entry.strip()
         if (m := _OURS.match(text)):
             return "ours", Action(m[1], int(m[2]), int(m[3] or 0))
+        if (m := _OURS_FB.match(text)):
+            return "ours", FB(int(m[1]), int(m[2] or 0), int(m[3]), int(m[4] or 0))
         if (m := _TORCH.match(text)):
             return "torch", (int(m[1]), m[2], int(m[3]))
+        if (m := _TORCH_FB.match(text)):
+            return "torch", (int(m[1]), "FB", int(m[2]), int(m[3]), int(m[4]))
     raise ValueError(f"stage {s}, entry {i}: {entry!r} is not an action; use jp.pipeline.F/B/W(mb, chunk), None, a "
-                     "string like 'F3' / 'F3.1' (jaxpar) or '4F3' / '4I3' / '4W3' / '4B3' (torch: virtual stage, "
-                     "kind, microbatch)")
+                     "string like 'F3' / 'F3.1' / 'F3+B1.1' (jaxpar) or '4F3' / '4I3' / '4W3' / '4B3' / '(1F6;6B2)OVERLAP_F_B' "
+                     "(torch: virtual stage, kind, microbatch)")
 
 
 def _from_torch(parsed: list[list], split: bool) -> tuple[list[list], Placement]:
     """Torch-form entries -> jaxpar actions, the placement read from the virtual stages each stage names."""
-    held = [sorted({e[0] for e in row if e is not None}) for row in parsed]
+    held = [sorted({vs for e in row if e is not None for vs in e[0::3]}) for row in parsed]
     if len({len(h) for h in held}) != 1 or not held[0]:
         raise ValueError(f"the stages name different numbers of virtual stages ({[len(h) for h in held]}); every "
                          "stage must hold the same number of chunks")
@@ -64,12 +73,11 @@ def _from_torch(parsed: list[list], split: bool) -> tuple[list[list], Placement]
             if e is None:
                 acts.append(None)
                 continue
-            vs, kind, mb = e
-            if kind == "B" and split:
-                raise ValueError(f"stage {s}, entry {i}: {vs}{kind}{mb}: a table with W actions writes its input-"
-                                 "gradient backwards as I, one without as B (full backward); these lists mix full "
-                                 "backwards (B) with split ones (I and W): use one kind for the whole table")
-            acts.append(Action("B" if kind == "I" else kind, mb, held[s].index(vs)))
+            vs, kind, mb = e[:3]
+            if kind == "FB":
+                acts.append(FB(mb, held[s].index(vs), e[4], held[s].index(e[3])))
+            else:
+                acts.append(Action("B" if kind == "I" else kind, mb, held[s].index(vs)))
         out.append(acts)
     if split:
         _check_split_pairs(parsed)
@@ -81,14 +89,14 @@ def _check_split_pairs(parsed: list[list]) -> None:
     listed = {(e[1], e[0], e[2]) for row in parsed for e in row if e is not None}
     for s, row in enumerate(parsed):
         for i, e in enumerate(row):
-            if e is not None and e[1] in "IW":
+            if e is not None and e[1] in ("I", "W"):
                 vs, kind, mb = e
                 other = "W" if kind == "I" else "I"
                 if (other, vs, mb) not in listed:
                     raise ValueError(f"stage {s}, entry {i}: {vs}{kind}{mb} has no matching {vs}{other}{mb}: a split "
                                      "backward needs both I (input gradient) and W (weight gradient) for every "
-                                     f"microbatch and virtual stage; add {vs}{other}{mb}, or write full backwards "
-                                     f"as B ({vs}B{mb}) throughout")
+                                     f"microbatch and virtual stage; add {vs}{other}{mb}, or write a full backward "
+                                     f"as B ({vs}B{mb}) with no W")
 
 
 def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = None, name: str = "custom",
@@ -112,7 +120,7 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
 
     Raises:
       ValueError: an entry that is not an action (naming stage and entry: an unknown kind, a microbatch or
-        chunk that is not an int >= 0), both string forms in one table, torch's ``B`` beside ``I``/``W``, or an
+        chunk that is not an int >= 0), both string forms in one table, or an
         ``I`` without its ``W`` (or a ``W`` without its ``I``), ``num_microbatches`` not a positive integer, an
         inconsistent placement, a microbatch id beyond the forwards a stage lists (ids count 0..m-1), a table
         over :data:`~jaxpar.pipeline.schedules.MAX_TABLE_ENTRIES` entries, orders that deadlock, or a table the
@@ -136,17 +144,17 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
     if forms == {"torch"}:
         if placement is not None:
             raise ValueError("torch-form actions name their virtual stages; leave placement=None")
-        split = any(e is not None and e[1] in "IW" for row in rows for e in row)
+        split = any(e is not None and e[1] in ("I", "W") for row in rows for e in row)
         rows, placement = _from_torch(rows, split)
     p = len(rows)
     if placement is not None:
         placement = check_placement(placement, p)
     num_chunks = len(placement[0]) if placement is not None else 1 + max(
-        [a.chunk for row in rows for a in row if a is not None], default=0)
+        [x.chunk for row in rows for a in row if a is not None for x in a.parts()], default=0)
     placement = placement if placement is not None else round_robin(p, num_chunks)
     _check_microbatch_ids(rows)
     m = num_microbatches if num_microbatches is not None else 1 + max(
-        [a.microbatch for row in rows for a in row if a is not None], default=0)
+        [x.microbatch for row in rows for a in row if a is not None for x in a.parts()], default=0)
     if timed:
         ticks = max(len(row) for row in rows)
         table = [tuple(row[t] if t < len(row) else None for row in rows) for t in range(ticks)]
@@ -154,7 +162,7 @@ def from_actions(actions: Sequence[Sequence], *, num_microbatches: int | None = 
     orders = [[a for a in row if a is not None] for row in rows]
     for s, order in enumerate(orders):
         for a in order:
-            if not (0 <= a.chunk < num_chunks and 0 <= a.microbatch < m):
+            if not all(0 <= x.chunk < num_chunks and 0 <= x.microbatch < m for x in a.parts()):
                 raise ValueError(f"stage {s}: {a} is out of range (microbatches 0..{m - 1}, chunks "
                                  f"0..{num_chunks - 1})")
     return place_in_order(name, m, orders, num_chunks, placement)
@@ -166,15 +174,15 @@ def _check_microbatch_ids(rows: list[list[Action | None]]) -> None:
     that chunk (this bounds ``m`` by the lists' length, however large an id is written)."""
     for s, row in enumerate(rows):
         forwards: dict[int, int] = {}
-        for a in row:
-            if a is not None and a.kind == "F":
-                forwards[a.chunk] = forwards.get(a.chunk, 0) + 1
+        for x in [x for a in row if a is not None for x in a.parts()]:
+            forwards[x.chunk] = forwards.get(x.chunk, 0) + (x.kind == "F")
         for i, a in enumerate(row):
-            if a is not None and a.microbatch >= forwards.get(a.chunk, 0):
-                n = forwards.get(a.chunk, 0)
-                raise ValueError(f"stage {s}, entry {i}: {a} names microbatch {a.microbatch}, but stage {s} lists "
-                                 f"{n} forward{'' if n == 1 else 's'} of chunk {a.chunk}: number the microbatches "
-                                 "0..m-1, each with one F (and B, W) on every stage and chunk")
+            for x in a.parts() if a is not None else ():
+                if x.microbatch >= forwards.get(x.chunk, 0):
+                    n = forwards.get(x.chunk, 0)
+                    raise ValueError(f"stage {s}, entry {i}: {a} names microbatch {x.microbatch}, but stage {s} "
+                                     f"lists {n} forward{'' if n == 1 else 's'} of chunk {x.chunk}: number the "
+                                     "microbatches 0..m-1, each with one F (and B, W) on every stage and chunk")
 
 
 __all__ = ["from_actions"]

@@ -16,14 +16,17 @@ loop, exist only from 0.11). It is a ``lax.scan`` over the schedule's ticks; at 
    for the head parameters and the loss cotangent of the stage output); ``B`` (the stashed pullback applied
    to the received cotangent: parameter gradients are accumulated, the input cotangent is sent back); in a
    table with split backwards, ``B`` computes the input cotangent only and stashes what ``W`` needs, and ``W``
-   the parameter gradient (:mod:`jaxpar.pipeline.split`);
-3. hands its one output (activation or cotangent) to both neighbouring stages with ``lax.ppermute``\\ s and
-   keeps it itself, and writes what it received into the receive slots the table names (the table's
-   routing: sends in both directions in one tick, local hand-offs between chunks of one stage).
+   the parameter gradient (:mod:`jaxpar.pipeline.split`); a ``B`` without a ``W`` is a full one; ``FB``
+   (DualPipeV) runs an ``F`` and a full ``B`` of another microbatch and chunk in one branch (independent
+   computations the compiler may overlap), its ``B`` read from :class:`~jaxpar.pipeline.table.Fused`;
+3. hands its one output (activation or cotangent; an ``FB``'s ``B`` has a second, on a second channel, in tables
+   with ``FB``\\ s) to both neighbouring stages with ``lax.ppermute``\\ s and keeps it itself, and writes what
+   it received into the receive slots the table names (the table's routing: sends in both directions in one
+   tick, local hand-offs between chunks of one stage).
 
 The backward is driven by hand, one ``jax.vjp`` per microbatch and chunk, not by differentiating a forward
 loop, so any order of ``F``\\ s, ``B``\\ s and ``W``\\ s runs: GPipe, a true 1F1B whose stash holds only the
-microbatches in flight, interleaved 1F1B, ZB-H1, ZB-V. Buffers are sized from the table
+microbatches in flight, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV. Buffers are sized from the table
 (:class:`~jaxpar.pipeline.table.BufferSizes`).
 
 Stage parameters come in the stage layout (:func:`jaxpar.pipeline.layout.to_stage_layout`): leading axis
@@ -36,37 +39,33 @@ Microbatches are strided, in :mod:`jaxpar.grads`' ``[B/m, m, ...]`` layout: micr
 
 Randomness (``takes_rng``): the step's key enters the ``shard_map`` replicated (as raw key data); each action
 derives its own keys from it and the table's (microbatch, chunk): ``stage_fn(params, x, keys)`` with
-``keys[l] = fold_in(fold_in(rng, j), vs * R + l)`` (:meth:`_Interpreter._layer_keys`). A microbatch's B and W
+``keys[l] = fold_in(fold_in(rng, j), vs * R + l)`` (:meth:`Interpreter._layer_keys`). A microbatch's B and W
 derive the same keys as its F, so what the pullback recomputes (a dropout mask) is what the forward drew.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxpar import _compat
-from jaxpar.attention import pipeline_stages
-from jaxpar.grads import merge_microbatches, microbatch, split_microbatches
+from jaxpar.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
                                    pullback_from_stash, residual_plan, stashed_structs, write_stash)
-from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Actions, BufferSizes, ControlTable, Kind,
-                                   control_table, switch_branches)
+from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Actions, BufferSizes, ControlTable, Fused,
+                                   Kind, control_table, switch_branches)
 
 AXIS = "pipe"
 FSDP = "fsdp"
-CONTEXT = "context"
 FSDP_GATHER = ("step", "action")
 
 
@@ -108,16 +107,22 @@ def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int) -> Any:
     return jax.tree.map(add, acc, value)
 
 
-def _route(table: ControlTable, c: Actions, act, cot, messages: tuple) -> tuple:
+def _route(kinds: np.ndarray, c: Actions | Fused, act, cot, messages: tuple) -> tuple:
     """Writes the messages of this tick (from the previous stage, the next one, this one) into the receive
-    slots the table names; a (source, buffer) pair the table never uses is not traced at all."""
-    kinds = table.actions.arrive_buffer
+    slots ``c`` (this stage's entry of the fields of one channel: :class:`Actions`, or :class:`Fused` for an
+    ``FB``'s second message) names; a (source, buffer) pair the channel's ``kinds`` (its ``arrive_buffer``
+    field, the whole table) never uses is not traced at all."""
     for k in (PREV, NEXT, SELF):
         if (kinds[..., k] == ACTIVATIONS).any():
             act = _put(act, messages[k], c.arrive_slot[k], c.arrive_buffer[k] == ACTIVATIONS)
         if (kinds[..., k] == COTANGENTS).any():
             cot = _put(cot, messages[k], c.arrive_slot[k], c.arrive_buffer[k] == COTANGENTS)
     return act, cot
+
+
+def _is(kind: jax.Array, *kinds: Kind) -> jax.Array:
+    """Whether ``kind`` is one of ``kinds`` (``==`` terms or-ed in the order given)."""
+    return functools.reduce(operator.or_, [kind == k for k in kinds])
 
 
 def _num_rows(chunk_params: Any) -> int:
@@ -149,10 +154,11 @@ class _Out(NamedTuple):
     send: jax.Array        # the message: F's activation (last virtual stage: the loss cotangent), B's d input
     res: tuple             # one stash slot's values, (held leaves, shared buffers): F's stash, or (split B)
                            # zeros and, in the shared buffers, what its W needs (SharedSlots: B-only leaves' room)
-    dparams: Any           # B (fused) or W: this microbatch's chunk-parameter gradient (float32); a split B: its part
+    dparams: Any           # B (full) or W: this microbatch's chunk-parameter gradient (float32); a split B: its part
     dhead: Any             # F on the last virtual stage: head-parameter gradient (float32)
     loss: jax.Array        # F on the last virtual stage: loss / m (float32)
     aux: Any               # F on the last virtual stage: loss_fn's aux
+    send2: Any = None      # FB: its B's d input (the second channel); None in a table without FBs
 
 
 class _Carry(NamedTuple):
@@ -169,8 +175,9 @@ class _Carry(NamedTuple):
 # ------------------------------------------------------------------------------------------ interpreter
 
 @dataclasses.dataclass(frozen=True)
-class _Interpreter:
-    """The shard_map body. Static: the functions, the schedule and how to stash."""
+class Interpreter:
+    """The shard_map body (internal: :mod:`jaxpar.pipeline.core` wraps it). Static: the functions, the schedule
+    and how to stash."""
     stage_fn: Callable
     loss_fn: Callable | None
     schedule: Schedule
@@ -196,6 +203,11 @@ class _Interpreter:
     def dims(self) -> tuple:
         """Per stage-param leaf, the dim its gradient is reduce-scattered along over ``fsdp`` (or None)."""
         return self.fsdp_dims if FSDP in self.batch else ()
+
+    @property
+    def fused(self) -> bool:
+        """Whether the table has ``FB`` entries (then every action takes the fused ``B``'s operands too)."""
+        return any(a is not None and a.kind == "FB" for row in self.schedule.table for a in row)
 
     @property
     def p(self) -> int:
@@ -359,7 +371,20 @@ class _Interpreter:
             dparams = split_lib.backward_weight(split, params, x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
         split_kinds = {Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight} if split is not None else {}
-        return switch_branches({Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd, **split_kinds})
+        kinds = {Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd, **split_kinds}
+        if not self.fused:
+            return switch_branches(kinds)
+
+        def fused(forward):   # FB: the F, and the full B of the fused operands (fb), in one branch
+            def run(params, head, x, g, tgt, st, sl, keys, fb):
+                b_params, b_keys, b_slot = fb
+                out = forward(params, head, x, g, tgt, st, sl, keys)
+                back = bwd(b_params, head, x, g, tgt, st, sl._replace(stash=b_slot, bstash=b_slot), b_keys)
+                return out._replace(send2=back.send, dparams=back.dparams)
+            return run
+        drop = lambda branch: lambda *args: branch(*args[:-1])        # the other kinds ignore the FB operands
+        return switch_branches({**{k: drop(b) for k, b in kinds.items()}, Kind.FWD_BWD: fused(fwd),
+                                Kind.FWD_LAST_BWD: fused(fwd_last)})
 
     # --- value and gradient ------------------------------------------------------------------------------
     def _shared(self, plan, split, x0) -> SharedSlots:
@@ -378,7 +403,7 @@ class _Interpreter:
         held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, x0)
         one_slot = (_zeros(_part(held, res)[0]), _zeros(shared.buffer_structs()))
         zero = _Out(jnp.zeros_like(x0), one_slot, _zeros(one, f32), _zeros(head, f32),
-                    jnp.zeros((), f32), _zeros(aux))
+                    jnp.zeros((), f32), _zeros(aux), jnp.zeros_like(x0) if self.fused else None)
         buffers = lambda n: jnp.zeros((n, *x0.shape), x0.dtype)
         slots = lambda n, structs: tuple(jnp.zeros((n, *r.shape), r.dtype) for r in structs)
         stashes = _Stashes(slots(sizes.stash, _part(held, res)[0]), shared.zeros(sizes.bstash), ())
@@ -403,26 +428,36 @@ class _Interpreter:
         carry, zero = self._init(stage_params, head, x_micro, t_micro, table.sizes, plan, split)
         branches = self._branches(plan, split, zero, scale)
 
+        fb_kinds = (Kind.FWD_BWD, Kind.FWD_LAST_BWD) if self.fused else ()
+
         def tick(carry: _Carry, row: Actions):
             c = jax.tree.map(lambda a: a[stage], row)
-            kind, mb = c.kind, c.microbatch
+            kind, mb, f = c.kind, c.microbatch, c.fused           # f: an FB's B (None in a table without FBs)
             params = _chunk(stage_params, c.chunk, self.v)
             x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), carry.act[c.act_read])
             tgt = jax.tree.map(lambda t: microbatch(t, mb), t_micro)
             st, sl = carry.stashes, _Stashes(c.stash_slot, c.bstash_slot, c.wstash_slot)
             keys = self._layer_keys(rng, mb, c.chunk, layers)
-            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys)
-            act, cot = _route(table, c, carry.act, carry.cot, self._send(table, out.send))
+            fb = () if f is None else ((_chunk(stage_params, f.chunk, self.v),
+                                        self._layer_keys(rng, f.microbatch, f.chunk, layers), f.stash_slot),)
+            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys, *fb)
+            act, cot = _route(table.actions.arrive_buffer, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            is_fwd, is_b_input = (kind == Kind.FWD) | (kind == Kind.FWD_LAST), kind == Kind.BWD_INPUT
+            is_fwd, is_b_input = _is(kind, Kind.FWD, Kind.FWD_LAST, *fb_kinds), kind == Kind.BWD_INPUT
+            stashes = _Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
+                               write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | is_b_input), ())
+            gx = _put(carry.gx, out.send, mb, (c.first == 1) & ((kind == Kind.BWD) | is_b_input), axis=1)
+            g_chunk = c.chunk
+            if f is not None:       # the FB's B: its message on the second channel, its d input, its chunk
+                act, cot = _route(table.actions.fused.arrive_buffer, f, act, cot, self._send(table, out.send2))
+                gx = _put(gx, out.send2, f.microbatch, (f.first == 1) & _is(kind, *fb_kinds), axis=1)
+                g_chunk = jnp.where(_is(kind, *fb_kinds), f.chunk, c.chunk)
             return _Carry(
-                stashes=_Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
-                                 write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | is_b_input), ()),
-                act=act, cot=cot,
-                gx=_put(carry.gx, out.send, mb, (c.first == 1) & ((kind == Kind.BWD) | is_b_input), axis=1),
-                dparams=_add_chunk(carry.dparams, out.dparams, c.chunk, self.v), dhead=add(carry.dhead, out.dhead),
+                stashes=stashes, act=act, cot=cot, gx=gx,
+                dparams=_add_chunk(carry.dparams, out.dparams, g_chunk, self.v), dhead=add(carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
-                aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, kind == Kind.FWD_LAST), carry.aux, out.aux)), None
+                aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, _is(kind, Kind.FWD_LAST, *fb_kinds[1:])), carry.aux,
+                                 out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
         # once per step: the gradients' (and the loss's) reductions over pipe and the manual batch axes
@@ -452,175 +487,9 @@ class _Interpreter:
             x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), act[c.act_read])
             keys = self._layer_keys(rng, mb, c.chunk, layers)
             y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in, keys)
-            act, _ = _route(table, c, act, None, self._send(table, y))
+            act, _ = _route(table.actions.arrive_buffer, c, act, None, self._send(table, y))
             return (act, _put(ys, y, mb, kind == Kind.FWD_LAST, 1)), None
 
         init = self._vary((jnp.zeros((table.sizes.activations, *x0.shape), x0.dtype), jnp.zeros_like(x_micro)))
         (_, ys), _ = jax.lax.scan(tick, init, jax.tree.map(jnp.asarray, table.actions))
         return self._psum(ys, from_one_stage=True)
-
-
-# ----------------------------------------------------------------------------------- traceable cores
-
-def _over_pipe(body: Callable, schedule: Schedule, mesh: Mesh, in_specs: tuple, out_specs: Any,
-               batch: tuple[str, ...] = ()) -> Callable:
-    """``jax.shard_map`` of the interpreter over ``pipe`` and the manual batch axes ``batch`` (``tensor`` and any
-    other axis stay automatic: GSPMD partitions the stage function over them); with one stage, the body itself
-    (plain GSPMD: XLA rejects the pipe psums of a size-1 manual axis beside sharded auto axes)."""
-    if schedule.num_stages == 1:
-        return body
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS, *batch},
-                         check_vma=True)
-
-
-def manual_batch_axes(schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...], takes_rng: bool = False,
-                      comm: str = "step") -> tuple[str, ...]:
-    """The batch mesh axes (of size > 1) the interpreter's ``shard_map`` is manual over: those of ``batch_axes``
-    with ``comm='step'``, more than one stage and a stage function without an rng; else ``()`` (GSPMD then
-    reduces the data-parallel gradient inside each backward action, once per microbatch).
-
-    ``takes_rng`` keeps the GSPMD path: a stage function draws its dropout masks over the shape it is given,
-    and a manual shard sees only its rows, so its masks would differ from the non-pipelined step's (which
-    draws over the global microbatch); GSPMD's partitionable ``threefry`` draws the global values."""
-    if comm == "action" or schedule.num_stages == 1 or takes_rng:
-        return ()
-    return tuple(a for a in batch_axes if mesh.shape[a] > 1)
-
-
-def context_axes(schedule: Schedule, mesh: Mesh, takes_rng: bool = False, comm: str = "step") -> tuple[str, ...]:
-    """``('context',)`` when the interpreter's ``shard_map`` is manual over the sequence's context axis: the mesh
-    has ``context > 1`` and the body is manual over the batch axes (:func:`manual_batch_axes`'s conditions). Each
-    device then runs its chunk of every microbatch's sequence (the zigzag layout, :mod:`jaxpar.attention`), and
-    the loss and gradients are reduced over ``context`` as over the batch axes.
-
-    Raises:
-      ValueError: ``context > 1`` with ``comm='action'`` or a stage function that takes an rng.
-    """
-    if schedule.num_stages == 1 or dict(mesh.shape).get(CONTEXT, 1) == 1:
-        return ()
-    if comm == "action" or takes_rng:
-        raise ValueError(f"a pipeline over a context axis (context={mesh.shape[CONTEXT]}) runs manual over it, which "
-                         f"needs comm='step' and a stage function without an rng; got comm={comm!r}, "
-                         f"stage_takes_rng={takes_rng}")
-    return (CONTEXT,)
-
-
-def fsdp_dims(stage_specs: Any, num_leaves: int) -> tuple:
-    """Per stage-param leaf, the dim of its ``[chunks, layers, ...]`` block sharded over ``fsdp`` by
-    ``stage_specs`` (its ``PartitionSpec``\\ s as the state holds them; an entry ``fsdp`` or led by it), else None
-    (also for every leaf when ``stage_specs`` is None: weights replicated over ``fsdp``)."""
-    if stage_specs is None:
-        return (None,) * num_leaves
-    lead = lambda entry: entry[0] if isinstance(entry, tuple) and entry else entry
-    return tuple(next((d for d, e in enumerate(tuple(s or ())) if d >= 2 and lead(e) == FSDP), None)
-                 for s in jax.tree.leaves(stage_specs, is_leaf=lambda s: isinstance(s, P) or s is None))
-
-
-@contextlib.contextmanager
-def _local_rules(manual: tuple[str, ...]):
-    """The logical rules in context with the manual axes removed: inside the body a stage function's logical
-    constraints (e.g. ``constrain(x, 'batch', 'seq', 'embed')``) may name only automatic axes."""
-    rules = nn.get_logical_axis_rules()
-    if not manual or not rules:
-        yield
-        return
-    def strip(t):
-        if t is None or isinstance(t, str):
-            return None if t in manual else t
-        kept = tuple(a for a in t if a not in manual)
-        return kept or None
-    with nn.logical_axis_rules(tuple((name, strip(t)) for name, t in rules)):
-        yield
-
-
-def _stage_specs(stage_params: Any, interp: _Interpreter, sharded: bool) -> Any:
-    """Per stage-param leaf: ``P('pipe')``, or (``sharded``) ``P('pipe', ..., 'fsdp')`` with fsdp at its dim."""
-    leaves, treedef = jax.tree.flatten(stage_params)
-    dims = interp.dims() or (None,) * len(leaves)
-    spec = lambda d: P(AXIS) if d is None or not sharded else P(AXIS, *([None] * (d - 1)), FSDP)
-    return treedef.unflatten([spec(d) for d in dims])
-
-
-def _key_data(rng: jax.Array | None, takes_rng: bool) -> tuple[jax.Array | None, Callable]:
-    """``(raw key data, unwrap)``: a typed key crosses ``shard_map`` as its ``uint32`` data (``None`` without
-    ``takes_rng``)."""
-    if not takes_rng:
-        return None, lambda data: None
-    if rng is None:
-        raise ValueError("the stage function takes an rng (stage_takes_rng=True) but no key was given")
-    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng = jax.random.wrap_key_data(rng)
-    impl = jax.random.key_impl(rng)
-    return jax.random.key_data(rng), lambda data: jax.random.wrap_key_data(data, impl=impl)
-
-
-def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, mesh: Mesh,
-                        batch_axes: tuple[str, ...], stash: str = "residuals", has_aux: bool = False,
-                        takes_rng: bool = False, fsdp_gather: str = "step", comm: str = "step") -> Callable:
-    """The traceable (unvalidated, unjitted) body of :func:`jaxpar.pipeline.value_and_grad`.
-
-    Returns ``f(stage_params, head_params, x, targets, scale=None, rng=None, stage_specs=None) -> ((loss,
-    (g_stage, g_head, g_x)), aux)``, where ``aux`` holds ``loss_fn``'s aux per microbatch (leading axis ``m``; ``{}`` without aux) and the
-    gradients are of ``scale * loss`` (a float32 loss scale; the loss itself is unscaled). With ``takes_rng``
-    the stage function is ``stage_fn(params, x_mb, keys)``: the F of microbatch ``j`` on virtual stage ``vs``
-    (and its B and W) gets ``keys[l] = fold_in(fold_in(rng, j), vs * R + l)``, ``R`` the rows of one virtual
-    stage's params (its layers): one key per global layer. For use inside another jitted function (the train
-    step), under ``jax.set_mesh(mesh)``.
-
-    Communication (``comm='step'``, the default; see :func:`manual_batch_axes` for when it applies): the
-    ``shard_map`` is manual over ``pipe`` and the batch axes, so each device runs its rows of every
-    microbatch, accumulates its stage's float32 gradient locally over the microbatches and reduces it once
-    after the tick loop: ``psum_scatter`` over ``fsdp`` along the dim :func:`fsdp_dims` reads from ``stage_specs``
-    (the caller's state's specs; ``psum`` for a leaf not sharded over it) and ``psum`` over ``data``.
-    ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the ``shard_map``'s entry, for
-    all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
-    """
-    rows_over = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, comm)
-    manual = rows_over + context_axes(schedule, mesh, takes_rng, comm)   # the shards of one microbatch
-    batch_size = int(np.prod([mesh.shape[a] for a in manual], dtype=int))
-    fsdp = mesh.shape[FSDP] if FSDP in manual else 1
-
-    def run(stage_params, head_params, x, targets, scale=None, rng=None, stage_specs=None):
-        m = schedule.num_microbatches
-        dims = fsdp_dims(stage_specs, len(jax.tree.leaves(stage_params))) if fsdp > 1 else ()
-        interp = _Interpreter(stage_fn, loss_fn, schedule, stash, has_aux, takes_rng, manual, batch_size, dims,
-                              fsdp_gather, fsdp)
-
-        def inner(stage_params, head_params, x_micro, t_micro, scale, data):
-            with _local_rules(manual), pipeline_stages():
-                return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
-
-        x_micro = split_microbatches(x, m, batch_axes)
-        t_micro = jax.tree.map(lambda t: split_microbatches(t, m, batch_axes), targets)
-        scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-        data, unwrap = _key_data(rng, takes_rng)
-        rows = lambda t: P(rows_over or None, *((None, CONTEXT) if CONTEXT in manual and t.ndim >= 3 else ()))
-        body = _over_pipe(inner, schedule, mesh,
-                          in_specs=(_stage_specs(stage_params, interp, interp.gathers), P(), rows(x_micro),
-                                    jax.tree.map(rows, t_micro), P(), P()),
-                          out_specs=(P(), (_stage_specs(stage_params, interp, True), P(), rows(x_micro)), P()),
-                          batch=manual)
-        loss, (g_stage, g_head, gx_micro), aux = body(stage_params, head_params, x_micro, t_micro, scale, data)
-        return (loss, (g_stage, g_head, merge_microbatches(gx_micro, batch_axes))), aux
-    return run
-
-
-def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...],
-               takes_rng: bool = False) -> Callable:
-    """The traceable body of :func:`jaxpar.pipeline.apply`: ``f(stage_params, x, rng=None) -> y`` (with
-    ``takes_rng``, the stage function gets the keys :func:`value_and_grad_core` gives the same F)."""
-    manual = context_axes(schedule, mesh, takes_rng)   # the sequence's context axis, as in training
-    interp = _Interpreter(stage_fn, None, schedule.forward_only() if schedule.has_backward else schedule,
-                          takes_rng=takes_rng, batch=manual)
-
-    def run(stage_params, x, rng=None):
-        x_micro = split_microbatches(x, schedule.num_microbatches, batch_axes)
-        data, unwrap = _key_data(rng, takes_rng)
-
-        def inner(stage_params, x_micro, data):
-            with _local_rules(manual), pipeline_stages():
-                return interp.apply(stage_params, x_micro, unwrap(data))
-        rows = P(None, None, CONTEXT) if manual and x_micro.ndim >= 3 else P()
-        body = _over_pipe(inner, schedule, mesh, in_specs=(P(AXIS), rows, P()), out_specs=rows, batch=manual)
-        return merge_microbatches(body(stage_params, x_micro, data), batch_axes)
-    return run

@@ -47,7 +47,8 @@ from jaxpar.models import protocol
 from jaxpar.attention import shard_sequence
 from jaxpar.models.layers import PACKED_KEYS
 from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, check_stage_fn, struct
-from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
+from jaxpar.pipeline.core import apply_core, value_and_grad_core
+from jaxpar.pipeline.interpreter import AXIS
 from jaxpar.pipeline.layout import from_stage_layout, stage_order, to_stage_layout
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES

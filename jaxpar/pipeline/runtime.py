@@ -4,8 +4,9 @@ Both run a schedule's table over the ``pipe`` mesh axis, in three parts:
 
 * :mod:`jaxpar.pipeline.table`: the control-table compiler (a ``Schedule`` -> named ``[ticks, stages]``
   arrays and buffer sizes);
-* :mod:`jaxpar.pipeline.interpreter`: the ``shard_map`` body that executes any table, and the traceable
-  cores :func:`value_and_grad_core` / :func:`apply_core` (for use inside another jitted function);
+* :mod:`jaxpar.pipeline.interpreter`: the ``shard_map`` body that executes any table, and
+  :mod:`jaxpar.pipeline.core`: the traceable cores :func:`value_and_grad_core` / :func:`apply_core` (for use
+  inside another jitted function);
 * :mod:`jaxpar.pipeline.checks`: the argument checks, run before tracing.
 
 This module validates, places host inputs, and jits the cores (``jaxpar.jit.MeshJit``) with outputs in the
@@ -25,7 +26,8 @@ from jaxpar import sharding as shd
 from jaxpar.jit import MeshJit
 from jaxpar.pipeline.checks import (check_batch, check_comm_options, check_loss_fn,
                                     check_mesh_and_schedule, check_stage_fn, check_stage_params)
-from jaxpar.pipeline.interpreter import AXIS, apply_core, value_and_grad_core
+from jaxpar.pipeline.core import apply_core, value_and_grad_core
+from jaxpar.pipeline.interpreter import AXIS
 from jaxpar.pipeline.schedules import Schedule
 
 __all__ = ["apply", "value_and_grad"]

@@ -2,9 +2,13 @@
 
 A :class:`Schedule` says what every stage (device on the ``pipe`` axis) does at every tick:
 ``F(microbatch, chunk)`` (forward), ``B(microbatch, chunk)`` (backward), ``W(microbatch, chunk)`` (a separate
-weight-gradient pass, in zero-bubble tables) or ``None`` (idle). Without ``W``\\ s a ``B`` computes the input
-and the weight gradients together; with them (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2) a
-``B`` computes the input gradient only and the ``W`` of the same microbatch and chunk the weight gradient.
+weight-gradient pass, in zero-bubble tables), ``FB(mb, chunk, b_mb, b_chunk)`` (a forward and a full backward
+fused in one tick, DualPipeV's overlapped pair: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1)
+or ``None`` (idle). A ``B`` without a ``W`` of the same microbatch and chunk computes the input and the weight
+gradients together; with one (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2) the ``B`` computes
+the input gradient only and the ``W`` the weight gradient. Zero-bubble tables split every backward, DualPipeV
+only some; an ``FB``'s backward is always full. An ``FB`` is its ``F`` and its ``B`` at the same tick for every
+check and count below.
 
 **Chunks and placement.** Each stage holds ``num_chunks`` model chunks (virtual stages; Narayanan et al. 2021,
 sec. 2.2, interleaved stages). The model is the chain of ``num_stages * num_chunks`` virtual stages
@@ -50,18 +54,35 @@ from typing import NamedTuple
 
 from jaxpar.checks import positive_int
 
-KINDS = ("F", "B", "W")
+KINDS = ("F", "B", "W", "FB")
 Placement = tuple[tuple[int, ...], ...]
 
 
 class Action(NamedTuple):
-    """One unit of work: ``kind`` is ``'F'``, ``'B'`` or ``'W'``; ``microbatch`` and ``chunk`` count from 0."""
+    """One unit of work: ``kind`` is ``'F'``, ``'B'``, ``'W'`` or ``'FB'``; ``microbatch`` and ``chunk`` count from 0.
+
+    ``'FB'`` (:func:`FB`) is a forward and a full backward in one tick on one stage: ``microbatch`` and ``chunk``
+    are its forward's, ``backward`` its ``B`` (another microbatch, usually another chunk). Every other kind
+    leaves ``backward`` ``None``.
+    """
     kind: str
     microbatch: int
     chunk: int = 0
+    backward: Action | None = None
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        own = f"{'F' if self.kind == 'FB' else self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        return own + (f"+{self.backward}" if self.kind == "FB" else "")
+
+    def __repr__(self) -> str:            # the three-field form unless it has a backward (as before FB)
+        back = "" if self.backward is None else f", backward={self.backward!r}"
+        return f"Action(kind={self.kind!r}, microbatch={self.microbatch!r}, chunk={self.chunk!r}{back})"
+
+    def parts(self) -> tuple[Action, ...]:
+        """The single actions this entry runs: ``(F, B)`` for an ``FB``, else ``(self,)``."""
+        if self.kind == "FB":
+            return Action("F", self.microbatch, self.chunk), self.backward
+        return (self,)
 
 
 def F(microbatch: int, chunk: int = 0) -> Action:
@@ -70,13 +91,32 @@ def F(microbatch: int, chunk: int = 0) -> Action:
 
 
 def B(microbatch: int, chunk: int = 0) -> Action:
-    """The backward pass of ``microbatch`` through ``chunk`` (input gradient only when the table has ``W``\\ s)."""
+    """The backward pass of ``microbatch`` through ``chunk``: the input gradient only when the table has a ``W``
+    of the same microbatch and chunk, else input and weight gradients (a full backward)."""
     return Action("B", microbatch, chunk)
 
 
 def W(microbatch: int, chunk: int = 0) -> Action:
-    """The weight-gradient pass of ``microbatch`` (a table that has ``W``\\ s has one for every ``B``)."""
+    """The weight-gradient pass of ``microbatch`` (its ``B`` then computes the input gradient only)."""
     return Action("W", microbatch, chunk)
+
+
+def FB(microbatch: int, chunk: int, backward_microbatch: int, backward_chunk: int) -> Action:
+    """The forward of ``microbatch`` on ``chunk`` and the full backward of ``backward_microbatch`` on
+    ``backward_chunk``, fused in one tick on one stage (their computations are independent, so the compiler may
+    overlap them): DualPipe's overlapped forward-and-backward chunk (DeepSeek-AI 2024, "DeepSeek-V3 Technical
+    Report", sec. 3.2.1, fig. 4-5; torch's ``OVERLAP_F_B``). Written ``F3+B1.1`` (``str``).
+
+    The backward is a full one (input and weight gradients): a table must hold no ``W`` of its microbatch and
+    chunk. In the tick model the pair costs one tick; :func:`jaxpar.pipeline.analysis.timing` costs it ``F``
+    plus a full ``B``.
+    """
+    return Action("FB", microbatch, chunk, Action("B", backward_microbatch, backward_chunk))
+
+
+def _parts(row) -> list[tuple[int, Action]]:
+    """``(stage, single action)`` of every action a table row runs (an ``FB`` gives its ``F`` and its ``B``)."""
+    return [(s, part) for s, a in enumerate(row) if a is not None for part in a.parts()]
 
 
 def round_robin(num_stages: int, num_chunks: int) -> Placement:
@@ -187,11 +227,12 @@ class Schedule:
     @property
     def has_backward(self) -> bool:
         """False for a forward-only table (inference), True for a training table."""
-        return any(a is not None and a.kind == "B" for row in self.table for a in row)
+        return any(a.kind == "B" for row in self.table for _, a in _parts(row))
 
     @property
     def split_backward(self) -> bool:
-        """True when the table has ``W`` actions (its ``B``\\ s then compute input gradients only)."""
+        """True when the table has ``W`` actions (a ``B`` with a ``W`` of its own then computes the input gradient
+        only; one without, as in DualPipeV, is a full backward)."""
         return any(a is not None and a.kind == "W" for row in self.table for a in row)
 
     @property
@@ -205,14 +246,15 @@ class Schedule:
         return idle / (self.num_ticks * self.num_stages)
 
     def ticks(self) -> dict[tuple[str, int, int], int]:
-        """``(kind, microbatch, virtual stage) -> tick`` of every action."""
+        """``(kind, microbatch, virtual stage) -> tick`` of every action (an ``FB`` gives its ``F`` and ``B``)."""
         return _tick_index(self)
 
     def lifetimes(self) -> dict[str, tuple[Interval, ...]]:
         """The buffer intervals: ``{'stash', 'bstash', 'wstash', 'activations', 'cotangents'}`` -> intervals.
 
         See the module docstring for what each buffer holds and when its slot is in use; ``bstash`` and
-        ``wstash`` are empty without ``W``\\ s.
+        ``wstash`` are empty without ``W``\\ s. A (microbatch, chunk) without a ``W`` (a full backward) holds its
+        stash from its ``F`` to its ``B``.
         """
         when, last = _tick_index(self), self.num_virtual_stages - 1
         split, backward = self.split_backward, self.has_backward     # each a pass over the table: once
@@ -221,7 +263,7 @@ class Schedule:
         for (kind, j, v), t in when.items():
             s, c = self.location(v)
             if kind == "F" and backward:
-                out["stash"].append(Interval(s, t, when[("W" if split else "B", j, v)], j, c))
+                out["stash"].append(Interval(s, t, when.get(("W", j, v), when[("B", j, v)]), j, c))
             if kind == "F" and split:
                 out["bstash"].append(Interval(s, t, when[("B", j, v)], j, c))
             if kind == "F" and v > 0:
@@ -263,7 +305,7 @@ class Schedule:
         """The forward-only table of the same stages, chunks and placement (for inference): each stage runs
         its ``F``\\ s in this table's order, each at the earliest tick its input allows (GPipe and 1F1B:
         ``F(j)`` on stage ``s`` at tick ``j + s``)."""
-        orders = [[a for row in self.table if (a := row[s]) is not None and a.kind == "F"]
+        orders = [[a for row in self.table for st, a in _parts(row) if st == s and a.kind == "F"]
                   for s in range(self.num_stages)]
         return place_in_order(f"{self.name}/forward", self.num_microbatches, orders, self.num_chunks,
                               self.placement)
@@ -335,7 +377,11 @@ def _check_table(schedule: Schedule) -> None:
         check_table_size(f"schedule {schedule.name!r}", len(schedule.table), schedule.num_stages)
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
-            if isinstance(a, Action) and not (is_index(a.microbatch) and is_index(a.chunk)):
+            if isinstance(a, Action) and (a.kind == "FB") != isinstance(a.backward, Action):
+                raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s} holds {a!r}; only an FB action has a "
+                                 "backward, and it needs one: build it with jp.pipeline.FB(mb, chunk, b_mb, b_chunk)")
+            parts = a.parts() if isinstance(a, Action) else ()
+            if not all(is_index(x.microbatch) and is_index(x.chunk) for x in parts):
                 raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s} holds {a!r}; its microbatch and "
                                  "chunk must be ints >= 0")
 
@@ -343,7 +389,7 @@ def _check_table(schedule: Schedule) -> None:
 def _tick_index(schedule: Schedule) -> dict[tuple[str, int, int], int]:
     """``(kind, microbatch, virtual stage) -> tick``, assuming a valid table."""
     return {(a.kind, a.microbatch, schedule.placement[s][a.chunk]): t
-            for t, row in enumerate(schedule.table) for s, a in enumerate(row) if a is not None}
+            for t, row in enumerate(schedule.table) for s, a in _parts(row)}
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -369,10 +415,12 @@ def _check_shape(schedule: Schedule) -> None:
         for s, a in enumerate(row):
             if a is None:
                 continue
-            if not isinstance(a, Action) or a.kind not in KINDS:
+            if (not isinstance(a, Action) or a.kind not in KINDS
+                    or (a.kind == "FB" and a.backward.kind != "B")):
                 raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s} holds {a!r}; use F(mb, chunk), "
-                                 "B(mb, chunk), W(mb, chunk) or None")
-            if not (0 <= a.microbatch < schedule.num_microbatches and 0 <= a.chunk < schedule.num_chunks):
+                                 "B(mb, chunk), W(mb, chunk), FB(mb, chunk, b_mb, b_chunk) or None")
+            if not all(0 <= x.microbatch < schedule.num_microbatches and 0 <= x.chunk < schedule.num_chunks
+                       for x in a.parts()):
                 raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s}: {a} is out of range (microbatches "
                                  f"0..{schedule.num_microbatches - 1}, chunks 0..{schedule.num_chunks - 1})")
 
@@ -384,12 +432,11 @@ def _where(schedule: Schedule, vstage: int) -> str:
 
 
 def _check_once(schedule: Schedule) -> dict[tuple[str, int, int], int]:
-    """Every action exactly once; returns the tick index."""
+    """Every ``F`` and ``B`` exactly once, a ``W`` at most once, none for an ``FB``'s (full) backward; returns
+    the tick index."""
     seen: dict[tuple[str, int, int], int] = {}
     for t, row in enumerate(schedule.table):
-        for s, a in enumerate(row):
-            if a is None:
-                continue
+        for s, a in _parts(row):
             key = (a.kind, a.microbatch, schedule.placement[s][a.chunk])
             if key in seen:
                 raise ValueError(f"schedule {schedule.name!r}: {a} on {_where(schedule, key[2])} appears twice (ticks "
@@ -398,7 +445,14 @@ def _check_once(schedule: Schedule) -> dict[tuple[str, int, int], int]:
     kinds = {"F", "B", "W"} & {k[0] for k in seen}
     if "W" in kinds and "B" not in kinds:
         raise ValueError(f"schedule {schedule.name!r} has W actions but no B actions")
-    for kind in sorted(kinds | {"F"}):
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if a is not None and a.kind == "FB" and ("W", a.backward.microbatch, schedule.placement[s][
+                    a.backward.chunk]) in seen:
+                raise ValueError(f"schedule {schedule.name!r}: tick {t} stage {s}: {a} fuses a full backward, but the "
+                                 f"table also has W{a.backward.microbatch} of its chunk; drop that W (an FB's B "
+                                 "computes the weight gradient too)")
+    for kind in sorted((kinds - {"W"}) | {"F"}):
         for j in range(schedule.num_microbatches):
             for v in range(schedule.num_virtual_stages):
                 if (kind, j, v) not in seen:
@@ -423,7 +477,9 @@ def validate(schedule: Schedule) -> None:
 
     Dependencies (:func:`dependencies`), over virtual stages ``v`` (placed by ``schedule.placement``): ``F(j)``
     of ``v`` after ``F(j)`` of ``v-1``; ``B(j)`` of ``v`` after ``F(j)`` of ``v`` and after ``B(j)`` of ``v+1``;
-    ``W(j)`` after ``B(j)`` of the same ``v``. A table without ``B``\\ s is a forward-only (inference) table.
+    ``W(j)`` after ``B(j)`` of the same ``v``. A table without ``B``\\ s is a forward-only (inference) table. A
+    ``W`` is optional per microbatch and chunk (without one the ``B`` is a full backward); an ``FB`` is its ``F``
+    and its ``B`` at the same tick, and its ``B`` has no ``W``.
 
     Raises:
       ValueError: naming the first offending tick, stage (chunk and virtual stage) and action; or a table of
@@ -459,33 +515,39 @@ def place_in_order(name: str, num_microbatches: int, orders: Sequence[Sequence[A
         for s in range(p):
             if pos[s] < len(orders[s]):
                 a = orders[s][pos[s]]
-                if all(d in done for d in dependencies(a.kind, a.microbatch, placement[s][a.chunk], num_v)):
+                if all(d in done for d in _needs(a, placement[s], num_v)):
                     row[s] = a
         if not any(row):
             raise ValueError(_deadlock(name, len(table), orders, pos, placement, done))
-        for s, a in enumerate(row):
-            if a is not None:
-                done[(a.kind, a.microbatch, placement[s][a.chunk])] = len(table)
-                pos[s] += 1
+        for s, a in _parts(row):
+            done[(a.kind, a.microbatch, placement[s][a.chunk])] = len(table)
+        pos = [k + (row[s] is not None) for s, k in enumerate(pos)]
         table.append(tuple(row))
     return Schedule(name, p, num_microbatches, table, num_chunks, placement)
+
+
+def _needs(a: Action, chunks: Sequence[int], num_v: int) -> list[tuple[str, int, int]]:
+    """The ``(kind, microbatch, virtual stage)`` actions an entry (each part of an ``FB``) waits for, on a stage
+    whose chunks run the virtual stages ``chunks``."""
+    return [d for x in a.parts() for d in dependencies(x.kind, x.microbatch, chunks[x.chunk], num_v)]
 
 
 def _deadlock(name, tick, orders, pos, placement, done) -> str:
     """The message for orders that deadlock: each stuck stage's next action and what it waits for."""
     num_v = len(placement) * len(placement[0])
-    listed = {(a.kind, a.microbatch, placement[s][a.chunk]) for s, order in enumerate(orders) for a in order}
+    listed = {(x.kind, x.microbatch, placement[s][x.chunk]) for s, order in enumerate(orders) for a in order
+              for x in a.parts()}
     stuck = []
     for s, order in enumerate(orders):
         if pos[s] < len(order):
             a = order[pos[s]]
             waits = [f"{k}{j} of virtual stage {v}" + ("" if (k, j, v) in listed else " (in no stage's list)")
-                     for k, j, v in dependencies(a.kind, a.microbatch, placement[s][a.chunk], num_v)
+                     for k, j, v in _needs(a, placement[s], num_v)
                      if (k, j, v) not in done]
             stuck.append(f"stage {s}: {a} waits for " + ", ".join(waits))
     return (f"schedule {name!r}: the action orders deadlock at tick {tick} (" + "; ".join(stuck)
             + "); reorder them so that every dependency can run first, and list every action once")
 
 
-__all__ = ["Action", "B", "F", "Interval", "MAX_TABLE_ENTRIES", "Placement", "Schedule", "W", "check_table_size",
+__all__ = ["Action", "B", "F", "FB", "Interval", "MAX_TABLE_ENTRIES", "Placement", "Schedule", "W", "check_table_size",
            "dependencies", "is_index", "place_in_order", "round_robin", "v_shape", "validate"]

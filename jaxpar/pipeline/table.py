@@ -17,6 +17,11 @@ which receive buffer the message goes to, if any, and in which slot. So sends ru
 one tick, and a virtual stage handing off to another on the same stage (the V placement's turn on the last
 stage, or the loss cotangent) is a local write.
 
+**Fused actions.** A table with ``FB`` entries (DualPipeV) runs two actions on a stage in one tick: the ``F``
+is described by the usual fields, its ``B`` by :class:`Fused` (``Actions.fused``; ``None`` for every other table,
+so their programs are unchanged). Such a ``B``'s input cotangent is a second message, handed round like the
+first on a second channel with its own ``arrive_*`` fields.
+
 Schedule validation (dependencies, every action once) is :mod:`jaxpar.pipeline.schedules`' job; this
 module assumes a valid table.
 """
@@ -44,8 +49,10 @@ class Kind(enum.IntEnum):
     FWD = 1         # F on a virtual stage before the last
     FWD_LAST = 2    # F on the last virtual stage: also the loss, its gradient and the loss cotangent
     BWD = 3         # a fused B: input and weight gradients
-    BWD_INPUT = 4   # a split B (the table has W's): the input gradient only
+    BWD_INPUT = 4   # a split B (its W is elsewhere in the table): the input gradient only
     BWD_WEIGHT = 5  # W: the weight gradient of a split B
+    FWD_BWD = 6     # FB: F on a virtual stage before the last, and a fused B (the :class:`Fused` fields) in one tick
+    FWD_LAST_BWD = 7  # FB whose F is on the last virtual stage (also the loss), and a fused B
 
 
 def _named(kind: Kind, branch: Callable) -> Callable:
@@ -70,9 +77,21 @@ SOURCES = ("prev", "next", "self")
 NO_BUFFER, ACTIVATIONS, COTANGENTS = range(3)
 
 
+class Fused(NamedTuple):
+    """The ``B`` of each ``FB`` entry (zeros elsewhere), and the second message channel: its input cotangent.
+    Shapes as in :class:`Actions`."""
+    microbatch: np.ndarray    # the fused B's microbatch
+    chunk: np.ndarray         # its chunk (where its parameter gradient is added)
+    first: np.ndarray         # 1 where its virtual stage is 0 (it writes d input)
+    stash_slot: np.ndarray    # the stash slot it reads (and, with split backwards, the bstash slot)
+    arrive_buffer: np.ndarray  # per source: NO_BUFFER or COTANGENTS, for a fused B's message received
+    arrive_slot: np.ndarray    # per source: its slot
+
+
 class Actions(NamedTuple):
     """What each (tick, stage) does: int32 ``[num_ticks, num_stages]`` fields, the ``arrive_*`` fields
-    ``[num_ticks, num_stages, 3]`` (one entry per source in :data:`SOURCES`).
+    ``[num_ticks, num_stages, 3]`` (one entry per source in :data:`SOURCES`); ``fused``: :class:`Fused` for a
+    table with ``FB`` entries, else ``None``.
 
     Arrivals at tick ``t`` are written after the action of tick ``t`` read its slots, so a slot read at tick
     ``t`` may be written again at tick ``t``.
@@ -88,6 +107,7 @@ class Actions(NamedTuple):
     cot_read: np.ndarray      # cotangent slot B reads its output cotangent from
     arrive_buffer: np.ndarray  # per source: NO_BUFFER, ACTIVATIONS or COTANGENTS
     arrive_slot: np.ndarray    # per source: the slot of that buffer the message is written to
+    fused: Fused | None = None
 
 
 class BufferSizes(NamedTuple):
@@ -134,16 +154,24 @@ def _source(p: int, sender: int, receiver: int) -> int:
     raise AssertionError(f"virtual stages on stages {sender} and {receiver} are not neighbours")  # a placement bug
 
 
-def _kinds(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
-    last, split = schedule.num_virtual_stages - 1, schedule.split_backward
+def _kinds(schedule: Schedule, arrays: dict[str, np.ndarray], fused: dict[str, np.ndarray] | None) -> None:
+    """The kind, microbatch, chunk and first fields (an ``FB``'s ``F`` in ``arrays``, its ``B`` in ``fused``). A
+    ``B`` with a ``W`` of its own computes the input gradient only; one without is a full backward."""
+    last, when = schedule.num_virtual_stages - 1, schedule.ticks()
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
             if a is None:
                 continue
             v = schedule.virtual_stage(s, a.chunk)
+            split = ("W", a.microbatch, v) in when
             arrays["kind"][t, s] = {"F": Kind.FWD_LAST if v == last else Kind.FWD, "W": Kind.BWD_WEIGHT,
-                                    "B": Kind.BWD_INPUT if split else Kind.BWD}[a.kind]
+                                    "B": Kind.BWD_INPUT if split else Kind.BWD,
+                                    "FB": Kind.FWD_LAST_BWD if v == last else Kind.FWD_BWD}[a.kind]
             arrays["microbatch"][t, s], arrays["chunk"][t, s], arrays["first"][t, s] = a.microbatch, a.chunk, v == 0
+            if a.kind == "FB":
+                b = a.backward
+                fused["microbatch"][t, s], fused["chunk"][t, s] = b.microbatch, b.chunk
+                fused["first"][t, s] = schedule.virtual_stage(s, b.chunk) == 0
 
 
 def _sender(schedule: Schedule, buffer: str, iv: Interval) -> int:
@@ -162,44 +190,58 @@ def control_table(schedule: Schedule) -> ControlTable:
       ``ControlTable(actions, sizes, to_next, to_prev)``; see :class:`Actions` for the fields.
     """
     p, T = schedule.num_stages, schedule.num_ticks
-    arrays = {name: np.zeros((T, p, 3) if name.startswith("arrive") else (T, p), np.int32)
-              for name in Actions._fields}
-    _kinds(schedule, arrays)
+    new = lambda names: {name: np.zeros((T, p, 3) if name.startswith("arrive") else (T, p), np.int32)
+                         for name in names}
+    arrays = new(Actions._fields[:-1])
+    fb = {(t, s) for t, row in enumerate(schedule.table) for s, a in enumerate(row) if a is not None and a.kind == "FB"}
+    fused = new(Fused._fields) if fb else None
+    _kinds(schedule, arrays, fused)
     lifetimes, sizes, used = schedule.lifetimes(), {}, set()
     for name in ("stash", "bstash", "wstash"):
         field, count = f"{name}_slot", 0
         for s in range(p):
             for iv, k in _colour([iv for iv in lifetimes[name] if iv.stage == s]).items():
-                arrays[field][iv.start, s] = arrays[field][iv.stop, s] = k
+                arrays[field][iv.start, s] = k
+                if (iv.stop, s) not in fb:
+                    arrays[field][iv.stop, s] = k
+                elif name == "stash":                    # an FB's B reads its stash (and bstash) slot
+                    fused["stash_slot"][iv.stop, s] = k
                 count = max(count, k + 1)
         sizes[name] = max(count, 1)
+    last = schedule.num_virtual_stages - 1
     for name, buffer, read in (("activations", ACTIVATIONS, "act_read"), ("cotangents", COTANGENTS, "cot_read")):
         count = 0
         for s in range(p):
             for iv, k in _colour([iv for iv in lifetimes[name] if iv.stage == s]).items():
-                src = _source(p, _sender(schedule, name, iv), s)
-                arrays["arrive_buffer"][iv.start, s, src], arrays["arrive_slot"][iv.start, s, src] = buffer, k
+                sender = _sender(schedule, name, iv)
+                src = _source(p, sender, s)
+                second = buffer == COTANGENTS and schedule.virtual_stage(s, iv.chunk) < last and (iv.start, sender) in fb
+                arrive = fused if second else arrays                       # sent by an FB's B: the second channel
+                arrive["arrive_buffer"][iv.start, s, src], arrive["arrive_slot"][iv.start, s, src] = buffer, k
                 arrays[read][iv.stop, s] = k
                 used.add((src, s))
                 count = max(count, k + 1)
         sizes[name] = max(count, 1)
-    _stash_at_backward(schedule, arrays, sizes)
+    _stash_at_backward(schedule, arrays, sizes, fb)
     to_next = tuple(((s - 1) % p, s) for s in range(p) if (PREV, s) in used)
     to_prev = tuple(((s + 1) % p, s) for s in range(p) if (NEXT, s) in used)
-    return ControlTable(Actions(**arrays), BufferSizes(**sizes), to_next, to_prev)
+    return ControlTable(Actions(**arrays, fused=None if fused is None else Fused(**fused)), BufferSizes(**sizes),
+                        to_next, to_prev)
 
 
-def _stash_at_backward(schedule: Schedule, arrays: dict[str, np.ndarray], sizes: dict[str, int]) -> None:
+def _stash_at_backward(schedule: Schedule, arrays: dict[str, np.ndarray], sizes: dict[str, int],
+                       fb: set[tuple[int, int]]) -> None:
     """With split backwards the stash interval runs from ``F`` to ``W``: its ``B`` reads the same slot. The
     B-only leaves (``bstash``, ``F`` to ``B``) and ``B``'s carry to ``W`` (``wstash``, ``B`` to ``W``) share
     one buffer (:class:`jaxpar.pipeline.stash.SharedSlots`) with the stash's slots: a (microbatch, chunk) keeps
-    its stash slot in all three from its ``F`` to its ``W``."""
+    its stash slot in all three from its ``F`` to its ``W``. (An ``FB``'s ``B``, ``fb``'s (tick, stage), reads
+    :attr:`Fused.stash_slot`, set with its interval.)"""
     if not schedule.split_backward:
         return
     when = schedule.ticks()
     for (kind, j, v), t in when.items():
-        if kind == "B":
-            s, _ = schedule.location(v)
+        s, _ = schedule.location(v)
+        if kind == "B" and (t, s) not in fb:
             arrays["stash_slot"][t, s] = arrays["stash_slot"][when[("F", j, v)], s]
     arrays["bstash_slot"][:] = arrays["wstash_slot"][:] = arrays["stash_slot"]
     sizes["bstash"] = sizes["wstash"] = sizes["stash"]

@@ -1,5 +1,5 @@
-"""jaxpar/pipeline/builders.py: GPipe, 1F1B, interleaved 1F1B (virtual stages), ZB-H1 and ZB-V tables, their
-figures over grids of (p, m), and the builders' argument checks."""
+"""jaxpar/pipeline/builders.py: GPipe, 1F1B, interleaved 1F1B (virtual stages), ZB-H1, ZB-V and DualPipeV tables,
+their figures over grids of (p, m), and the builders' argument checks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import jaxpar as jp
 from jaxpar.pipeline import B, F, gpipe, one_f_one_b
 from jaxpar.pipeline.analysis import timing
+from jaxpar.pipeline.schedules import v_shape
 from jaxpar.pipeline.table import ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, control_table
 
 P = jp.pipeline
@@ -196,6 +197,10 @@ def test_zb_v_placement_ticks_and_memory():
 
 
 def test_zero_bubble_errors():
+    """(Every builder's non-integer sizes: test_builders_still_refuse_non_integers below.)"""
+    with pytest.raises(ValueError, match=r"dualpipe_v needs num_microbatches >= 2 \* num_stages .* got 7 microbatches "
+                                         r"for 4 stages; use num_microbatches >= 8"):
+        jp.pipeline.dualpipe_v(4, 7)
     with pytest.raises(ValueError, match=r"zero_bubble needs num_microbatches >= num_stages, got 2 microbatches "
                                          r"for 4 stages"):
         jp.pipeline.zero_bubble(4, 2)
@@ -205,11 +210,59 @@ def test_zero_bubble_errors():
         jp.pipeline.zero_bubble_v(0, 3)
 
 
+# ------------------------------------------------------------------------------------------ DualPipeV
+
+# torch 2.13's ScheduleDualPipeV(...).pipeline_order at p=4, m=8, each rank's actions as str() writes them
+# (tests/pipeline/test_analysis.py generates it again where torch is installed): the reference order.
+TORCH_DUALPIPEV_4_8 = [
+    "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 (0F7;7B3)OVERLAP_F_B (7F4;0B0)OVERLAP_F_B 7B4 "
+    "(7F5;0B1)OVERLAP_F_B 7B5 (7F6;0B2)OVERLAP_F_B 7B6 (7F7;0B3)OVERLAP_F_B 7B7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7",
+    "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 (1F6;6B2)OVERLAP_F_B (6F4;1B0)OVERLAP_F_B "
+    "(1F7;6B3)OVERLAP_F_B (6F5;1B1)OVERLAP_F_B 6B4 (6F6;1B2)OVERLAP_F_B 6B5 (6F7;1B3)OVERLAP_F_B 6B6 1B4 6I7 1I5 6W7 "
+    "1I6 1W5 1I7 1W6 1W7",
+    "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 (2F5;5B1)OVERLAP_F_B (5F4;2B0)OVERLAP_F_B (2F6;5B2)OVERLAP_F_B "
+    "(5F5;2B1)OVERLAP_F_B (2F7;5B3)OVERLAP_F_B (5F6;2B2)OVERLAP_F_B 5B4 (5F7;2B3)OVERLAP_F_B 5B5 2B4 5B6 2I5 5I7 2I6 "
+    "2W5 2I7 5W7 2W6 2W7",
+    "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 (4F4;3B0)OVERLAP_F_B (3F5;4B1)OVERLAP_F_B (4F5;3B1)OVERLAP_F_B "
+    "(3F6;4B2)OVERLAP_F_B (4F6;3B2)OVERLAP_F_B (3F7;4B3)OVERLAP_F_B (4F7;3B3)OVERLAP_F_B 4B4 3B4 4B5 3B5 4I6 3I6 4I7 "
+    "3I7 4W6 3W6 4W7 3W7"]
+
+
+def test_dualpipe_v_is_torchs_order():
+    """DualPipeV at p=4, m=8 is torch's ScheduleDualPipeV order placed at the earliest ticks: the same table, the V
+    placement; the steady state fuses the forward of one chunk with the full backward of the other."""
+    s = jp.pipeline.dualpipe_v(4, 8)
+    ref = jp.pipeline.from_actions([row.split() for row in TORCH_DUALPIPEV_4_8], name="torch")
+    assert s.table == ref.table and s.placement == ref.placement == v_shape(4) and s.num_ticks == 34
+    fused = [(st, a) for row in s.table for st, a in enumerate(row) if a is not None and a.kind == "FB"]
+    assert len(fused) == 5 + 6 + 7 + 7 and all(a.chunk != a.backward.chunk for _, a in fused)
+    when = s.ticks()
+    full = [(j, v) for k, j, v in when if k == "B" and ("W", j, v) not in when]
+    assert s.split_backward and 0 < len(full) < 2 * 4 * 8          # full and split backwards mixed
+    print(f"\n{s}")
+
+
+def test_dualpipe_v_bubble_and_stash_over_a_grid():
+    """With F = B (input gradient) = W = 1, a full backward 2 and an FB 3, every device idles
+    ``(p-1)(F&B + B - 3W) = 2 (p-1)`` (DeepSeek-AI 2024, sec. 3.2.1; the DualPipe README's bubble formula, B the
+    full backward), whatever ``m``; the peak stash is at most ``2p + 1`` chunk-microbatches (ZB-V: ``2p``)."""
+    for p in range(1, 6):
+        for m in range(2 * p, 2 * p + 7):
+            s = jp.pipeline.dualpipe_v(p, m)
+            t = timing(s, {"F": 1, "B": 1, "W": 1})
+            assert t.work == 2 * m * p * 3 and t.makespan - t.work / p == 2 * (p - 1), (p, m, t.makespan)
+            assert max(s.peak_stash) <= 2 * p + 1, (p, m, s.peak_stash)
+    s = jp.pipeline.dualpipe_v(4, 8)
+    assert s.peak_stash == (8, 8, 8, 9) and s.peak_wstash == (1, 2, 3, 4)
+    assert timing(s, {"F": 1, "B": 1, "W": 1}).bubble == pytest.approx(6 / 54)
+
+
 # -------------------------------------------------------------------------------- every builder's arguments
 
 ALL_BUILDERS = {"gpipe": lambda p, m: P.gpipe(p, m), "one_f_one_b": lambda p, m: P.one_f_one_b(p, m),
             "interleaved_1f1b": lambda p, m: P.interleaved_1f1b(p, m, np.int16(2)),
-            "zero_bubble": lambda p, m: P.zero_bubble(p, m), "zero_bubble_v": lambda p, m: P.zero_bubble_v(p, m)}
+            "zero_bubble": lambda p, m: P.zero_bubble(p, m), "zero_bubble_v": lambda p, m: P.zero_bubble_v(p, m),
+            "dualpipe_v": lambda p, m: P.dualpipe_v(p, m)}
 
 
 @pytest.mark.parametrize("name", list(ALL_BUILDERS))
@@ -241,7 +294,9 @@ TOO_BIG = [(lambda: P.gpipe(10 ** 6, 1), r"gpipe\(num_stages=1000000, num_microb
            (lambda: P.zero_bubble(4, 10 ** 6), r"zero_bubble\(num_stages=4, num_microbatches=1000000\): a table of at "
                                                r"least 3000003 ticks"),
            (lambda: P.zero_bubble_v(2, 10 ** 6), r"zero_bubble_v\(num_stages=2, num_microbatches=1000000\): a table of "
-                                                 r"at least 6000001 ticks")]
+                                                 r"at least 6000001 ticks"),
+           (lambda: P.dualpipe_v(2, 10 ** 7), r"dualpipe_v\(num_stages=2, num_microbatches=10000000\): a table of "
+                                              r"at least 20000001 ticks")]
 
 
 @pytest.mark.parametrize("build,match", TOO_BIG, ids=[str(i) for i in range(len(TOO_BIG))])

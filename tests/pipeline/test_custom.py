@@ -39,10 +39,32 @@ def test_from_actions_torch_strings_read_the_placement():
     assert got.placement == v_shape(2) and got.split_backward and got.table == zbv.table
 
 
+def test_from_actions_reads_fused_actions_and_mixed_backwards():
+    """DualPipeV's table (FBs; full and split backwards mixed) written as lists in jaxpar's form ('F3.1+B1', the
+    V placement given) and in torch's ('(4F3;3B1)OVERLAP_F_B' as ScheduleDualPipeV writes it, 'I' for a B with a
+    W, 'B' for a full one) gives the table back."""
+    s = jp.pipeline.dualpipe_v(2, 4)
+    when = s.ticks()
+
+    def torch_str(st, a):
+        vs = lambda x: s.virtual_stage(st, x.chunk)
+        if a.kind == "FB":
+            return f"({vs(a)}F{a.microbatch};{vs(a.backward)}B{a.backward.microbatch})OVERLAP_F_B"
+        kind = "I" if a.kind == "B" and ("W", a.microbatch, vs(a)) in when else a.kind
+        return f"{vs(a)}{kind}{a.microbatch}"
+    ours = [[str(r[st]) for r in s.table if r[st] is not None] for st in range(2)]
+    theirs = [[torch_str(st, r[st]) for r in s.table if r[st] is not None] for st in range(2)]
+    assert any("+" in a for a in ours[0]) and any(a.endswith("OVERLAP_F_B") for a in theirs[1])
+    assert {a[1] for a in theirs[0] if a[0].isdigit()} >= {"B", "I", "W"}
+    assert jp.pipeline.from_actions(ours, placement=v_shape(2)).table == s.table
+    got = jp.pipeline.from_actions(theirs)
+    assert got.table == s.table and got.placement == v_shape(2)
+
+
 BAD = [([["F0", "X1"], ["F0"]], r"stage 0, entry 1: 'X1' is not an action"),
        ([["F0", "B0"], ["0F0", "1B0"]], r"mix jaxpar \('F3.1'\) and torch \('4F3'\) action strings"),
-       ([["0F0", "0B0", "0W0"], ["1F0", "1I0", "1W0"]], r"stage 0, entry 1: 0B0: a table with W actions writes its "
-                                                       r"input-gradient backwards as I"),
+       ([["0F0", "0B0", "0W0"], ["1F0", "1I0", "1W0"]], r"stage 0, entry 2: 0W0 has no matching 0I0: .* or write a "
+                                                       r"full backward as B \(0B0\) with no W"),
        ([["0F0", "1F0"], ["1B0", "0B0"]], r"a virtual stage appears in the lists of two stages"),
        ([["0F0", "1F0"], ["2B0"]], r"the stages name different numbers of virtual stages \(\[2, 1\]\)"),
        ([["B0", "F0"], ["F0", "B0"]], r"the action orders deadlock at tick 0 \(stage 0: B0 waits for F0 of virtual "
@@ -86,7 +108,7 @@ BAD_LISTS = [
     (dict(actions=OK, placement=((0.0,), (1,))), r"placement=\(\(0.0,\), \(1,\)\) does not place"),
     (dict(actions=OK, placement=5), r"placement=5 is not a table of virtual stages; give 2 rows \(one per stage\)"),
     (dict(actions=[[Action("X", 0), "B0"], OK[1]]), r"stage 0, entry 0: Action\(kind='X', microbatch=0, chunk=0\) has "
-                                                    r"kind 'X'; the kinds are \('F', 'B', 'W'\)"),
+                                                    r"kind 'X'; the kinds are \('F', 'B', 'W', 'FB'\)"),
     (dict(actions=[["F0", "X0"], OK[1]]), r"stage 0, entry 1: 'X0' is not an action"),
     (dict(actions=[["F0", "4X0"], OK[1]]), r"stage 0, entry 1: '4X0' is not an action"),
     (dict(actions=[[F(0), B(0.5)], OK[1]]), r"stage 0, entry 1: Action\(kind='B', microbatch=0.5, chunk=0\) has "
@@ -107,13 +129,11 @@ BAD_LISTS = [
                                                  r"1000000000000000, but stage 0 lists 1 forward of chunk 0"),
     (dict(actions=[["0F0", "0I0"], ["1F0", "1I0"]]), r"stage 0, entry 1: 0I0 has no matching 0W0: a split backward "
                                                      r"needs both I \(input gradient\) and W \(weight gradient\) for "
-                                                     r"every microbatch and virtual stage; add 0W0, or write full "
-                                                     r"backwards as B \(0B0\) throughout"),
+                                                     r"every microbatch and virtual stage; add 0W0, or write a full "
+                                                     r"backward as B \(0B0\) with no W"),
     (dict(actions=[["0F0", "0I0", "0W0"], ["1F0", "1I0"]]), r"stage 1, entry 1: 1I0 has no matching 1W0"),
     (dict(actions=[["0F0", "0I0", "0W0"], ["1F0", "1W0"]]), r"stage 1, entry 1: 1W0 has no matching 1I0"),
-    (dict(actions=[["0F0", "0I0", "0W0"], ["1F0", "1B0"]]), r"stage 1, entry 1: 1B0: .* these lists mix full "
-                                                            r"backwards \(B\) with split ones \(I and W\): use one "
-                                                            r"kind for the whole table"),
+    (dict(actions=[["0F0", "0I0", "0W0"], ["1F0", "1B0", "1W0"]]), r"stage 1, entry 2: 1W0 has no matching 1I0"),
     (dict(actions=[["0F0", "5F0"], ["1F0", "2F0"]]), r"the lists name virtual stages \[0, 1, 2, 5\]; with 2 stages "
                                                      r"of 2 chunks they must be 0..3"),
     (dict(actions=[]), r"one list of actions per stage"),

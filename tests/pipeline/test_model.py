@@ -147,6 +147,17 @@ def test_zero_bubble_gpt_train_step_matches_single_device(name, p, m, mesh_name,
 
 # ----------------------------------------------------------------------------------------------- errors
 
+# ~30 s each (compiles): slow; the user-stage case in test_interpreter.py (p2-m4) is the fast sibling
+DUALPIPE_V_GPT_CASES = [pytest.param(2, 4, "d2p2t2", id="p2-m4-d2p2t2", marks=pytest.mark.slow),
+                        pytest.param(4, 8, "d2p4", id="p4-m8-d2p4", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("p,m,mesh_name", DUALPIPE_V_GPT_CASES)
+def test_dualpipe_v_gpt_train_step_matches_single_device(p, m, mesh_name, mesh_factory):
+    """The GPT through make_train_step(Pipeline(...)) under DualPipeV beside data=2: loss, gradients, update."""
+    gpt_step_parity(jp.pipeline.dualpipe_v(p, m), mesh_factory(**MESHES[mesh_name]), GPT_STEP_SEED + 7 * p)
+
+
 def test_errors(mesh_factory):
     mesh = mesh_factory(**MESH)
     model, tx = GPT(SMALL_GPT), optax.sgd(0.1)

@@ -1,4 +1,5 @@
-"""jaxpar/pipeline/schedules.py: ``Schedule`` and ``Action``, the table as data, and its validator."""
+"""jaxpar/pipeline/schedules.py: ``Schedule`` and ``Action`` (the fused ``FB`` too), the table as data, and its
+validator."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxpar as jp
-from jaxpar.pipeline import B, F, Schedule, W, gpipe, one_f_one_b
+from jaxpar.pipeline import FB, Action, B, F, Schedule, W, gpipe, one_f_one_b
 
 
 def test_forward_only_table():
@@ -90,6 +91,27 @@ def test_validator_names_chunk_and_virtual_stage():
         Schedule("bad", 2, 1, good, num_chunks=2, placement=((0, 1, 2), (3,)))
     with pytest.raises(ValueError, match=r"B0\.1 never runs on stage 1 \(chunk 1, virtual stage 3\)"):
         Schedule("bad", 2, 1, good[:4] + [(None, None)] + good[5:], num_chunks=2)
+
+
+def test_fused_forward_and_backward():
+    """FB(a, c1, b, c2): the F and the full B run in one tick; its parts count as actions for every check; a W
+    is optional per (microbatch, chunk) (without one the B is full) but never for an FB's B."""
+    a = FB(1, 0, 0, 0)
+    assert str(a) == "F1+B0" and a.parts() == (F(1), B(0)) and a.kind == "FB" and a.backward == B(0)
+    assert repr(F(2, 1)) == "Action(kind='F', microbatch=2, chunk=1)" and F(2, 1) == Action("F", 2, 1)
+    s = Schedule("fb", 1, 2, [(F(0),), (a,), (B(1),), (W(1),)])        # B0 full, B1 split: mixed
+    assert s.has_backward and s.split_backward and s.peak_stash == (1,) and s.bubble_fraction == 0   # B0 frees, F1 takes
+    assert s.forward_only().table == ((F(0),), (F(1),)) and str(s).splitlines()[1] == "s0 | F0    F1+B0 B1    W1   "
+    bad = [([(F(0),), (a,), (B(1),), (W(1),), (W(0),)], r"tick 1 stage 0: F1\+B0 fuses a full backward, but the "
+                                                       r"table also has W0 of its chunk; drop that W"),
+           ([(F(0),), (FB(1, 0, 1, 0),), (B(0),)], r"B1 on stage 0 at tick 1 needs F1 of stage 0 at an earlier tick"),
+           ([(F(0),), (Action("FB", 1, 0, W(0)),), (B(1),)], r"holds .*FB.*; use F\(mb, chunk\), .*FB\(mb, chunk, "
+                                                            r"b_mb, b_chunk\) or None"),
+           ([(F(0),), (Action("FB", 1),), (B(0),), (B(1),)], r"only an FB action has a backward, and it needs one"),
+           ([(F(0),), (FB(1, 0, 2, 0),), (B(1),)], r"F1\+B2 is out of range")]
+    for table, match in bad:
+        with pytest.raises(ValueError, match=match):
+            Schedule("bad", 1, 2, table)
 
 
 def test_public_names():

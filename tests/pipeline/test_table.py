@@ -1,4 +1,5 @@
-"""jaxpar/pipeline/table.py: the interpreter's control table (actions, slots, arrivals) derived from a schedule."""
+"""jaxpar/pipeline/table.py: the interpreter's control table (actions, slots, arrivals) derived from a schedule,
+DualPipeV's fused FB entries (their B in ``Actions.fused``, its message on the second channel) included."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ from jaxpar.pipeline.table import control_table
 
 # every builder, at the (p, m) cases below (interleaved with 2 chunks, m a multiple of p)
 TABLES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
-          "zb-h1": jp.pipeline.zero_bubble, "zb-v": jp.pipeline.zero_bubble_v}
+          "zb-h1": jp.pipeline.zero_bubble, "zb-v": jp.pipeline.zero_bubble_v, "dualpipev": jp.pipeline.dualpipe_v}
 
 
 TABLE_CASES = [(1, 3), (2, 2), (2, 8), (3, 6), (4, 4), (4, 8)]
 
 
 def _cases(name):
-    return [(p, m) for p, m in TABLE_CASES if name == "gpipe" or (m >= p and (name != "interleaved" or m % p == 0))]
+    least = 2 if name == "dualpipev" else 1          # microbatches per stage at least
+    return [(p, m) for p, m in TABLE_CASES
+            if name == "gpipe" or (m >= least * p and (name != "interleaved" or m % p == 0))]
 
 
 @pytest.mark.parametrize("name", list(TABLES))
@@ -36,8 +39,9 @@ def test_runtime_buffers_come_from_the_table(name):
     for p, m in _cases(name):
         s = TABLES[name](p, m)
         ct = control_table(s)
-        assert len(ct.actions) == 11
-        for field, a in ct.actions._asdict().items():
+        assert len(ct.actions) == 12 and (ct.actions.fused is None) == (name != "dualpipev")
+        fused = [] if ct.actions.fused is None else list(ct.actions.fused._asdict().items())
+        for field, a in list(ct.actions._asdict().items())[:-1] + fused:
             shape = (s.num_ticks, p, 3) if field.startswith("arrive") else (s.num_ticks, p)
             assert a.shape == shape and a.dtype == np.int32, (field, a.shape, a.dtype)
         shared = max(s.peak_stash) if s.split_backward else 1
@@ -65,21 +69,29 @@ def _expected_source(s, iv, buffer):
 
 @pytest.mark.parametrize("name", list(TABLES))
 def test_control_table_follows_the_schedule(name):
-    """Each entry's kind, microbatch and chunk are the table's action; every buffer interval is read from the
-    slot it was written to; intervals live at once on a stage never share a slot; arrivals come from the
-    neighbour that holds the producing virtual stage, over a ppermute pair the table lists."""
+    """Each entry's kind, microbatch and chunk are the table's action (an FB's F; its B in ``fused``; a B is
+    input-only where its W is in the table); every buffer interval is read from the slot it was written to;
+    intervals live at once on a stage never share a slot; arrivals come from the neighbour that holds the
+    producing virtual stage, over a ppermute pair the table lists (an FB's B's message on the second channel)."""
     for p, m in _cases(name):
         s = TABLES[name](p, m)
         ct = control_table(s)
-        a_ = ct.actions
+        a_, f_, when, last = ct.actions, ct.actions.fused, s.ticks(), s.num_virtual_stages - 1
+        fb = {(t, st): a.backward for t, row in enumerate(s.table) for st, a in enumerate(row)
+              if a is not None and a.kind == "FB"}
+        assert bool(fb) == (name == "dualpipev")
         for t, row in enumerate(s.table):
             for st, a in enumerate(row):
                 v = None if a is None else s.virtual_stage(st, a.chunk)
-                want = 0 if a is None else {"F": 2 if v == s.num_virtual_stages - 1 else 1, "W": 5,
-                                            "B": 4 if s.split_backward else 3}[a.kind]
+                want = 0 if a is None else {"F": 2 if v == last else 1, "W": 5, "FB": 7 if v == last else 6,
+                                            "B": 4 if ("W", a.microbatch, v) in when else 3}[a.kind]
                 assert a_.kind[t, st] == want, (name, p, m, t, st, a)
                 assert a_.microbatch[t, st] == (0 if a is None else a.microbatch)
                 assert a_.chunk[t, st] == (0 if a is None else a.chunk) and a_.first[t, st] == (v == 0)
+                if (t, st) in fb:
+                    b = fb[(t, st)]
+                    assert (f_.microbatch[t, st], f_.chunk[t, st]) == (b.microbatch, b.chunk)
+                    assert f_.first[t, st] == (s.virtual_stage(st, b.chunk) == 0)
         arrivals = 0
         for buffer, ivs in s.lifetimes().items():
             write, read, code = FIELDS[buffer]
@@ -89,25 +101,31 @@ def test_control_table_follows_the_schedule(name):
                     slot[iv] = int(getattr(a_, write)[iv.start, iv.stage])
                 else:
                     src = _expected_source(s, iv, buffer)
-                    assert a_.arrive_buffer[iv.start, iv.stage, src] == code, (name, buffer, iv, src)
-                    slot[iv] = int(a_.arrive_slot[iv.start, iv.stage, src])
+                    sender = {PREV: (iv.stage - 1) % p, NEXT: (iv.stage + 1) % p, SELF: iv.stage}[src]
+                    second = (buffer == "cotangents" and (iv.start, sender) in fb
+                              and s.virtual_stage(iv.stage, iv.chunk) < last)      # sent by an FB's B
+                    chan = f_ if second else a_
+                    assert chan.arrive_buffer[iv.start, iv.stage, src] == code, (name, buffer, iv, src)
+                    slot[iv] = int(chan.arrive_slot[iv.start, iv.stage, src])
                     pairs = {PREV: ct.to_next, NEXT: ct.to_prev, SELF: None}[src]
                     if pairs is not None:
                         sender = (iv.stage - 1) % p if src == PREV else (iv.stage + 1) % p
                         assert (sender, iv.stage) in pairs, (name, buffer, iv, ct.to_next, ct.to_prev)
                     arrivals += 1
             for iv in ivs:
-                assert getattr(a_, read)[iv.stop, iv.stage] == slot[iv] and 0 <= slot[iv] < getattr(ct.sizes, buffer)
+                fused_read = (iv.stop, iv.stage) in fb and buffer in ("stash", "bstash")   # an FB's B's stash
+                got = f_.stash_slot[iv.stop, iv.stage] if fused_read else getattr(a_, read)[iv.stop, iv.stage]
+                assert got == slot[iv] and 0 <= slot[iv] < getattr(ct.sizes, buffer), (name, buffer, iv)
                 clash = [o for o in ivs if o != iv and o.stage == iv.stage and slot[o] == slot[iv]
                          and o.start < iv.stop and iv.start < o.stop]
                 assert not clash, (name, p, m, buffer, iv, clash)
-        assert int((a_.arrive_buffer > 0).sum()) == arrivals
+        assert int((a_.arrive_buffer > 0).sum()) + (0 if f_ is None else int((f_.arrive_buffer > 0).sum())) == arrivals
         if s.split_backward:   # B reads the stash slot its F wrote (held until its W)
-            when = s.ticks()
             for (kind, j, v), t in when.items():
                 if kind == "B":
                     st = s.location(v)[0]
-                    assert a_.stash_slot[t, st] == a_.stash_slot[when[("F", j, v)], st]
+                    got = f_.stash_slot[t, st] if (t, st) in fb else a_.stash_slot[t, st]
+                    assert got == a_.stash_slot[when[("F", j, v)], st]
 
 
 def test_pipeline_actions_are_named_in_the_compiled_program(mesh_factory):
