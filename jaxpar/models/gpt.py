@@ -38,7 +38,7 @@ from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
 from jaxpar.models.layers import (  # noqa: F401 (public here too)
     PACKED_KEYS, _nan_where_invalid, attention, causal_attention, check_packed_entries, check_packed_shapes,
-    check_token_ids, cross_entropy, gelu, layer_norm, rope)
+    check_token_ids, cross_entropy, gelu, layer_norm, rope, token_names, tokens)
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain, has_explicit_axes
 
@@ -222,7 +222,7 @@ class Block(nn.Module):
         B, L, D = x_BLD.shape
         H, K = c.num_heads, c.head_dim
         # Matmul operands are kept 2-D ([B*L, D]): XLA:CPU is much faster on them than on 3-D operands.
-        h_TD = layer_norm(x_BLD, self.ln1_scale, self.ln1_bias).reshape(B * L, D)
+        h_TD = tokens(layer_norm(x_BLD, self.ln1_scale, self.ln1_bias))
         qkv_flat = h_TD @ self._w(self.qkv_kernel, x_BLD).reshape(D, H * 3 * K)
         if c.qkv_bias:
             qkv_flat = qkv_flat + self._w(self.qkv_bias, x_BLD).reshape(H * 3 * K)
@@ -235,10 +235,10 @@ class Block(nn.Module):
         B, L, D = x_BLD.shape
         H, K = c.num_heads, c.head_dim
         w = lambda p: self._w(p, x_BLD)
-        o_TD = a_BLHK.reshape(B * L, H * K) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
+        o_TD = tokens(a_BLHK) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
-        h_TD = layer_norm(x_BLD, self.ln2_scale, self.ln2_bias).reshape(B * L, D)
-        u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), ("batch", "seq"), "mlp")
+        h_TD = tokens(layer_norm(x_BLD, self.ln2_scale, self.ln2_bias))
+        u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), *token_names(), "mlp")
         m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 
@@ -318,7 +318,7 @@ class Head(nn.Module):
         c = self.cfg
         B, L, D = x_BLD.shape
         dtype = _compute_dtype(c, x_BLD)
-        h_TD = self._norm(x_BLD).reshape(B * L, D)
+        h_TD = tokens(self._norm(x_BLD))
         if c.tie_embeddings:
             logits_TV = h_TD @ embedding_VD.astype(dtype).T
         else:

@@ -65,6 +65,20 @@ def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any 
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
 
 
+def tokens(x: jax.Array) -> jax.Array:
+    """Matmul operand of per-token values ``[B, L, ...] -> [B * L, F]`` (``F`` the product of the rest): 2-D operands,
+    which XLA:CPU's backward handles much better than 3-D. With the sequence sharded over a context axis
+    (:func:`jaxpar.attention.context_axis`) ``[B, L, F]`` instead: a flattened ``B * L`` axis cannot be tiled over
+    the sequence's devices (GSPMD would gather it)."""
+    B, L = x.shape[:2]
+    return x.reshape(B, L, -1) if cp.context_axis()[1] > 1 else x.reshape(B * L, -1)
+
+
+def token_names() -> tuple:
+    """The logical names of :func:`tokens`' leading axes, for ``constrain(h, *token_names(), 'mlp')``."""
+    return ("batch", "seq") if cp.context_axis()[1] > 1 else (("batch", "seq"),)
+
+
 def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
                      segment_ids_BL: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.

@@ -35,7 +35,7 @@ from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import gpt
 from jaxpar.attention import STRATEGIES
 from jaxpar.models.gpt import _REMAT, ATTENTION, _param
-from jaxpar.models.layers import rms_norm, rope, silu
+from jaxpar.models.layers import rms_norm, rope, silu, token_names, tokens
 from jaxpar.precision import is_floating_dtype
 from jaxpar.sharding import constrain
 
@@ -233,7 +233,7 @@ class LlamaBlock(gpt.Block):
         """RMSNorm, then ``q [B, L, H, K]``, ``k, v [B, L, G, K]`` (compute dtype)."""
         c = self.cfg
         B, L, D = x_BLD.shape
-        h_TD = rms_norm(x_BLD, self.attn_norm_scale, c.rms_norm_eps).reshape(B * L, D)
+        h_TD = tokens(rms_norm(x_BLD, self.attn_norm_scale, c.rms_norm_eps))
         w = lambda p: self._w(p, x_BLD).reshape(D, -1)
         q = constrain((h_TD @ w(self.q_kernel)).reshape(B, L, c.num_heads, c.head_dim), "batch", "seq", "heads", "kv")
         k, v = ((h_TD @ w(p)).reshape(B, L, c.num_kv_heads, c.head_dim) for p in (self.k_kernel, self.v_kernel))
@@ -254,11 +254,11 @@ class LlamaBlock(gpt.Block):
         c = self.cfg
         B, L, D = x_BLD.shape
         w = lambda p: self._w(p, x_BLD)
-        o_TD = a_BLHK.reshape(B * L, c.num_heads * c.head_dim) @ w(self.out_kernel).reshape(-1, D)
+        o_TD = tokens(a_BLHK) @ w(self.out_kernel).reshape(-1, D)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
-        h_TD = rms_norm(x_BLD, self.mlp_norm_scale, c.rms_norm_eps).reshape(B * L, D)
-        g_TF = constrain(silu(h_TD @ w(self.gate_kernel)), ("batch", "seq"), "mlp")
-        u_TF = constrain(g_TF * (h_TD @ w(self.up_kernel)), ("batch", "seq"), "mlp")
+        h_TD = tokens(rms_norm(x_BLD, self.mlp_norm_scale, c.rms_norm_eps))
+        g_TF = constrain(silu(h_TD @ w(self.gate_kernel)), *token_names(), "mlp")
+        u_TF = constrain(g_TF * (h_TD @ w(self.up_kernel)), *token_names(), "mlp")
         return constrain(x_BLD + (u_TF @ w(self.down_kernel)).reshape(B, L, D), "batch", "seq", "embed")
 
 
