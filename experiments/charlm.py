@@ -22,6 +22,11 @@ Pipeline parallelism (data=2 x pipe=2 x tensor=2; 2 layers per stage, 1F1B over 
 
     python experiments/charlm.py --pipe 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
 
+Context parallelism (long sequences: each sequence split over 2 devices, data=2 x context=2 x tensor=2, ring
+attention over the zigzag layout; ``--context-attention all_gather`` gathers K/V instead)::
+
+    python experiments/charlm.py --context 2 --fsdp 1 --seq-len 512
+
 Structured pruning (whole MLP neurons and attention heads, Zhu & Gupta's ramp over the middle half of the run),
 compacted at the end into a smaller dense GPT whose speed-up and validation loss are printed and written to
 ``<out-dir>/compaction.json``::
@@ -80,6 +85,9 @@ class Config:
     d_model: int = 128             # model width
     seq_len: int = 128             # characters (tokens with --data-dir) per training sequence
     positions: Literal["learned", "rotary"] = "learned"  # learned position table or rotary (RoPE)
+    context_attention: Literal["auto", "ring", "all_gather"] = "auto"
+    """attention over a sequence split over --context devices (jp.attention): ring (K/V passed round the devices)
+    or all_gather (K/V gathered once); auto: ring, all_gather with --pipe > 1 (the ring cannot run inside stages)"""
     tie_embeddings: bool = True    # share the input embedding and the output projection
     scan_layers: bool = False      # lax.scan over layers (faster compile) instead of unrolling
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing per block
@@ -114,6 +122,13 @@ class Config:
         for name in ("eval_interval", "eval_batches", "num_layers", "num_heads", "d_model", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len % (2 * self.mesh.context):
+            raise ValueError(f"--seq-len {self.seq_len} must be a multiple of 2 x --context {self.mesh.context} (the "
+                             f"zigzag split cuts each sequence into 2 x context chunks): use --seq-len "
+                             f"{-(-self.seq_len // (2 * self.mesh.context)) * 2 * self.mesh.context}")
+        if self.context_attention == "ring" and self.pipe > 1 and self.mesh.context > 1:
+            raise ValueError("--context-attention ring cannot run inside pipeline stages (--pipe > 1); use all_gather "
+                             "or auto")
         if self.d_model % self.num_heads:   # each head is d_model / num_heads wide
             near = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
             lower = max(h for h in near if h < self.num_heads)
@@ -163,7 +178,7 @@ class Config:
 
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and
 # what is logged. Anything else (model, optimizer, data, seed, precision, pruning) needs a new --out-dir.
-RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "schedule", "chunks", "microbatches", "simulate_devices",
+RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "context", "context_attention", "pipe", "schedule", "chunks", "microbatches", "simulate_devices",
                                "devices_per_host", "steps", "eval_interval", "eval_batches", "sample_chars", "out_dir",
                                "resume", "checkpoint_interval"})
 
@@ -180,9 +195,10 @@ def main(cfg: Config) -> float | None:
     # the step checks this too, but only after init and the first outputs: fail before anything is written
     jp.grads.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps,
                               cfg.microbatches if cfg.pipe > 1 else 1)
+    strategy = cfg.context_attention if cfg.context_attention != "auto" else "all_gather" if cfg.pipe > 1 else "ring"
     shared = dict(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads, d_model=cfg.d_model,
                   max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers,
-                  remat=cfg.remat)
+                  remat=cfg.remat, context_attention=strategy)
     model = (Llama(LlamaConfig(num_kv_heads=cfg.num_kv_heads, **shared)) if cfg.model == "llama" else
              GPT(GPTConfig(positions=cfg.positions, **shared)))
     tx = cfg.optimizer(jax.eval_shape(model.init, jax.random.key(0)))  # logical names: what each leaf is

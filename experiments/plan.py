@@ -50,6 +50,9 @@ def parse(argv=None):
                     help="pipeline schedules for layouts with pipe > 1 (none: pipe stays 1); interleaved uses "
                          "--chunks, zbv 2 chunks; a schedule the pipe size, microbatches or layers cannot run is "
                          "skipped for that layout")
+    ap.add_argument("--max-context", type=int, default=8,
+                    help="largest context-parallel size to sweep (the sequence split over devices inside a host; "
+                         "1: no context parallelism)")
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches of a pipeline schedule")
     ap.add_argument("--chunks", type=int, default=2, help="virtual stages per device of --schedules interleaved")
     ap.add_argument("--device", default="h100-80gb", help="GPU datasheet: h100-80gb, h200 or a100-80gb")
@@ -62,7 +65,8 @@ def parse(argv=None):
                          "InfiniBand)")
     ap.add_argument("--out-dir", default="runs/plan", help="where plan.json and plan.png go (the ranked table is printed)")
     args = ap.parse_args(argv)
-    for flag in ("devices", "global_batch", "seq_len", "microbatches", "chunks", "gpus_per_host", "max_layouts"):
+    for flag in ("devices", "global_batch", "seq_len", "microbatches", "chunks", "gpus_per_host", "max_layouts",
+                 "max_context"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.devices > args.gpus_per_host and args.devices % args.gpus_per_host:
@@ -73,16 +77,17 @@ def parse(argv=None):
     return args, ap
 
 
-def layouts(n: int, gpus_per_host: int, pipes: bool) -> list[dict[str, int]]:
-    """Mesh sizes multiplying to ``n``, tensor dividing ``gpus_per_host``."""
+def layouts(n: int, gpus_per_host: int, pipes: bool, max_context: int = 1) -> list[dict[str, int]]:
+    """Mesh sizes multiplying to ``n``, tensor x context dividing ``gpus_per_host`` (both pass data inside every
+    layer: NVLink), context at most ``max_context``."""
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     out = []
-    for t, p in itertools.product(divisors, divisors if pipes else [1]):
-        if gpus_per_host % t or n % (t * p):
+    for t, p, c in itertools.product(divisors, divisors if pipes else [1], divisors):
+        if c > max_context or gpus_per_host % (t * c) or n % (t * p * c):
             continue
         for f in divisors:
-            if (n // (t * p)) % f == 0:
-                out.append(dict(data=n // (t * p * f), pipe=p, fsdp=f, tensor=t))
+            if (n // (t * p * c)) % f == 0:
+                out.append(dict(data=n // (t * p * c * f), pipe=p, fsdp=f, context=c, tensor=t))
     return out
 
 
@@ -100,7 +105,7 @@ def candidates(args, jp, GPTConfig) -> tuple[list[tuple], dict[str, int]]:
     out, skipped = [], {}
     cfgs = {remat: GPTConfig(max_seq_len=args.seq_len, positions="rotary", scan_layers=True, remat=remat,
                              dtype=jnp.bfloat16, **base) for remat in args.remat}
-    for sizes in layouts(args.devices, args.gpus_per_host, bool(args.schedules)):
+    for sizes in layouts(args.devices, args.gpus_per_host, bool(args.schedules), args.max_context):
         for cfg in cfgs.values():
             for name in [None] if sizes["pipe"] == 1 else args.schedules:
                 try:
@@ -131,12 +136,13 @@ def rank(plans):
 
 
 def table(plans) -> str:
-    head = (f"{'rank':>4} {'data':>4} {'pipe':>4} {'fsdp':>4} {'tens':>4} {'remat':>5} {'sched':>11} {'est GiB':>8} "
+    head = (f"{'rank':>4} {'data':>4} {'pipe':>4} {'fsdp':>4} {'ctx':>4} {'tens':>4} {'remat':>5} {'sched':>11} {'est GiB':>8} "
             f"{'GiB/dev':>8} {'fits':>4} {'est ms':>9} {'step ms':>9} {'MFU':>6}")
     rows = [head]
     for i, p in enumerate(plans, 1):
         m = p.mesh
-        rows.append(f"{i:>4} {m['data']:>4} {m['pipe']:>4} {m['fsdp']:>4} {m['tensor']:>4} {p.model['remat']:>5} "
+        rows.append(f"{i:>4} {m['data']:>4} {m['pipe']:>4} {m['fsdp']:>4} {m.get('context', 1):>4} {m['tensor']:>4} "
+                    f"{p.model['remat']:>5} "
                     f"{p.schedule or '-':>11} {p.memory['analytic_bytes'] / 2**30:>8.3g} "
                     f"{p.needed_bytes / 2**30:>8.3g} {'yes' if p.fits else 'no':>4} "
                     f"{p.analytic_time['step_s'] * 1e3:>9.3g} {p.time['step_s'] * 1e3:>9.3g} {p.time['mfu']:>6.1%}")

@@ -34,16 +34,17 @@ def _rows(stdout: str) -> list[list[str]]:
 def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
     proc = _run([*TINY_SWEEP, "--max-layouts", "3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # 4 devices: (data, fsdp, tensor) with tensor 1 (3 ways), 2 (2 ways) or 4 (1 way); the model and batch 8 split all
-    assert "compiling 3 of 6 layouts" in proc.stdout
+    # 4 devices: (data, fsdp, context, tensor) with tensor x context 1 (3 ways), 2 (2 x 2 ways) or 4 (3 x 1 way); the
+    # model, the batch 8 and the sequence 16 split all
+    assert "compiling 3 of 10 layouts" in proc.stdout
     rows = _rows(proc.stdout)
     assert [r[0] for r in rows] == ["1", "2", "3"]
-    assert all(int(r[1]) * int(r[2]) * int(r[3]) * int(r[4]) == 4 and r[9] == "yes" for r in rows)
-    steps = [float(r[11]) for r in rows]
+    assert all(int(r[1]) * int(r[2]) * int(r[3]) * int(r[4]) * int(r[5]) == 4 and r[10] == "yes" for r in rows)
+    steps = [float(r[12]) for r in rows]
     assert steps == sorted(steps)
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert [p["mesh"] for p in saved] == [dict(data=int(r[1]), pipe=int(r[2]), fsdp=int(r[3]), tensor=int(r[4]))
-                                         for r in rows]
+    assert [p["mesh"] for p in saved] == [dict(data=int(r[1]), pipe=int(r[2]), fsdp=int(r[3]), context=int(r[4]),
+                                               tensor=int(r[5])) for r in rows]
     png = (tmp_path / "plan.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
@@ -51,7 +52,7 @@ def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
 def test_sweep_reports_a_layout_that_does_not_fit(tmp_path):
     proc = _run([*TINY_SWEEP, "--max-layouts", "1", "--memory-fraction", "1e-9"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _rows(proc.stdout)[0][9] == "no"
+    assert _rows(proc.stdout)[0][10] == "no"
     assert re.search(r"rank 1: does not fit: [\d.]+ GiB needed per device, 0\.0 available; try ", proc.stdout)
     assert (tmp_path / "plan.png").exists()
 

@@ -107,13 +107,14 @@ class MeshConfig:
     data: int = -1                 # data-parallel axis size (-1: the devices left over)
     fsdp: int = 2                  # FSDP axis size (params and optimizer state sharded over it)
     tensor: int = 2                # tensor-parallel axis size (Megatron split of attention and MLP)
+    context: int = 1               # context-parallel axis size: the sequence split over it (jp.attention)
     simulate_devices: int = 8      # host CPU devices to simulate when running on CPU
     devices_per_host: int = 0      # hybrid mesh over hosts of this many devices (GPUs per node): tensor and fsdp
                                    # inside a node, data/pipe across nodes; 0: flat mesh
 
     def make(self, pipe: int = 1) -> jax.sharding.Mesh:
         """``jp.make_mesh`` with these sizes and ``pipe`` pipeline stages (hybrid with ``devices_per_host``)."""
-        return make_mesh(data=self.data, pipe=pipe, fsdp=self.fsdp, tensor=self.tensor,
+        return make_mesh(data=self.data, pipe=pipe, fsdp=self.fsdp, tensor=self.tensor, context=self.context,
                          devices_per_host=self.devices_per_host or None)
 
 

@@ -93,14 +93,18 @@ def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], globa
     Megatron's column/row split, Shoeybi et al. 2019, sec. 3); fsdp, the compute params gathered twice per
     accumulation step (forward, backward) and the gradients reduce-scattered once, ``(2 k_acc c + b) N_s``;
     data, an all-reduce of the ``N_s b / fsdp`` gradient shard; pipe, each chunk boundary's activations and
-    their gradients, ``2 v T_d D c``. ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
+    their gradients, ``2 v T_d D c``; context (``C > 1``, ``T_d`` then ``T / (data fsdp C)``), each device's keys and
+    values passed on ``C - 1`` times per layer in the forward and their gradients in the backward (ring; the
+    all-gather and its reduce-scatter move the same bytes), ``4 (C - 1) T_d G K c / t`` per layer (``G K`` the
+    key/value width). ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
     """
     n, t, f, d, p = (math.prod(sizes.values()), sizes["tensor"], sizes["fsdp"], sizes["data"], sizes["pipe"])
     c, b = (np.dtype(x or jnp.float32).itemsize for x in (cfg.dtype, cfg.param_dtype))
     N, tokens = float(cfg.num_params()), float(global_batch * seq_len)
     bubble = 0.0 if schedule is None else schedule.bubble_fraction
     compute = (8 if cfg.remat == "full" else 6) * N * tokens / (n * spec.peak_flops) / (1 - bubble)
-    t_d, n_s, ring = tokens / (d * f), N / (p * t), lambda g: (g - 1) / g
+    C = sizes.get("context", 1)
+    t_d, n_s, ring = tokens / (d * f * C), N / (p * t), lambda g: (g - 1) / g
     link = lambda axis: _link((axis,), across, spec)
     comm = {}
     if t > 1:
@@ -109,6 +113,9 @@ def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], globa
         comm["fsdp"] = (2 * grad_accum_steps * c + b) * n_s * ring(f) / link("fsdp")
     if d > 1:
         comm["data"] = n_s / f * b * 2 * ring(d) / link("data")
+    if C > 1:
+        kv = getattr(cfg, "kv_heads", cfg.num_heads) * cfg.head_dim
+        comm["context"] = 4 * (C - 1) * cfg.num_layers / p * t_d * kv * c / t / link("context")
     if p > 1:
         comm["pipe"] = 2 * schedule.num_chunks * t_d * cfg.d_model * c / link("pipe")
     step = compute + sum(comm.values())

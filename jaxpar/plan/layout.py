@@ -20,16 +20,18 @@ GiB = 2 ** 30
 
 
 def mesh_sizes(mesh_shape: Any, num_devices: int | None = None) -> dict[str, int]:
-    """``{data, pipe, fsdp, tensor}`` from a dict (missing axes are 1) or a 4-tuple in ``jp.AXES`` order.
+    """``{data, pipe, fsdp, context, tensor}`` from a dict (missing axes are 1) or a tuple in ``jp.AXES`` order
+    (five sizes, or four without context: data, pipe, fsdp, tensor).
 
     Raises:
       ValueError: an unknown axis, a size that is not a positive int, or (``num_devices`` given) sizes that do
         not multiply to it.
     """
     if isinstance(mesh_shape, (tuple, list)):
-        if len(mesh_shape) != len(AXES):
+        if len(mesh_shape) not in (len(AXES), len(AXES) - 1):
             raise ValueError(f"mesh_shape {mesh_shape!r} must give one size per axis {AXES}")
-        mesh_shape = dict(zip(AXES, mesh_shape))
+        mesh_shape = dict(zip(AXES if len(mesh_shape) == len(AXES) else
+                              [a for a in AXES if a != "context"], mesh_shape))
     if not isinstance(mesh_shape, dict):
         raise ValueError(f"mesh_shape must be a dict like dict(data=8, fsdp=16, tensor=8), got {mesh_shape!r}")
     unknown = set(mesh_shape) - set(AXES)
@@ -81,6 +83,9 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
         if size % n:
             raise ValueError(f"{what} {size} is not divisible by {axis}={n}; choose a {axis} size dividing it")
     positive_int("seq_len", seq_len)
+    if seq_len % (2 * sizes.get("context", 1)) and sizes.get("context", 1) > 1:
+        raise ValueError(f"seq_len {seq_len} is not divisible by 2 x context = {2 * sizes['context']} (the zigzag "
+                         "split of context parallelism); choose a context size whose double divides seq_len")
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds GPTConfig.max_seq_len {cfg.max_seq_len}; raise max_seq_len")
     if schedule is not None and not isinstance(schedule, Schedule):
@@ -118,7 +123,8 @@ def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_a
     """Concrete changes that lower per-device memory, each keeping the device count and, but for a deeper
     pipeline (which needs its own schedule), passing :func:`check_layout`: remat, moving a factor of ``data``
     to ``fsdp`` (the smallest that fits ``available`` bytes by the analytic ``parts``, else all of it), twice
-    the accumulation steps, doubling ``pipe`` or ``tensor`` (the factor taken from ``data``, else ``fsdp``)."""
+    the accumulation steps, doubling ``pipe``, ``tensor`` or (activations larger than the state) ``context`` (the
+    factor taken from ``data``, else ``fsdp``)."""
     out = [] if cfg.remat == "full" else ["remat='full' (GPTConfig.remat: saves only each block's input)"]
 
     def valid(new_sizes: dict[str, int], accum: int = grad_accum_steps) -> bool:
@@ -143,12 +149,13 @@ def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_a
                    f"{new['fsdp'] // sizes['fsdp']} times as finely)")
     if valid(sizes, accum=grad_accum_steps * 2):
         out.append(f"grad_accum_steps={grad_accum_steps * 2} (half the activations)")
-    for axis, why in (("pipe", " (half the layers per device)"), ("tensor", "")):
-        if axis == "tensor" and state <= parts["activations"]:
+    for axis, why in (("pipe", " (half the layers per device)"), ("tensor", ""),
+                      ("context", " (each sequence over twice the devices: half the activations)")):
+        if axis == "tensor" and state <= parts["activations"] or axis == "context" and state > parts["activations"]:
             continue
         for source in ("data", "fsdp"):
             new = moved(axis, source)
-            if new and (axis == "pipe" and cfg.num_layers % new["pipe"] == 0 or axis == "tensor" and valid(new)):
+            if new and (axis == "pipe" and cfg.num_layers % new["pipe"] == 0 or axis != "pipe" and valid(new)):
                 out.append(f"{axis}={new[axis]}, {source}={new[source]}{why}")
                 break
     n = math.prod(sizes.values())

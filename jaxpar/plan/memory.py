@@ -8,8 +8,9 @@ the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its
   with gradient accumulation a float32 accumulator ``P`` more;
 * a compute copy of the params when the compute dtype is narrower: ``P c / b`` (``P / 2`` for bf16 over f32);
 * activations ``A = T (S N_d r_saved + r_live + h)``. ``T`` is the tokens of one (micro)batch on a device:
-  ``B L / (data * fsdp * k)`` for ``k`` accumulation steps, under a pipeline of ``m`` microbatches
-  ``B L / (data * fsdp * m * k)`` (a microbatch is split over ``data`` and ``fsdp`` like a batch); ``S`` the
+  ``B L / (data * fsdp * context * k)`` for ``k`` accumulation steps, under a pipeline of ``m`` microbatches
+  ``B L / (data * fsdp * context * m * k)`` (a microbatch is split over ``data`` and ``fsdp`` like a batch, its
+  sequence over ``context``); ``S`` the
   stashed (micro)batches: 1 without a pipeline, else the schedule's peak stash ``max(schedule.peak_stash)``,
   counted in chunk-microbatches; ``N_d`` the layers of one stash slot: ``N`` without a pipeline, else those of
   one chunk, ``N / (pipe * num_chunks)``. ``r_live`` (the block being recomputed) and the head's
@@ -18,7 +19,9 @@ the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its
   backward without remat:
   ``r = c (2 D + 3 H K / t + H K / t + 2 F / t) + 4 H Lk / t (+ c H Lk / t when c < 4)`` (block input and the
   residual after attention, q, k, v and the attention output, the MLP pre-activation and GELU output, the
-  float32 softmax probabilities over ``Lk`` visible keys on average and their cast). By ``GPTConfig.remat``:
+  float32 softmax probabilities over ``Lk`` visible keys on average and their cast; with a context axis of
+  ``C > 1`` devices ``Lk = (2C + 1) L / (4C)``, the ``2C + 1`` blocks of ``(L / 2C)^2`` scores a device computes for
+  its ``L / C`` queries, :func:`jaxpar.attention.work_per_device`). By ``GPTConfig.remat``:
 
   - ``"none"``: ``r_saved = r``, ``r_live = 0``;
   - ``"full"`` (``jax.checkpoint``, nothing saveable): ``r_saved = c D`` (the block input), ``r_live = r``
@@ -70,9 +73,12 @@ def sharded_bytes(tree: Any) -> float:
     return total
 
 
-def mean_visible_keys(cfg: Any, seq_len: int) -> float:
+def mean_visible_keys(cfg: Any, seq_len: int, context: int = 1) -> float:
     """Mean number of keys a query's attention computes over (``L`` for ``attention="xla"``; for ``"blocked"``
-    the mean block end, since each query block attends to every key up to its own end)."""
+    the mean block end, since each query block attends to every key up to its own end; over a context axis of
+    ``context > 1`` devices ``(2 context + 1) L / (4 context)``: the zigzag kernel's blocks)."""
+    if context > 1:
+        return (2 * context + 1) * seq_len / (4 * context)
     if cfg.attention != "blocked":
         return float(seq_len)
     n = max(1, min(cfg.attention_blocks, seq_len))
@@ -81,11 +87,11 @@ def mean_visible_keys(cfg: Any, seq_len: int) -> float:
     return sum(s * e for s, e in zip(sizes, ends)) / seq_len
 
 
-def block_bytes_per_token(cfg: Any, seq_len: int, c: int, t: int) -> tuple[float, float]:
+def block_bytes_per_token(cfg: Any, seq_len: int, c: int, t: int, context: int = 1) -> tuple[float, float]:
     """``(r_saved, r_live)`` of the module docstring: bytes per token one block keeps for its backward, and
     those of the one block being recomputed (remat)."""
     D, H, K, F = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
-    Lk = mean_visible_keys(cfg, seq_len)
+    Lk = mean_visible_keys(cfg, seq_len, context)
     r = c * (2 * D + 4 * H * K / t + 2 * F / t) + 4 * H * Lk / t + (c * H * Lk / t if c < 4 else 0)
     if cfg.remat == "none":
         return r, 0.0
@@ -103,7 +109,7 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
       cfg: the ``GPTConfig``.
       state: the ``TrainState`` (arrays or ``jax.ShapeDtypeStruct``s with shardings, e.g.
         ``jp.train.abstract_state``); its ``policy`` gives the compute dtype (None: the params' dtype).
-      mesh: the mesh (``data``, ``fsdp``, ``tensor``, ``pipe`` sizes).
+      mesh: the mesh (``data``, ``fsdp``, ``context``, ``tensor``, ``pipe`` sizes).
       global_batch, seq_len: sequences per step and tokens per sequence.
       schedule: the pipeline schedule, or None.
       grad_accum_steps: accumulation steps per update.
@@ -114,10 +120,10 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
     c = param_bytes if policy is None else np.dtype(policy.compute_dtype).itemsize
     if cfg.dtype is not None:
         c = np.dtype(cfg.dtype).itemsize
-    t, k = mesh.shape["tensor"], grad_accum_steps
-    r_saved, r_live = block_bytes_per_token(cfg, seq_len, c, t)
+    t, k, context = mesh.shape["tensor"], grad_accum_steps, dict(mesh.shape).get("context", 1)
+    r_saved, r_live = block_bytes_per_token(cfg, seq_len, c, t, context)
     h = c * cfg.d_model + 2 * 4 * cfg.padded_vocab / t
-    tokens = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * k)
+    tokens = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * context * k)
     stash, layers = 1, cfg.num_layers
     if schedule is not None:
         tokens /= schedule.num_microbatches

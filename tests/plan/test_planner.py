@@ -69,7 +69,7 @@ def test_plan_64_devices_in_a_subprocess():
     cfg = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16, remat="full",
                     scan_layers=True, dtype=jnp.bfloat16)
     p = jp.plan.plan(cfg, dict(data=2, fsdp=4, tensor=8), global_batch=16, seq_len=16)
-    assert p.mesh == dict(data=2, pipe=1, fsdp=4, tensor=8) and p.memory["compiled_bytes"] > 0
+    assert p.mesh == dict(data=2, pipe=1, fsdp=4, context=1, tensor=8) and p.memory["compiled_bytes"] > 0
     assert "tensor" in p.collectives["all-reduce"]
 
 
@@ -78,23 +78,26 @@ def test_plan_64_devices_in_a_subprocess():
 def test_host_split_is_the_hybrid_mesh_split():
     # 3 hosts of 8: tensor (2) inside, fsdp=3 cannot share a host of 8 with it, data=4 fills the rest
     per, across = jp.plan.host_split(dict(data=4, pipe=1, fsdp=3, tensor=2), 8)
-    assert per == dict(data=4, pipe=1, fsdp=1, tensor=2) and across == dict(data=1, pipe=1, fsdp=3, tensor=1)
+    assert per == dict(data=4, pipe=1, fsdp=1, context=1, tensor=2)
+    assert across == dict(data=1, pipe=1, fsdp=3, context=1, tensor=1)
     per, across = jp.plan.host_split(dict(data=2, pipe=2, fsdp=8, tensor=2), 8)
-    assert per == dict(data=1, pipe=1, fsdp=4, tensor=2) and across == dict(data=2, pipe=2, fsdp=2, tensor=1)
-    assert jp.plan.host_split(dict(data=2, pipe=1, fsdp=1, tensor=2), 8)[1] == dict(data=1, pipe=1, fsdp=1, tensor=1)
+    assert per == dict(data=1, pipe=1, fsdp=4, context=1, tensor=2)
+    assert across == dict(data=2, pipe=2, fsdp=2, context=1, tensor=1)
+    assert jp.plan.host_split(dict(data=2, pipe=1, fsdp=1, tensor=2), 8)[1] == dict(data=1, pipe=1, fsdp=1, context=1,
+                                                                                    tensor=1)
 
 
 def test_planning_mesh_puts_hosts_across_data():
     mesh = jp.plan.planning_mesh(dict(data=2, pipe=1, fsdp=2, tensor=2), gpus_per_host=4)
     host = np.vectorize(lambda d: d.id // 4)(mesh.devices)   # simulated hosts: 4 consecutive devices
-    assert dict(mesh.shape) == dict(data=2, pipe=1, fsdp=2, tensor=2)
+    assert dict(mesh.shape) == dict(data=2, pipe=1, fsdp=2, context=1, tensor=2)
     assert (host[0] == host[0].flat[0]).all() and (host[1] == host[1].flat[0]).all()   # data=0 on one host, 1 on another
     assert host[0].flat[0] != host[1].flat[0]
 
 
 def test_collectives_across_hosts_are_timed_on_infiniband():
     p = jp.plan.plan(TINY, dict(data=2, fsdp=2, tensor=2), global_batch=8, seq_len=16, gpus_per_host=4)
-    assert p.hosts["across_hosts"] == dict(data=2, pipe=1, fsdp=1, tensor=1)
+    assert p.hosts["across_hosts"] == dict(data=2, pipe=1, fsdp=1, context=1, tensor=1)
     spec = jp.plan.gpu("h100-80gb")
     ring = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
             "reduce-scatter": lambda g: (g - 1) / g, "collective-permute": lambda g: 1.0}
@@ -209,3 +212,17 @@ def test_schedule_with_pipe_1_names_both_fixes(no_compiling):
         jp.plan.estimate(TINY, dict(data=8), global_batch=16, seq_len=16, schedule=jp.pipeline.one_f_one_b(1, 2))
     with pytest.raises(ValueError, match=r"was given but the mesh has pipe=1 .*: pass schedule=None, or a mesh with pipe=2"):
         jp.plan.plan(TINY, dict(data=8), global_batch=16, seq_len=16, schedule=jp.pipeline.one_f_one_b(2, 2))
+
+
+def test_context_counts_in_the_estimate_and_the_compiled_plan():
+    """Splitting a long sequence over a context axis: the analytic activations per device fall by the context
+    size (the tokens) and by the zigzag kernel's smaller key count; the compiled plan holds the K/V ring's
+    collective-permutes; a sequence the zigzag split cannot cut is refused before compiling."""
+    cfg = GPTConfig(vocab_size=61, num_layers=2, num_heads=2, d_model=32, max_seq_len=1024, scan_layers=True)
+    one, two = (jp.plan.estimate(cfg, dict(data=2, context=c), global_batch=2, seq_len=1024) for c in (1, 2))
+    assert two["memory"]["activations"] < 0.6 * one["memory"]["activations"]
+    assert "context" in two["time"]["comm_s_by_axis"] and "context" not in one["time"]["comm_s_by_axis"]
+    planned = jp.plan.plan(cfg, dict(data=4, context=2), global_batch=8, seq_len=1024, num_devices=8)
+    assert planned.collectives["collective-permute"]["context"] > 0, planned.collectives
+    with pytest.raises(ValueError, match=r"seq_len 1022 is not divisible by 2 x context = 4"):
+        jp.plan.estimate(cfg, dict(data=4, context=2), global_batch=8, seq_len=1022)
