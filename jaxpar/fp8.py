@@ -154,8 +154,12 @@ def max_combine(a: Any, b: Any) -> Any:
 
 def _amax_scale(x: jax.Array, q_dtype: Any) -> jax.Array:
     """Current scaling: the float32 scale ``amax(|x|) / max(q_dtype)`` (1 for an all-zero ``x``), by flax's
-    ``compute_scale`` (Transformer Engine's formula)."""
+    ``compute_scale`` (Transformer Engine's formula). Inside a ``shard_map`` (the pipeline) the amax is a
+    ``pmax`` over the manual axes other than ``pipe`` (the batch shards), so every shard uses the global scale."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    manual = tuple(a for a in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) if a != "pipe")
+    if manual:
+        amax = lax.pmax(amax, manual)
     return fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(q_dtype, jnp.float32))
 
 
