@@ -105,8 +105,11 @@ def test_gpu_script_tiny_on_cpu():
     out = gpu.main(["--tiny", "--no-compile"])
     res = out["results"]["tiny"]
     assert res["params"]["jaxpar"] == res["params"]["torch"]
-    for k in ("jaxpar", "torch"):
+    for k in ("jaxpar", "jaxpar_fp8", "jaxpar_fp8_current", "torch"):
         assert res[k]["tokens_per_s"] > 0 and 0 < res[k]["mfu"] and np.isfinite(res[k]["last_loss"])
+    # scan_layers: the lowered program holds the scanned block's 4 dense matmuls once (3 dots each with the backward)
+    assert res["jaxpar"]["fp8_dots"] == {} and res["jaxpar_fp8"]["fp8_dots"] == {"e4m3 x e4m3": 4, "e5m2 x e4m3": 8}
+    assert res["jaxpar_fp8_current"]["fp8_dots"] == res["jaxpar_fp8"]["fp8_dots"]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from flax import linen as nn
 
 import jaxpar as jp
 from jaxpar import fp8
-from jaxpar.models import GPT, GPTConfig
+from jaxpar.models import GPT, GPTConfig, LlamaConfig
 
 from helpers import assert_scalar_close, assert_tree_close, gpt_batch
 
@@ -92,6 +92,15 @@ def _gpt_state(policy, mesh, cfg=TINY, tx=None):
     tx = tx or optax.sgd(0.1)
     return model, tx, jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=jp.Policy.from_string(policy),
                                           report=False)
+
+
+def test_llama_matmuls_are_fp8_in_the_lowered_program():
+    cfg = LlamaConfig(vocab_size=61, num_layers=1, num_heads=4, num_kv_heads=2, d_model=32, d_mlp=64, max_seq_len=16)
+    model, tx = cfg.as_model(), optax.sgd(0.1)
+    mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=jp.Policy.from_string("c=bf16,o=f32,dot=fp8"))
+    lowered = jp.train.make_train_step(model.loss, tx, mesh=mesh).lower(state, gpt_batch(np.random.default_rng(0), 2, cfg))
+    assert fp8.fp8_dot_counts(lowered) == {"e4m3 x e4m3": 7, "e5m2 x e4m3": 14}   # q, k, v, out, gate, up, down
 
 
 @pytest.mark.parametrize("dot", ["fp8", "fp8_current"])
@@ -223,29 +232,46 @@ def test_fp8_current_through_the_pipeline_equals_one_device():
 
 # ------------------------------------------------------------------------------------ checkpoint, errors
 
-def test_fp8_state_restored_on_another_mesh_continues_bitwise(tmp_path):
-    rng = np.random.default_rng(8)
-    batches = [gpt_batch(rng, 8, TINY) for _ in range(3)]
-    policy = jp.Policy.from_string("p=f32,c=bf16,o=f32,dot=fp8,amax_history=8")
-    model, tx = GPT(TINY), optax.adam(1e-2)
-    mesh_a, mesh_b = jp.make_mesh(data=2, devices=jax.devices()[:2]), jp.make_mesh(data=1, fsdp=2, tensor=2,
-                                                                                   devices=jax.devices()[:4])
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh_a, policy=policy, report=False)
-    state, _ = jp.train.make_train_step(model.loss, tx, mesh=mesh_a, donate=False)(state, batches[0])
+def _restore_and_continue(tmp_path, init_fn, loss_fn, tx, policy, batches, mesh_a, mesh_b):
+    """Trains one step on ``mesh_a``, saves, restores onto ``mesh_b``; asserts the restored fp8 meta is the saved
+    one bitwise and that the restored state then trains bitwise like the saved state moved to ``mesh_b``."""
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh_a, policy=policy, report=False)
+    state, _ = jp.train.make_train_step(loss_fn, tx, mesh=mesh_a, donate=False)(state, batches[0])
     with jp.checkpoint.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, state, force=True)
         ckpt.wait()
-        target = jp.train.abstract_state(model.init, tx, mesh=mesh_b, policy=policy)
+        target = jp.train.abstract_state(init_fn, tx, mesh=mesh_b, policy=policy)
         restored = ckpt.restore(target=target)
     moved = jax.device_put(state, jax.tree.map(lambda s: s.sharding, target))
+    assert state.fp8 is not None
     assert_tree_close(restored.fp8, state.fp8, rtol=0.0, what="restored fp8 meta")
-    step_b = jp.train.make_train_step(model.loss, tx, mesh=mesh_b, donate=False)
+    step_b = jp.train.make_train_step(loss_fn, tx, mesh=mesh_b, donate=False)
     for b in batches[1:]:
         restored, m_r = step_b(restored, b)
         moved, m_m = step_b(moved, b)
         assert float(m_r["loss"]) == float(m_m["loss"])
-    assert_tree_close(restored.fp8, moved.fp8, rtol=0.0, what="fp8 meta after two more steps")
-    assert_tree_close(restored.params, moved.params, rtol=0.0, what="params after two more steps")
+    assert_tree_close(restored.fp8, moved.fp8, rtol=0.0, what="fp8 meta after more steps")
+    assert_tree_close(restored.params, moved.params, rtol=0.0, what="params after more steps")
+
+
+def test_fp8_state_restored_on_another_mesh_continues_bitwise(tmp_path):
+    rng = np.random.default_rng(8)
+    c = fresh(rng, (6,), 1.0)
+    batches = [{"x": fresh(rng, (8, 5), 2.0)} for _ in range(3)]
+    policy = jp.Policy.from_string("p=f32,c=f32,o=f32,dot=fp8,amax_history=4")
+    _restore_and_continue(tmp_path, lambda key: OneLayer().init(key, jnp.ones((1, 5))), _one_layer_loss(c),
+                          optax.adam(1e-2), policy, batches, jp.make_mesh(data=2, devices=jax.devices()[:2]),
+                          jp.make_mesh(data=4, devices=jax.devices()[4:]))
+
+
+@pytest.mark.slow
+def test_gpt_fp8_state_restored_on_another_mesh_continues_bitwise(tmp_path):
+    rng = np.random.default_rng(8)
+    model = GPT(TINY)
+    _restore_and_continue(tmp_path, model.init, model.loss, optax.adam(1e-2),
+                          jp.Policy.from_string("p=f32,c=bf16,o=f32,dot=fp8,amax_history=8"),
+                          [gpt_batch(rng, 8, TINY) for _ in range(3)], jp.make_mesh(data=8),
+                          jp.make_mesh(data=2, fsdp=2, tensor=2))
 
 
 def test_checkpoint_without_fp8_meta_state_is_refused_clearly(tmp_path):
