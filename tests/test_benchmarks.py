@@ -181,3 +181,12 @@ def test_grain_data_script_tiny():
                             "packed_training_fed_by_grain"}
     assert 0 < results["grain_first_fit"]["fill"] <= 1 and results["grain_concat_then_split"]["fill"] == 1
     assert all(r["tokens_per_s"] > 0 for r in results.values()) and all(v > 0 for v in out["ratios"].values())
+
+
+@pytest.mark.slow
+def test_fp8_quality_script_tiny():
+    import fp8_quality
+    out = fp8_quality.main(["--steps", "2", "--extra", "--num-layers", "1", "--eval-batches", "1",
+                            "--eval-interval", "2", "--batch-size", "8", "--seq-len", "16"])
+    assert set(out["runs"]) == {"bf16", "fp8", "fp8_current"} and set(out["gap_vs_bf16"]) == {"fp8", "fp8_current"}
+    assert all(np.isfinite(r["val_loss"]) for r in out["runs"].values())
