@@ -209,6 +209,19 @@ def test_fp8_with_accumulation_on_mesh_equals_one_device():
     assert_tree_close(got[2], ref[2], what="fp8 meta after one step")
 
 
+def test_fp8_current_pipeline_step_has_fp8_dots():
+    """The fast sibling of the pipeline parity below: the pipelined step's program (lowered, not run)."""
+    model, tx = GPT(TINY), optax.sgd(0.1)
+    mesh = jp.make_mesh(data=4, pipe=2)
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 2))
+    state = jp.train.abstract_state(model.init, tx, mesh=mesh, pipeline=pipe,
+                                    policy=jp.Policy.from_string("p=f32,c=bf16,o=f32,dot=fp8_current"))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), gpt_batch(np.random.default_rng(0), 8, TINY))
+    counts = fp8.fp8_dot_counts(jp.train.make_train_step(pipe, tx, mesh=mesh).lower(state, batch))
+    assert counts.get("e4m3 x e4m3", 0) >= 4 and counts.get("e5m2 x e4m3", 0) >= 8, counts
+
+
+@pytest.mark.slow
 def test_fp8_current_through_the_pipeline_equals_one_device():
     """Current scaling scales each tensor as it is quantized: in the pipeline a microbatch's activations, so the
     reference is one device accumulating over the same (strided) microbatches. Inside the pipeline's
