@@ -30,7 +30,10 @@ up, down}``, with the blocks' leading layers axis; a Linen model using :class:`D
 (:func:`merge`), differentiates with respect to both, hands only the params' gradients to the optax chain and
 replaces the meta state by its "gradient", which the custom VJPs define as the new value (:func:`split`).
 Gradient accumulation combines the new values of the microbatches by a maximum (:func:`max_combine`): the
-scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches.
+scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches. The
+pipeline does the same (:func:`add` over its microbatches, a ``pmax`` over the manual batch axes where it
+sums the gradients), so delayed scaling through ``jp.pipeline`` equals one device (single-chunk
+schedules; a state in a multi-chunk stage layout is refused).
 Over data/fsdp/tensor shards nothing is summed: under GSPMD ``jnp.max(|x|)`` of a sharded tensor is a global
 reduction (the partitioner inserts an all-reduce max), so every shard records the global amax and the
 replicated meta state needs no further reduction. Policy casts never touch leaves under :data:`OWG`.
@@ -139,6 +142,17 @@ def merge(params: Any, meta: Any) -> Any:
     for k, v in meta.items():
         out[k] = v if k == OWG else merge(params[k], v)
     return out
+
+
+def is_meta(path: tuple) -> bool:
+    """Whether a key path (``jax.tree_util``'s) leads into fp8 meta state (a key :data:`OWG` on the way)."""
+    return any(getattr(k, "key", None) == OWG for k in path)
+
+
+def add(path: tuple, acc: jax.Array, value: jax.Array) -> jax.Array:
+    """How a gradient accumulator takes one more microbatch's leaf at ``path``: ``acc + value``, or the maximum
+    for fp8 meta state (:func:`max_combine`; the pipeline's accumulation over microbatches)."""
+    return jnp.maximum(acc, value) if is_meta(path) else acc + value
 
 
 def max_combine(a: Any, b: Any) -> Any:
@@ -286,5 +300,5 @@ def fp8_dot_counts(lowered: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["DotGeneral", "META_KEYS", "OWG", "RECIPES", "current_scaled_dot_general", "declare", "dot_general",
-           "fp8_dot_counts", "init_meta", "matmul", "max_combine", "merge", "recipe", "split", "using"]
+__all__ = ["DotGeneral", "META_KEYS", "OWG", "RECIPES", "add", "current_scaled_dot_general", "declare", "dot_general",
+           "fp8_dot_counts", "init_meta", "is_meta", "matmul", "max_combine", "merge", "recipe", "split", "using"]

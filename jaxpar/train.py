@@ -377,10 +377,10 @@ class Step:
             raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
                              "the pipeline does not carry between stages yet: train it without pipe, or keep the "
                              "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
-        if self._grad_fn is not None and self._grad_fn.uses_pipe and state.fp8 is not None:
-            raise ValueError("this state has fp8 meta state (a dot=fp8 policy), which the pipeline does not carry yet "
-                             "(its stage gradients are summed over microbatches and shards, the amax needs a "
-                             "maximum): train fp8 without pipe, or use dot=fp8_current (no state)")
+        if self._grad_fn is not None and self._grad_fn.uses_pipe and state.fp8 is not None and state.layout is not None:
+            raise ValueError("this state has fp8 meta state (a dot=fp8 policy) and a multi-chunk stage layout, which "
+                             "the pipeline does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or "
+                             "dot=fp8_current (no state)")
         if state.layout is not None and not (self._grad_fn is not None and self._grad_fn.uses_pipe):
             raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
                              f"{state.layout!r}), which this step would read as model order: step it with the "
@@ -402,8 +402,9 @@ class Step:
         if first:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-                g.check(abstract(fp8.merge(state.params, state.fp8)), _cast_inputs(state.policy, abstract(batch)), _context(
-                    b.mesh, b.rules, state, param_specs(state.params)))
+                params = fp8.merge(state.params, state.fp8)
+                g.check(abstract(params), _cast_inputs(state.policy, abstract(batch)), _context(
+                    b.mesh, b.rules, state, param_specs(params)))
             elif self._loss_fn is not None:
                 gr.check_loss_arity(self._loss_fn, _context(b.mesh, b.rules, state, None))
             self._checked.add(key)
@@ -479,7 +480,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        ctx = _context(mesh, rules, state, param_specs(shardings[0].params))
+        ctx = _context(mesh, rules, state, param_specs(fp8.merge(shardings[0].params, shardings[0].fp8)))
         params = fp8.merge(state.params, state.fp8)   # the fp8 meta state's "gradient" is its new value
         with jax.named_scope("forward_backward"), _warn_unknown_names(), fp8.using(state.policy):
             out = grad_fn(params, _cast_inputs(state.policy, batch), rng, scale, ctx)

@@ -221,26 +221,38 @@ def test_fp8_current_pipeline_step_has_fp8_dots():
     assert counts.get("e4m3 x e4m3", 0) >= 4 and counts.get("e5m2 x e4m3", 0) >= 8, counts
 
 
+def _pipeline_against_one_device(dot, accum, mesh, microbatches=4):
+    """Loss after one step and fp8 meta: one device (``accum`` accumulation steps) and the 1F1B pipeline."""
+    rng = np.random.default_rng(7)
+    batches = [gpt_batch(rng, 8, TINY) for _ in range(2)]
+    policy = jp.Policy.from_string(f"p=f32,c=f32,o=f32,dot={dot}")
+    model, tx = GPT(TINY), optax.adam(1e-2)
+    out = []
+    for m, pipe in ((jp.make_mesh(data=1, devices=jax.devices()[:1]), None),
+                    (mesh, jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, microbatches)))):
+        state = jp.train.init_state(model.init, tx, 0, mesh=m, policy=policy, pipeline=pipe, report=False)
+        step = jp.train.make_train_step(pipe or model.loss, tx, mesh=m, grad_accum_steps=1 if pipe else accum)
+        for b in batches:
+            state, metrics = step(state, b)
+        out.append((float(metrics["loss"]), jax.device_get(state.fp8)))
+    assert_scalar_close(out[1][0], out[0][0], what=f"{dot}: loss after one step through the pipeline")
+    return out
+
+
+def test_fp8_delayed_through_the_pipeline_equals_one_device():
+    """Delayed scaling: the pipeline combines its microbatches' new meta values by a maximum and the data
+    shards' by a pmax, so the amax is the whole batch's, as on one device without accumulation."""
+    (_, ref), (_, got) = _pipeline_against_one_device("fp8", 1, jp.make_mesh(data=2, pipe=2, tensor=2))
+    assert_tree_close(got, ref, what="fp8 meta after two steps through the pipeline")
+
+
 @pytest.mark.slow
 def test_fp8_current_through_the_pipeline_equals_one_device():
     """Current scaling scales each tensor as it is quantized: in the pipeline a microbatch's activations, so the
     reference is one device accumulating over the same (strided) microbatches. Inside the pipeline's
     shard_map the amax is a pmax over the manual batch axes (data here), so each data shard's scale is the
     microbatch's global one."""
-    rng = np.random.default_rng(7)
-    batches = [gpt_batch(rng, 8, TINY) for _ in range(2)]
-    policy = jp.Policy.from_string("p=f32,c=f32,o=f32,dot=fp8_current")
-    model, tx = GPT(TINY), optax.adam(1e-2)
-    losses = []
-    for mesh, pipe in ((jp.make_mesh(data=1, devices=jax.devices()[:1]), None),
-                       (jp.make_mesh(data=2, pipe=2, tensor=2), jp.pipeline.Pipeline.from_model(
-                           model, jp.pipeline.one_f_one_b(2, 4)))):
-        state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy, pipeline=pipe, report=False)
-        step = jp.train.make_train_step(pipe or model.loss, tx, mesh=mesh, grad_accum_steps=1 if pipe else 4)
-        for b in batches:
-            state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    assert_scalar_close(losses[1], losses[0], what="loss after one step, data=2 x pipe=2 x tensor=2")
+    _pipeline_against_one_device("fp8_current", 4, jp.make_mesh(data=2, pipe=2, tensor=2))
 
 
 # ------------------------------------------------------------------------------------ checkpoint, errors
@@ -313,11 +325,13 @@ def test_fp8_errors():
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
     with pytest.raises(ValueError, match="hold no fp8 meta state"):
         step(state.replace(fp8=None), gpt_batch(np.random.default_rng(0), 4, TINY))
-    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 2))
+    model = GPT(GPTConfig(vocab_size=61, num_layers=4, num_heads=4, d_model=32, max_seq_len=16))
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.interleaved_1f1b(2, 2, 2))   # two chunks per stage
     pmesh = jp.make_mesh(data=4, pipe=2)
-    pstate = jp.train.init_state(model.init, tx, 0, mesh=pmesh, policy=state.policy, pipeline=pipe, report=False)
-    with pytest.raises(ValueError, match="pipeline does not carry yet"):
-        jp.train.make_train_step(pipe, tx, mesh=pmesh)(pstate, gpt_batch(np.random.default_rng(0), 8, TINY))
+    pstate = jp.train.abstract_state(model.init, tx, mesh=pmesh, policy=state.policy, pipeline=pipe)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), gpt_batch(np.random.default_rng(0), 8, TINY))
+    with pytest.raises(ValueError, match="multi-chunk stage layout"):
+        jp.train.make_train_step(pipe, tx, mesh=pmesh).lower(pstate, batch)
 
 
 @pytest.mark.slow
