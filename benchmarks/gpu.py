@@ -1,4 +1,5 @@
-"""One GPU: jaxpar's GPT train step against the same GPT in PyTorch, in bf16, at ~125M, ~350M and ~1.3B parameters.
+"""One GPU: jaxpar's GPT train step against the same GPT in PyTorch, in bf16, at ~125M, ~350M and ~1.3B parameters,
+and jaxpar's fp8 policies (delayed and current scaling) beside its bf16.
 
     python benchmarks/gpu.py                 # on a machine with one NVIDIA GPU (about 5-8 minutes)
     python benchmarks/gpu.py --tiny          # CPU smoke test of the whole path at a tiny size (seconds)
@@ -10,6 +11,9 @@ vocabulary 50257 padded to 50304, sequence 1024): ``125M`` 12 layers x d=768 (12
 * jaxpar: ``jp.train.make_train_step`` on a one-device mesh, ``Policy "mixed_bf16"`` (float32 params and
   AdamW state, bfloat16 compute), ``attention="cudnn"`` (cuDNN flash attention through
   ``jax.nn.dot_product_attention``; ``"blocked"`` off GPU), ``scan_layers=True`` (compile time);
+* jaxpar fp8 (``--policies``, default all): the same step under ``"p=f32,c=bf16,o=f32,dot=fp8"`` (delayed scaling,
+  ``jaxpar_fp8``) and ``dot=fp8_current`` (``jaxpar_fp8_current``): the attention projections and the MLP in
+  fp8 (``jaxpar.fp8``); the JSON gives each one's fp8 dots in the lowered step and its speed over bf16's;
 * PyTorch: ``benchmarks/torch_gpt.py``'s module (``scaled_dot_product_attention``, causal) under
   ``torch.autocast(bfloat16)``, ``torch.compile``d, ``torch.optim.AdamW(fused=True)`` on CUDA, the same
   clipping and schedule.
@@ -62,17 +66,23 @@ def batches(cfg: GPTConfig, batch: int, n: int, seed: int = 0) -> list[dict]:
             for _ in range(n)]
 
 
+POLICIES = {"jaxpar": "mixed_bf16", "jaxpar_fp8": "p=f32,c=bf16,o=f32,dot=fp8",
+            "jaxpar_fp8_current": "p=f32,c=bf16,o=f32,dot=fp8_current"}
+
+
 class JaxRun:
-    def __init__(self, cfg: GPTConfig, data: list[dict]):
+    def __init__(self, cfg: GPTConfig, data: list[dict], policy: str = "mixed_bf16"):
         model = GPT(cfg)
         mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
         names = jax.eval_shape(model.init, jax.random.key(0))
         tx = jp.optim.adamw(3e-4, total_steps=TOTAL_STEPS, warmup_steps=WARMUP, axis_names=names)
-        policy = jp.precision.Policy.from_string("mixed_bf16")
+        policy = jp.precision.Policy.from_string(policy)
         self.state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy)
         self.step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
         self.data = [jp.train.shard_batch(b, mesh) for b in data]
-        m = self.step.lower(self.state, self.data[0]).compile().memory_analysis()
+        lowered = self.step.lower(self.state, self.data[0])
+        self.fp8_dots = jp.fp8.fp8_dot_counts(lowered)
+        m = lowered.compile().memory_analysis()
         self.compiled_bytes = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
         self.num_params = sum(x.size for x in jax.tree.leaves(self.state.params))
 
@@ -115,8 +125,8 @@ def measure(size: str, args, on_gpu: bool, peak: float) -> dict:
     cfg, batch = config(size, args.tiny, on_gpu)
     batch = args.batch or batch
     data = batches(cfg, batch, 4)
-    runs = {"jaxpar": JaxRun(cfg, data),
-            "torch": TorchRun(cfg, data, "cuda" if on_gpu else "cpu", not args.no_compile)}
+    runs = {k: JaxRun(cfg, data, POLICIES[k]) for k in ["jaxpar", *args.policies]}
+    runs["torch"] = TorchRun(cfg, data, "cuda" if on_gpu else "cpu", not args.no_compile)
     for r in runs.values():
         r.run(args.warmup)
     times = {k: [] for k in runs}
@@ -132,7 +142,12 @@ def measure(size: str, args, on_gpu: bool, peak: float) -> dict:
         out[k] = {"ms_per_step": round(1e3 * med, 2), "tokens_per_s": round(tokens / med),
                   "tokens_per_s_min_max": [round(tokens / max(ts)), round(tokens / min(ts))],
                   "mfu": round(jp.metrics.mfu(tokens / med, flops, peak), 4), "last_loss": round(runs[k].last_loss, 4)}
-    out["jaxpar"]["compiled_bytes"] = runs["jaxpar"].compiled_bytes
+    for k in runs:
+        if k.startswith("jaxpar"):
+            out[k]["compiled_bytes"], out[k]["fp8_dots"] = runs[k].compiled_bytes, runs[k].fp8_dots
+        if k.startswith("jaxpar_fp8"):   # the same rounds, side by side
+            out[f"{k}_over_bf16_tokens_per_s"] = round(statistics.median(
+                [b / a for a, b in zip(times[k], times["jaxpar"])]), 3)
     stats = jax.devices()[0].memory_stats() or {}
     out["jaxpar"]["process_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     out["torch"]["max_memory_allocated"] = runs["torch"].peak_bytes()
@@ -153,6 +168,8 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip the sizes left after this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="PyTorch eager instead of torch.compile")
+    ap.add_argument("--policies", nargs="*", default=["jaxpar_fp8", "jaxpar_fp8_current"],
+                    choices=[k for k in POLICIES if k != "jaxpar"], help="jaxpar's fp8 runs beside its bf16 one")
     return ap.parse_args(argv)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import fp8
 from jaxpar import sharding as shd
 from jaxpar.checks import positive_int
 from jaxpar.models import nnx_bridge, protocol
@@ -345,24 +346,26 @@ class _Accumulate(GradFn):
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
 
         carried = ctx.stateful and self.carries_model_state
+        plain, meta = fp8.split(params)   # fp8 meta state: its new values combine by a maximum, not a mean
 
         def body(carry, j):     # the model state (batch statistics) passes from microbatch to microbatch
-            grad_sum, model_state = carry
+            (grad_sum, new_meta), model_state = carry
             out = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx._replace(model_state=model_state))
             loss, aux, grads = out[:3]
+            grads, meta_j = fp8.split(grads)
             w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
             # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
             wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
             grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
-            return (grad_sum, out[3] if carried else model_state), (
+            return ((grad_sum, fp8.max_combine(new_meta, meta_j)), out[3] if carried else model_state), (
                 wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
 
         with jax.named_scope("accumulation"):
-            (grad_sum, model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
-                body, (zeros(params), ctx.model_state), jnp.arange(self.steps))
+            ((grad_sum, new_meta), model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
+                body, ((zeros(plain), zeros(meta)), ctx.model_state), jnp.arange(self.steps))
         w_sum = w_m.sum()
         aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
-        grads = jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, params)
+        grads = fp8.merge(jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, plain), new_meta)
         out = weighted_mean(loss_m.sum(), w_sum), aux, grads
         return (*out, model_state) if carried else out
 
@@ -373,7 +376,8 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
     Microbatch ``j`` holds rows ``j, j+steps, ...`` and the key ``fold_in(rng, j)``; it is run in a
     ``lax.scan``, so memory stays that of one microbatch, and gradients are summed in float32. A microbatch's
     weight is ``aux["weight"]`` when present (e.g. its token count), else 1, so the result is the whole
-    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. An all-empty batch (total
+    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. fp8 meta state in the params
+    (:mod:`jaxpar.fp8`) is not averaged: its new values are combined by a maximum (the amax over all microbatches). An all-empty batch (total
     weight 0) gives zero loss and gradients, not NaN.
 
     Raises:

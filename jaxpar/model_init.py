@@ -26,9 +26,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxpar import fp8
 from jaxpar import sharding as shd
 from jaxpar.models import nnx_bridge
 from jaxpar.placement import boxed_names
+from jaxpar.precision import OWG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +38,8 @@ class ModelInit:
     """An init function, described abstractly.
 
     Attributes:
-      init: ``init(key) -> (params, model_state)``, traceable (unboxed arrays; ``model_state`` None when the
-        model has none).
+      init: ``init(key) -> (params, model_state, fp8)``, traceable (unboxed arrays; ``model_state`` None when the
+        model has none; ``fp8`` the fp8 meta state taken out of the params, :func:`jaxpar.fp8.split`, or None).
       param_shapes, param_names: ``jax.ShapeDtypeStruct`` and dimension names (tuple or None) per param leaf.
       state_shapes, state_names: the same for the model state (None when it has none).
       graphdef: the NNX graph definition, or None for a Linen / plain model.
@@ -48,6 +50,7 @@ class ModelInit:
     state_shapes: Any = None
     state_names: Any = None
     graphdef: Any = None
+    fp8_shapes: Any = None   # ``jax.ShapeDtypeStruct`` per fp8 meta leaf (None without fp8 meta state)
 
 
 def _collections(variables: Any) -> bool:
@@ -57,9 +60,12 @@ def _collections(variables: Any) -> bool:
 
 
 def _split(variables: Any) -> tuple[Any, Any]:
+    """``(params, model state)``; fp8 meta state (the ``OWG`` collection, :mod:`jaxpar.fp8`) stays with the params."""
     if not _collections(variables):
         return variables, None
-    return {"params": variables["params"]}, {k: v for k, v in variables.items() if k != "params"}
+    keep = ("params", OWG)
+    state = {k: v for k, v in variables.items() if k not in keep}
+    return {k: v for k, v in variables.items() if k in keep}, state or None
 
 
 def describe(init_fn: Any, rng: jax.Array, mesh: Mesh) -> ModelInit:
@@ -79,14 +85,19 @@ def describe(init_fn: Any, rng: jax.Array, mesh: Mesh) -> ModelInit:
             make = init_fn
     if make is not None:
         graphdef, pshapes, pnames, sshapes, snames = nnx_bridge.abstract(make, rng)
-        return ModelInit(lambda key: nnx_bridge.build(make, key)[1:], pshapes, pnames, sshapes, snames, graphdef)
+        return ModelInit(lambda key: (*nnx_bridge.build(make, key)[1:], None), pshapes, pnames, sshapes, snames,
+                         graphdef)
     params, state = _split(boxed)
+    params, meta = fp8.split(params)
 
     def init(key):
         with nnx.use_eager_sharding(False):
-            return _split(nn.meta.unbox(init_fn(key)))
+            p, s = _split(nn.meta.unbox(init_fn(key)))
+        p, m = fp8.split(p)
+        return p, s, m
     return ModelInit(init, nn.meta.unbox(params), boxed_names(params),
-                     None if state is None else nn.meta.unbox(state), None if state is None else boxed_names(state))
+                     None if state is None else nn.meta.unbox(state), None if state is None else boxed_names(state),
+                     fp8_shapes=None if meta is None else nn.meta.unbox(meta))
 
 
 __all__ = ["ModelInit", "describe"]

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as OWG   # fp8 meta state's key (jaxpar.fp8): never cast
 
 # jmp's names (jmp/_src/policy.py ``dtype_to_names``: "full"/"f32"/"float32", "bf16"/"bfloat16",
 # "f16"/"float16", "f64"/"float64", and "half" via ``half_dtype()``) plus jaxpar's own aliases.
@@ -34,7 +35,9 @@ _DTYPES_64 = ("float64", "f64", "fp64", "double")  # jmp accepts float64/f64; ja
 _POLICY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "param": "param_dtype",
          "compute": "compute_dtype", "c": "compute_dtype",
-         "output": "output_dtype", "o": "output_dtype"}
+         "output": "output_dtype", "o": "output_dtype", "dot": "dot", "amax_history": "amax_history"}
+_DOTS = {"fp8": "fp8", "fp8_delayed": "fp8", "fp8_current": "fp8_current"}   # policy dot= values (jaxpar.fp8)
+_DTYPE_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
 
 def _half_dtype() -> Any:
@@ -63,13 +66,15 @@ def _parse_dtype(text: str) -> Any:
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
-    def cast(x):
+    def cast(path, x):
+        if any(getattr(k, "key", None) == OWG for k in path):   # fp8 meta state stays float32
+            return x
         if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jnp.floating):
             if isinstance(x, jax.ShapeDtypeStruct):
                 return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
             return x.astype(dtype)
         return x
-    return jax.tree.map(cast, tree)
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,21 +89,41 @@ class Policy:
       param_dtype: storage dtype of parameters (master weights), e.g. ``jnp.float32``.
       compute_dtype: dtype of the forward/backward pass.
       output_dtype: dtype of model outputs (logits); the step's loss is float32 whatever it is.
+      dot: None (matmuls in ``compute_dtype``), ``"fp8"`` (the models' dense matmuls in fp8 with delayed
+        scaling from an amax history) or ``"fp8_current"`` (fp8 with current scaling): :mod:`jaxpar.fp8`.
+        Attention projections and MLPs only; the embedding, the logits and the attention scores stay in the
+        compute dtype. fp8 needs ``compute_dtype`` bfloat16 or float32.
+      amax_history: steps of amax history per tensor for ``dot="fp8"`` (Transformer Engine's and flax's
+        default 1024).
     """
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
+    dot: str | None = None
+    amax_history: int = 1024
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        if self.dot is not None and self.dot not in _DOTS:
+            raise ValueError(f"Policy dot={self.dot!r}; use None, 'fp8' (delayed scaling) or 'fp8_current'")
+        if self.dot is not None:
+            object.__setattr__(self, "dot", _DOTS[self.dot])
+        if isinstance(self.amax_history, bool) or not isinstance(self.amax_history, (int, np.integer)) \
+                or not self.amax_history >= 1:
+            raise ValueError(f"Policy amax_history={self.amax_history!r} must be an int >= 1 (steps)")
+        object.__setattr__(self, "amax_history", int(self.amax_history))
+        for name in _DTYPE_FIELDS:
+            value = getattr(self, name)
             try:
                 dtype = jnp.dtype(value) if value is not None else None
             except TypeError:
                 dtype = None
             if dtype not in _POLICY_DTYPES:
-                raise ValueError(f"Policy {f.name}={value!r} must be float32, bfloat16 or float16")
-            object.__setattr__(self, f.name, dtype)
+                raise ValueError(f"Policy {name}={value!r} must be float32, bfloat16 or float16")
+            object.__setattr__(self, name, dtype)
+        if self.dot is not None and self.compute_dtype == jnp.float16:
+            raise ValueError(f"Policy dot={self.dot!r} with compute_dtype float16: fp8 matmuls need bfloat16 or "
+                             "float32 compute (float16 would need loss scaling on top of fp8's per-tensor scaling, "
+                             "which jaxpar does not combine); use e.g. 'p=f32,c=bf16,o=f32,dot=fp8'")
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating leaves to ``param_dtype``; ints, bools and Python scalars are untouched."""
@@ -125,6 +150,10 @@ class Policy:
         accepts ``fp32``, ``float`` and ``fp16``, and the named presets ``"mixed_bf16"`` (params f32,
         compute bf16, output f32) and ``"mixed_fp16"`` (the same with f16).
 
+        fp8 matmuls (jaxpar's, :mod:`jaxpar.fp8`): the key ``dot=`` with ``fp8`` (or ``fp8_delayed``: delayed
+        scaling) or ``fp8_current`` (current scaling), and ``amax_history=N`` (delayed scaling's history length,
+        default 1024), e.g. ``"p=f32,c=bf16,o=f32,dot=fp8"``; they do not change the dtype defaults.
+
         Where jaxpar differs from jmp: it is lenient with case and whitespace (``" P = Full , c = BF16 "``);
         it refuses a key given twice (jmp keeps the last); and it refuses jmp's ``float64``/``f64``, because
         JAX disables x64 by default (float64 silently becomes float32) and params and optimizer state live
@@ -132,7 +161,8 @@ class Policy:
 
         Raises:
           TypeError: ``text`` is not a str.
-          ValueError: an empty string, an unknown key, a key given twice, or an unknown or 64-bit dtype.
+          ValueError: an empty string, an unknown key, a key given twice, an unknown or 64-bit dtype, an
+            unknown ``dot`` value, or ``dot`` with float16 compute.
         """
         if not isinstance(text, str):
             raise TypeError(f"policy must be given as a str, got {type(text).__name__}")
@@ -147,16 +177,35 @@ class Policy:
         for part in text.split(","):
             key, sep, value = part.partition("=")
             if not sep or key.strip().lower() not in _KEYS:
-                raise ValueError(f"unknown policy key in {part!r}; use params=, compute=, output= (or p=, c=, o=)")
+                raise ValueError(f"unknown policy key in {part!r}; use params=, compute=, output= (or p=, c=, o=), "
+                                 "dot=, amax_history=")
             if _KEYS[key.strip().lower()] in found:
                 raise ValueError(f"policy {text!r} sets {_KEYS[key.strip().lower()]} twice; give each key once")
-            found[_KEYS[key.strip().lower()]] = _parse_dtype(value)
+            found[_KEYS[key.strip().lower()]] = _parse_value(_KEYS[key.strip().lower()], value)
         p = found.get("param_dtype", jnp.float32)           # jmp: params default to float32,
         c = found.get("compute_dtype", p)                   # compute follows params,
-        return cls(p, c, found.get("output_dtype", c))      # output follows compute
+        extra = {k: found[k] for k in ("dot", "amax_history") if k in found}
+        return cls(p, c, found.get("output_dtype", c), **extra)   # output follows compute
 
     def __str__(self) -> str:
-        return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+        text = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+        if self.dot is not None:
+            text += f",dot={self.dot}" + ("" if self.amax_history == 1024 else f",amax_history={self.amax_history}")
+        return text
+
+
+def _parse_value(field: str, text: str) -> Any:
+    """A policy string's value for ``field``: a dtype, a ``dot`` name or an ``amax_history`` int."""
+    value = text.strip().lower()
+    if field == "dot":
+        if value not in _DOTS:
+            raise ValueError(f"unknown dot {text!r} in policy; use one of {sorted(_DOTS)}")
+        return value
+    if field == "amax_history":
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"amax_history={text!r} in policy must be a positive int (steps)")
+        return int(value)
+    return _parse_dtype(text)
 
 
 PRESETS = {

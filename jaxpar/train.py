@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar import fp8
 from jaxpar import grads as gr
 from jaxpar import model_init, placement, precision
 from jaxpar import sharding as shd
@@ -28,7 +29,7 @@ from jaxpar.checks import nonnegative_int
 from jaxpar.grads import GradFn, LossFn, check_batch_size
 from jaxpar.jit import MeshJit
 from jaxpar.models import protocol
-from jaxpar.pipeline.layout import StateLayout, permute_state, state_layout
+from jaxpar.pipeline.layout import StateLayout, permute_state, state_layout, to_layout, to_model_order  # noqa: F401
 from jaxpar.precision import Policy
 
 
@@ -57,12 +58,16 @@ class TrainState:
         checkpointed with the rest, read by the eval step.
       graphdef: a Flax NNX model's ``nnx.GraphDef`` (static), or None: the step merges it with ``params`` and
         ``model_state`` into the model its ``loss_fn(model, batch, rng)`` takes (:mod:`jaxpar.models.nnx_bridge`).
+      fp8: the fp8 meta state (scales and amax histories of a ``dot=fp8`` policy's matmuls, float32), or None:
+        taken out of the params at init, replicated, put back by the step for the loss and replaced by the
+        new values the matmuls' VJPs give, never seen by the optimizer (:mod:`jaxpar.fp8`); checkpointed.
     """
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
     model_state: Any = None
+    fp8: Any = None
     policy: Policy | None = flax.struct.field(pytree_node=False, default=None)
     layout: StateLayout | None = flax.struct.field(pytree_node=False, default=None)
     graphdef: Any = flax.struct.field(pytree_node=False, default=None)
@@ -120,10 +125,10 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Layout
     rep = NamedSharding(mesh, P())
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
                         rng=jax.eval_shape(lambda k: k, rng), model_state=model.state_shapes, policy=policy,
-                        layout=layout, graphdef=model.graphdef)
+                        layout=layout, graphdef=model.graphdef, fp8=model.fp8_shapes)
     # a stage layout permutes whole blocks of the layers axis: shapes, and so shardings, are those of model order
     shardings = TrainState(step=rep, params=placed.shardings, rng=rep, model_state=state_shardings, policy=policy,
-                           layout=layout, graphdef=model.graphdef,
+                           layout=layout, graphdef=model.graphdef, fp8=jax.tree.map(lambda _: rep, model.fp8_shapes),
                            opt_state=shd.opt_state_shardings(etx, param_shapes, placed.shardings, mesh))
     return shapes, shardings, model, placed
 
@@ -155,39 +160,6 @@ def _check_pipeline(pipeline: Any) -> None:
                         f"stage_key and schedule set the stage layout), or None for model order; got {pipeline!r}")
 
 
-def to_model_order(state: TrainState) -> TrainState:
-    """``state`` with params and optimizer state in model order (``layout=None``); itself when already so.
-
-    The inverse of :func:`to_layout`: exact (whole blocks of the layers axis move, no arithmetic). Arrays keep
-    their shardings (the moved blocks cross ``pipe``: a one-off cost, e.g. when saving a checkpoint).
-    """
-    if state.layout is None:
-        return state
-    return _moved(state, state.layout, inverse=True).replace(layout=None)
-
-
-def to_layout(state: TrainState, layout: StateLayout | None) -> TrainState:
-    """A model-order ``state`` put in ``layout`` (from ``abstract_state(..., pipeline=).layout``); exact.
-
-    Raises:
-      ValueError: ``state`` is not in model order (take :func:`to_model_order` first).
-    """
-    if state.layout is not None:
-        raise ValueError(f"to_layout needs a state in model order, got one in {state.layout!r}: pass "
-                         "jp.train.to_model_order(state)")
-    return state if layout is None else _moved(state, layout, inverse=False).replace(layout=layout)
-
-
-def _moved(state: TrainState, layout: StateLayout, inverse: bool) -> TrainState:
-    move = lambda p, o: permute_state(p, o, layout, inverse=inverse)
-    leaves = jax.tree.leaves((state.params, state.opt_state))
-    if leaves and all(isinstance(x, jax.Array) for x in leaves):
-        shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
-        move = jax.jit(move, out_shardings=shardings)
-    params, opt_state = move(state.params, state.opt_state)
-    return state.replace(params=params, opt_state=opt_state)
-
-
 def _effective_tx(tx: optax.GradientTransformation, policy: Policy | None) -> optax.GradientTransformation:
     """Keeps optimizer state in float32 when the policy stores params in a 16-bit dtype."""
     if policy is not None and policy.param_dtype.itemsize < 4:
@@ -217,7 +189,8 @@ def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransf
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
-    shapes, shardings, _, _ = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline, how)
+    with fp8.using(policy):
+        shapes, shardings, _, _ = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline, how)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
@@ -271,20 +244,22 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
     tx = shd.check_transformation(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
-    shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
+    with fp8.using(policy):
+        shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
     _report(shapes, shardings, placed, mesh, report, how.auto_fsdp_min_size)
 
     def _init(init_rng, state_rng):
-        params, model_state = model.init(init_rng)
+        params, model_state, meta = model.init(init_rng)
         if policy is not None:
             params = policy.cast_to_param(params)
         opt_state = _effective_tx(tx, policy).init(params)
         if shardings.layout is not None:   # the model-order init, put in the stage layout
             params, opt_state = permute_state(params, opt_state, shardings.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng,
-                          model_state=model_state, policy=policy, layout=shardings.layout, graphdef=model.graphdef)
+                          model_state=model_state, policy=policy, layout=shardings.layout, graphdef=model.graphdef,
+                          fp8=meta)
 
-    with shd.use_for_init(mesh, rules):
+    with shd.use_for_init(mesh, rules), fp8.using(policy):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
 
 
@@ -402,6 +377,10 @@ class Step:
             raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
                              "the pipeline does not carry between stages yet: train it without pipe, or keep the "
                              "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
+        if self._grad_fn is not None and self._grad_fn.uses_pipe and state.fp8 is not None and state.layout is not None:
+            raise ValueError("this state has fp8 meta state (a dot=fp8 policy) and a multi-chunk stage layout, which "
+                             "the pipeline does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or "
+                             "dot=fp8_current (no state)")
         if state.layout is not None and not (self._grad_fn is not None and self._grad_fn.uses_pipe):
             raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
                              f"{state.layout!r}), which this step would read as model order: step it with the "
@@ -423,8 +402,9 @@ class Step:
         if first:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-                g.check(abstract(state.params), _cast_inputs(state.policy, abstract(batch)), _context(
-                    b.mesh, b.rules, state, param_specs(state.params)))
+                params = fp8.merge(state.params, state.fp8)
+                g.check(abstract(params), _cast_inputs(state.policy, abstract(batch)), _context(
+                    b.mesh, b.rules, state, param_specs(params)))
             elif self._loss_fn is not None:
                 gr.check_loss_arity(self._loss_fn, _context(b.mesh, b.rules, state, None))
             self._checked.add(key)
@@ -500,13 +480,15 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        ctx = _context(mesh, rules, state, param_specs(shardings[0].params))
-        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules):
-            out = grad_fn(state.params, _cast_inputs(state.policy, batch), rng, scale, ctx)
+        ctx = _context(mesh, rules, state, param_specs(fp8.merge(shardings[0].params, shardings[0].fp8)))
+        params = fp8.merge(state.params, state.fp8)   # the fp8 meta state's "gradient" is its new value
+        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
+            out = grad_fn(params, _cast_inputs(state.policy, batch), rng, scale, ctx)
         carried = ctx.stateful and grad_fn.carries_model_state
-        loss, aux, grads, model_state = _check_grad_output(out, state.params, grad_fn, carried)
+        loss, aux, grads, model_state = _check_grad_output(out, params, grad_fn, carried)
+        grads, new_fp8 = fp8.split(grads)
         with jax.named_scope("optimizer_update"):
-            state = _apply_update(tx, state, grads)
+            state = _apply_update(tx, state, grads).replace(fp8=new_fp8)
         if carried:
             state = state.replace(model_state=model_state)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
@@ -563,8 +545,9 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
 
     def _eval(state: TrainState, batch: Any):
-        params = state.params if state.policy is None else state.policy.cast_to_compute(state.params)
-        with placement.audit_activation_names(mesh, rules):
+        params = fp8.merge(state.params, state.fp8)
+        params = params if state.policy is None else state.policy.cast_to_compute(params)
+        with placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
             loss, aux = gr.check_loss_output(loss_fn(params, _cast_inputs(state.policy, batch), jax.random.fold_in(
                 state.rng, state.step), _context(mesh, rules, state, None)))
         return {"loss": loss.astype(jnp.float32), **aux}

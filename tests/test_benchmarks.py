@@ -105,8 +105,11 @@ def test_gpu_script_tiny_on_cpu():
     out = gpu.main(["--tiny", "--no-compile"])
     res = out["results"]["tiny"]
     assert res["params"]["jaxpar"] == res["params"]["torch"]
-    for k in ("jaxpar", "torch"):
+    for k in ("jaxpar", "jaxpar_fp8", "jaxpar_fp8_current", "torch"):
         assert res[k]["tokens_per_s"] > 0 and 0 < res[k]["mfu"] and np.isfinite(res[k]["last_loss"])
+    # scan_layers: the lowered program holds the scanned block's 4 dense matmuls once (3 dots each with the backward)
+    assert res["jaxpar"]["fp8_dots"] == {} and res["jaxpar_fp8"]["fp8_dots"] == {"e4m3 x e4m3": 4, "e5m2 x e4m3": 8}
+    assert res["jaxpar_fp8_current"]["fp8_dots"] == res["jaxpar_fp8"]["fp8_dots"]
 
 
 @pytest.mark.slow
@@ -178,3 +181,12 @@ def test_grain_data_script_tiny():
                             "packed_training_fed_by_grain"}
     assert 0 < results["grain_first_fit"]["fill"] <= 1 and results["grain_concat_then_split"]["fill"] == 1
     assert all(r["tokens_per_s"] > 0 for r in results.values()) and all(v > 0 for v in out["ratios"].values())
+
+
+@pytest.mark.slow
+def test_fp8_quality_script_tiny():
+    import fp8_quality
+    out = fp8_quality.main(["--steps", "2", "--extra", "--num-layers", "1", "--eval-batches", "1",
+                            "--eval-interval", "2", "--batch-size", "8", "--seq-len", "16"])
+    assert set(out["runs"]) == {"bf16", "fp8", "fp8_current"} and set(out["gap_vs_bf16"]) == {"fp8", "fp8_current"}
+    assert all(np.isfinite(r["val_loss"]) for r in out["runs"].values())

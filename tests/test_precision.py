@@ -54,9 +54,30 @@ def test_policy_from_string(text, want):
     assert Policy.from_string(str(policy)) == policy
 
 
+@pytest.mark.parametrize("text, dot, history", [
+    ("p=f32,c=bf16,o=f32,dot=fp8", "fp8", 1024), ("c=bf16,dot=FP8_delayed", "fp8", 1024),
+    ("p=f32,c=f32,dot=fp8_current", "fp8_current", 1024), ("c=bf16,dot=fp8,amax_history=16", "fp8", 16),
+    ("mixed_bf16", None, 1024),
+])
+def test_policy_fp8_dot_field(text, dot, history):
+    """``dot=`` (jaxpar's key: the fp8 recipe) leaves the dtype defaults as they are and round-trips through str."""
+    policy = Policy.from_string(text)
+    assert (policy.dot, policy.amax_history) == (dot, history)
+    assert policy.param_dtype == F32 and policy.compute_dtype == (F32 if "c=f32" in text else BF16)
+    assert Policy.from_string(str(policy)) == policy
+
+
+def test_policy_casts_never_touch_fp8_meta_state():
+    tree = {"w": np.ones(3, np.float32), "blocks": {"_overwrite_with_gradient": {"s": np.ones(1, np.float32)}}}
+    cast = Policy.from_string("p=f32,c=bf16,dot=fp8").cast_to_compute(tree)
+    assert cast["w"].dtype == BF16 and cast["blocks"]["_overwrite_with_gradient"]["s"].dtype == F32
+
+
 @pytest.mark.parametrize("text, match", [
     ("", "empty"), ("   ", "empty"), ("params=float64", "unknown dtype"), ("int8", "unknown dtype"),
     ("weights=f32", "unknown policy key"), ("params=f32,bogus", "unknown policy key"),
+    ("c=f16,dot=fp8", "fp8 matmuls need bfloat16 or float32 compute"), ("c=bf16,dot=int4", "unknown dot"),
+    ("c=bf16,dot=fp8,amax_history=-1", "amax_history"), ("c=bf16,dot=fp8,dot=fp8", "twice"),
 ])
 def test_policy_from_string_errors(text, match):
     with pytest.raises(ValueError, match=match):

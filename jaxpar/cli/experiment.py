@@ -118,13 +118,16 @@ class MeshConfig:
                          devices_per_host=self.devices_per_host or None)
 
 
-PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16"}  # flag -> jp.precision.Policy.from_string
+PRECISIONS = {"f32": "float32", "bf16": "mixed_bf16", "fp16": "mixed_fp16",   # flag -> jp.Policy.from_string
+              "fp8": "p=f32,c=bf16,o=f32,dot=fp8", "fp8_current": "p=f32,c=bf16,o=f32,dot=fp8_current"}
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Mixed precision: the policy, and dynamic loss scaling for float16."""
-    precision: Literal["f32", "bf16", "fp16"] = "f32"  # bf16: params f32, compute bf16; fp16: same + loss scaling
+    precision: Literal["f32", "bf16", "fp16", "fp8", "fp8_current"] = "f32"
+    """bf16: params f32, compute bf16; fp16: the same + dynamic loss scaling; fp8: bf16 with the dense matmuls in
+    fp8, delayed scaling (amax history); fp8_current: the same with current scaling (jaxpar.fp8)"""
     matmul_precision: Literal["default", "tf32", "fp32", "bf16"] = "default"  # float32 matmuls, GPU only
                                    # (jp.gpu): tf32 (JAX's GPU default), fp32 (TF32 off), bf16
 

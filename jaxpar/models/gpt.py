@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import attention as cp
+from jaxpar import fp8
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import generation
 from jaxpar.models.layers import (  # noqa: F401 (public here too)
@@ -207,6 +208,10 @@ class Block(nn.Module):
         self.up_bias = _param(self, "up_bias", (F,), ("mlp",), None)
         self.down_kernel = _param(self, "down_kernel", (F, D), ("mlp", "embed"), out_std)
         self.down_bias = _param(self, "down_bias", (D,), ("embed",), None)
+        self.fp8_meta = fp8.declare(self, ("qkv", "out", "up", "down"))   # None unless the policy: dot=fp8
+
+    def _dot(self, name: str, x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:   # x_TD @ w_DF (fp8: jaxpar.fp8)
+        return fp8.matmul(x_TD, w_DF, None if self.fp8_meta is None else self.fp8_meta[name])
 
     def declare(self) -> None:
         """Creates the parameters without running the block (used by ``init``)."""
@@ -223,7 +228,7 @@ class Block(nn.Module):
         H, K = c.num_heads, c.head_dim
         # Matmul operands are kept 2-D ([B*L, D]): XLA:CPU is much faster on them than on 3-D operands.
         h_TD = tokens(layer_norm(x_BLD, self.ln1_scale, self.ln1_bias))
-        qkv_flat = h_TD @ self._w(self.qkv_kernel, x_BLD).reshape(D, H * 3 * K)
+        qkv_flat = self._dot("qkv", h_TD, self._w(self.qkv_kernel, x_BLD).reshape(D, H * 3 * K))
         if c.qkv_bias:
             qkv_flat = qkv_flat + self._w(self.qkv_bias, x_BLD).reshape(H * 3 * K)
         qkv = qkv_flat.reshape(B, L, H, 3, K)
@@ -235,11 +240,11 @@ class Block(nn.Module):
         B, L, D = x_BLD.shape
         H, K = c.num_heads, c.head_dim
         w = lambda p: self._w(p, x_BLD)
-        o_TD = tokens(a_BLHK) @ w(self.out_kernel).reshape(H * K, D) + w(self.out_bias)
+        o_TD = self._dot("out", tokens(a_BLHK), w(self.out_kernel).reshape(H * K, D)) + w(self.out_bias)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = tokens(layer_norm(x_BLD, self.ln2_scale, self.ln2_bias))
-        u_TF = constrain(gelu(h_TD @ w(self.up_kernel) + w(self.up_bias)), *token_names(), "mlp")
-        m_TD = u_TF @ w(self.down_kernel) + w(self.down_bias)
+        u_TF = constrain(gelu(self._dot("up", h_TD, w(self.up_kernel)) + w(self.up_bias)), *token_names(), "mlp")
+        m_TD = self._dot("down", u_TF, w(self.down_kernel)) + w(self.down_bias)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 
     def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0,

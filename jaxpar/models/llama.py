@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import fp8
 from jaxpar.checks import nonnegative_int, positive_int
 from jaxpar.models import gpt
 from jaxpar.attention import STRATEGIES
@@ -225,6 +226,7 @@ class LlamaBlock(gpt.Block):
         self.gate_kernel = _param(self, "gate_kernel", (D, F), ("embed", "mlp"), c.init_std)
         self.up_kernel = _param(self, "up_kernel", (D, F), ("embed", "mlp"), c.init_std)
         self.down_kernel = _param(self, "down_kernel", (F, D), ("mlp", "embed"), out_std)
+        self.fp8_meta = fp8.declare(self, ("q", "k", "v", "out", "gate", "up", "down"))   # gpt.Block._dot's
 
     def declare(self) -> None:
         self.attn_norm_scale  # noqa: B018
@@ -235,8 +237,10 @@ class LlamaBlock(gpt.Block):
         B, L, D = x_BLD.shape
         h_TD = tokens(rms_norm(x_BLD, self.attn_norm_scale, c.rms_norm_eps))
         w = lambda p: self._w(p, x_BLD).reshape(D, -1)
-        q = constrain((h_TD @ w(self.q_kernel)).reshape(B, L, c.num_heads, c.head_dim), "batch", "seq", "heads", "kv")
-        k, v = ((h_TD @ w(p)).reshape(B, L, c.num_kv_heads, c.head_dim) for p in (self.k_kernel, self.v_kernel))
+        q = constrain(self._dot("q", h_TD, w(self.q_kernel)).reshape(B, L, c.num_heads, c.head_dim), "batch", "seq",
+                      "heads", "kv")
+        k, v = (self._dot(n, h_TD, w(p)).reshape(B, L, c.num_kv_heads, c.head_dim)
+                for n, p in (("k", self.k_kernel), ("v", self.v_kernel)))
         return q, constrain(k, "batch", "seq", "kv_heads", "kv"), constrain(v, "batch", "seq", "kv_heads", "kv")
 
     def _positions(self, q_BLHK, k_BLGK, offset=0, positions_BL=None):
@@ -254,12 +258,12 @@ class LlamaBlock(gpt.Block):
         c = self.cfg
         B, L, D = x_BLD.shape
         w = lambda p: self._w(p, x_BLD)
-        o_TD = tokens(a_BLHK) @ w(self.out_kernel).reshape(-1, D)
+        o_TD = self._dot("out", tokens(a_BLHK), w(self.out_kernel).reshape(-1, D))
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = tokens(rms_norm(x_BLD, self.mlp_norm_scale, c.rms_norm_eps))
-        g_TF = constrain(silu(h_TD @ w(self.gate_kernel)), *token_names(), "mlp")
-        u_TF = constrain(g_TF * (h_TD @ w(self.up_kernel)), *token_names(), "mlp")
-        return constrain(x_BLD + (u_TF @ w(self.down_kernel)).reshape(B, L, D), "batch", "seq", "embed")
+        g_TF = constrain(silu(self._dot("gate", h_TD, w(self.gate_kernel))), *token_names(), "mlp")
+        u_TF = constrain(g_TF * self._dot("up", h_TD, w(self.up_kernel)), *token_names(), "mlp")
+        return constrain(x_BLD + self._dot("down", u_TF, w(self.down_kernel)).reshape(B, L, D), "batch", "seq", "embed")
 
 
 class LlamaHead(gpt.Head):

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import _compat
+from jaxpar import _compat, fp8
 from jaxpar.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
@@ -98,13 +98,13 @@ def _chunk(tree: Any, chunk: jax.Array, num_chunks: int) -> Any:
 
 
 def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int) -> Any:
-    """``acc[chunk] += value`` for every leaf (in place)."""
+    """``acc[chunk] += value`` for every leaf (in place; fp8 meta state: the maximum, :func:`jaxpar.fp8.add`)."""
     if num_chunks == 1:
-        return jax.tree.map(lambda a, g: a + g[None], acc, value)
-    def add(a, g):
+        return jax.tree_util.tree_map_with_path(lambda p, a, g: fp8.add(p, a, g[None]), acc, value)
+    def add(p, a, g):
         row = jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(a, row + g, chunk, 0)
-    return jax.tree.map(add, acc, value)
+        return jax.lax.dynamic_update_index_in_dim(a, fp8.add(p, row, g), chunk, 0)
+    return jax.tree_util.tree_map_with_path(add, acc, value)
 
 
 def _route(kinds: np.ndarray, c: Actions | Fused, act, cot, messages: tuple) -> tuple:
@@ -289,10 +289,12 @@ class Interpreter:
         each leaf's fsdp dim) and summed over the other manual batch axes."""
         if not self.batch:
             return dparams
-        leaves, treedef = jax.tree.flatten(dparams)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(dparams)
         out = []
-        for g, d in zip(leaves, self.dims() or (None,) * len(leaves)):
+        for (path, g), d in zip(leaves, self.dims() or (None,) * len(leaves)):
             rest = self.batch
+            if fp8.is_meta(path):   # fp8 meta state's new value: the amax over all shards
+                g, d, rest = jax.lax.pmax(g, self.batch), None, ()
             if d is not None:
                 g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True)
                 rest = tuple(a for a in self.batch if a != FSDP)

@@ -187,4 +187,40 @@ def permute_state(params: Any, opt_state: Any, layout: StateLayout, *, inverse: 
     return params, jax.tree_util.tree_map_with_path(move, opt_state)
 
 
+# ------------------------------------------------------------- a TrainState between model order and a layout
+
+def to_model_order(state: Any) -> Any:
+    """``state`` with params and optimizer state in model order (``layout=None``); itself when already so.
+
+    The inverse of :func:`to_layout`: exact (whole blocks of the layers axis move, no arithmetic). Arrays keep
+    their shardings (the moved blocks cross ``pipe``: a one-off cost, e.g. when saving a checkpoint).
+    """
+    if state.layout is None:
+        return state
+    return _moved(state, state.layout, inverse=True).replace(layout=None)
+
+
+def to_layout(state: Any, layout: StateLayout | None) -> Any:
+    """A model-order ``state`` put in ``layout`` (from ``abstract_state(..., pipeline=).layout``); exact.
+
+    Raises:
+      ValueError: ``state`` is not in model order (take :func:`to_model_order` first).
+    """
+    if state.layout is not None:
+        raise ValueError(f"to_layout needs a state in model order, got one in {state.layout!r}: pass "
+                         "jp.train.to_model_order(state)")
+    return state if layout is None else _moved(state, layout, inverse=False).replace(layout=layout)
+
+
+def _moved(state: Any, layout: StateLayout, inverse: bool) -> Any:
+    move = lambda p, o: permute_state(p, o, layout, inverse=inverse)
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    if leaves and all(isinstance(x, jax.Array) for x in leaves):
+        shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
+        move = jax.jit(move, out_shardings=shardings)
+    params, opt_state = move(state.params, state.opt_state)
+    return state.replace(params=params, opt_state=opt_state)
+
+
+
 __all__ = ["StateLayout", "from_stage_layout", "permute_state", "stage_order", "state_layout", "to_stage_layout"]

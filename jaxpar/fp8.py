@@ -1,0 +1,304 @@
+"""fp8 matmuls with per-tensor scaling, chosen by the precision policy (``dot=fp8`` / ``dot=fp8_current``).
+
+Formats (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", sec. 3-4): activations and weights are
+quantized to ``float8_e4m3fn`` (max 448), output gradients to ``float8_e5m2`` (max 57344); each tensor ``x`` is
+divided by a float32 scale ``s`` before the saturating cast (``clip(x / s, -max, max)``), the fp8 product is
+taken in the compute dtype (``preferred_element_type``) and multiplied back by ``s_lhs * s_rhs``. The scale
+that fills the format is ``s = amax / max`` (computed as Transformer Engine does, ``1 / (max / amax)``, and
+1 where ``amax`` is 0 or not finite: ``flax.linen.fp8_ops.compute_scale``).
+
+Two scaling recipes:
+
+* ``"delayed"`` (policy ``dot=fp8``; Transformer Engine's default ``DelayedScaling``): each matmul keeps, per
+  operand (input, kernel, output gradient), an amax history of the last ``amax_history`` steps and a scale.
+  A step quantizes with the scale computed from the *previous* history's maximum, then records its own
+  amax in slot 0 of the rolled history. The algorithm is flax's ``Fp8DirectDotGeneralOp`` (its
+  ``fp8_scaled_dot_general``: ``in_q``, ``quantized_dot``, ``out_dq``, ``update_fp8_meta``), called here with
+  the meta state jaxpar keeps, so the operands of the lowered dots are fp8. (flax's ``Fp8DotGeneralOp``, the
+  quantize-dequantize form, implements the same recipe but leaves the dot itself in the compute dtype.)
+* ``"current"`` (policy ``dot=fp8_current``; just-in-time scaling): each tensor's scale is computed from its
+  own amax at the moment it is quantized; no state. :func:`current_scaled_dot_general`, built from flax's
+  ``quantize``, ``dequantize``, ``compute_scale`` and ``dot_general_transpose_lhs/rhs``.
+
+The meta state ("OWG", overwrite-with-gradient, flax's ``_overwrite_with_gradient`` collection): a dict per
+matmul with ``input_amax_history``, ``kernel_amax_history``, ``output_grad_amax_history`` (float32
+``[amax_history]``) and ``input_scale``, ``kernel_scale``, ``output_grad_scale`` (float32 ``[1]``), flax's names
+and shapes. In a params tree it sits under the key :data:`OWG` at any depth (the GPT: ``blocks/OWG/{qkv, out,
+up, down}``, with the blocks' leading layers axis; a Linen model using :class:`DotGeneral`: the variables dict's
+``OWG`` collection beside ``params``). ``jp.train.init_state`` takes it out of the params into
+``TrainState.fp8`` (replicated on every device, checkpointed with the state); the train step puts it back
+(:func:`merge`), differentiates with respect to both, hands only the params' gradients to the optax chain and
+replaces the meta state by its "gradient", which the custom VJPs define as the new value (:func:`split`).
+Gradient accumulation combines the new values of the microbatches by a maximum (:func:`max_combine`): the
+scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches. The
+pipeline does the same (:func:`add` over its microbatches, a ``pmax`` over the manual batch axes where it
+sums the gradients), so delayed scaling through ``jp.pipeline`` equals one device (single-chunk
+schedules; a state in a multi-chunk stage layout is refused).
+Over data/fsdp/tensor shards nothing is summed: under GSPMD ``jnp.max(|x|)`` of a sharded tensor is a global
+reduction (the partitioner inserts an all-reduce max), so every shard records the global amax and the
+replicated meta state needs no further reduction. Policy casts never touch leaves under :data:`OWG`.
+
+A user's model opts in by calling :func:`matmul` / :func:`dot_general` with its meta, or (Linen) by using
+:class:`DotGeneral` as a dot-general (``nn.Dense(..., dot_general_cls=jp.fp8.DotGeneral)``); without an fp8
+policy in context both are the plain ``lax.dot_general``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+from jax import lax
+
+from jaxpar.precision import OWG, Policy
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+RECIPES = {"fp8": "delayed", "fp8_current": "current"}     # Policy.dot -> scaling recipe
+META_KEYS = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
+             "kernel_scale", "output_grad_scale")
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_fp8", default=None)
+
+
+# ------------------------------------------------------------------------------------------------ context
+
+def recipe(policy: Policy | None) -> str | None:
+    """``"delayed"``, ``"current"`` or None: the scaling recipe of ``policy.dot``."""
+    return None if policy is None or policy.dot is None else RECIPES[policy.dot]
+
+
+@contextlib.contextmanager
+def using(policy: Policy | None):
+    """Makes ``policy``'s fp8 setting the one :func:`matmul`, :func:`declare` and :class:`DotGeneral` read while
+    tracing (jaxpar's ``init_state``, ``abstract_state`` and steps enter it around their own tracing only)."""
+    token = _ACTIVE.set(policy if recipe(policy) is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Policy | None:
+    """The policy in context when it asks for fp8 matmuls, else None."""
+    return _ACTIVE.get()
+
+
+# ---------------------------------------------------------------------------------------------- meta state
+
+def init_meta(history: int) -> dict[str, jax.Array]:
+    """One matmul's delayed-scaling meta state: amax histories of zeros (float32 ``[history]``) and scales of
+    one (float32 ``[1]``), as flax's ``Fp8DotGeneralBase`` initializes them."""
+    zeros, one = jnp.zeros((history,), jnp.float32), jnp.ones((1,), jnp.float32)
+    return {k: (one if k.endswith("scale") else zeros) for k in META_KEYS}
+
+
+def declare(module: nn.Module, names: tuple[str, ...]) -> dict | None:
+    """In a Linen module's ``setup``: the meta state of its matmuls ``names`` as the param :data:`OWG` (a dict
+    name -> :func:`init_meta`) when the policy in context uses delayed scaling, else None.
+
+    Raises:
+      ValueError: delayed scaling in context but the params applied hold no meta state (a state built
+        without the fp8 policy, or meta dropped from the params).
+    """
+    policy = active()
+    if recipe(policy) != "delayed":
+        return None
+    if not module.is_initializing() and not module.has_variable("params", OWG):
+        raise ValueError(f"the policy {policy} asks for fp8 matmuls with delayed scaling, but the params of "
+                         f"{type(module).__name__} hold no fp8 meta state ({OWG!r}): build the state with "
+                         "jp.train.init_state(..., policy=policy), or restore it from a checkpoint written with "
+                         "that policy")
+    return module.param(OWG, lambda _: {n: init_meta(policy.amax_history) for n in names})
+
+
+def split(tree: Any) -> tuple[Any, Any]:
+    """``(tree without its OWG entries, the OWG entries)``: every subtree under the key :data:`OWG` of a nested
+    mapping, in a tree of the same nesting holding only those (None when there is none)."""
+    if not isinstance(tree, Mapping):
+        return tree, None
+    rest, meta = {}, {}
+    for k, v in tree.items():
+        if k == OWG:
+            meta[k] = v
+            continue
+        rest[k], m = split(v)
+        if m is not None:
+            meta[k] = m
+    return (rest, meta) if meta else (tree, None)   # a tree without meta state comes back as it is
+
+
+def merge(params: Any, meta: Any) -> Any:
+    """The inverse of :func:`split`: ``meta``'s entries put back into ``params`` (``params`` itself for None)."""
+    if meta is None:
+        return params
+    out = dict(params)
+    for k, v in meta.items():
+        out[k] = v if k == OWG else merge(params[k], v)
+    return out
+
+
+def is_meta(path: tuple) -> bool:
+    """Whether a key path (``jax.tree_util``'s) leads into fp8 meta state (a key :data:`OWG` on the way)."""
+    return any(getattr(k, "key", None) == OWG for k in path)
+
+
+def add(path: tuple, acc: jax.Array, value: jax.Array) -> jax.Array:
+    """How a gradient accumulator takes one more microbatch's leaf at ``path``: ``acc + value``, or the maximum
+    for fp8 meta state (:func:`max_combine`; the pipeline's accumulation over microbatches)."""
+    return jnp.maximum(acc, value) if is_meta(path) else acc + value
+
+
+def max_combine(a: Any, b: Any) -> Any:
+    """Combines two microbatches' new meta states (:func:`split` of their gradients): elementwise maximum.
+
+    Both started from the same old state, so their scales are equal and their histories differ in slot 0
+    only, where the maximum is the amax over both microbatches. Zeros are a neutral start (amaxes are >= 0,
+    scales > 0)."""
+    return None if a is None else jax.tree.map(jnp.maximum, a, b)
+
+
+# --------------------------------------------------------------------------------------------- matmuls
+
+def _amax_scale(x: jax.Array, q_dtype: Any) -> jax.Array:
+    """Current scaling: the float32 scale ``amax(|x|) / max(q_dtype)`` (1 for an all-zero ``x``), by flax's
+    ``compute_scale`` (Transformer Engine's formula). Inside a ``shard_map`` (the pipeline) the amax is a
+    ``pmax`` over the manual axes other than ``pipe`` (the batch shards), so every shard uses the global scale."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    manual = tuple(a for a in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) if a != "pipe")
+    if manual:
+        amax = lax.pmax(amax, manual)
+    return fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(q_dtype, jnp.float32))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def current_scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, dtype: Any) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` in fp8 with current (just-in-time) scaling.
+
+    Forward: ``lhs`` and ``rhs`` quantized to e4m3 with ``s = amax / 448`` each, their fp8 product taken in
+    ``dtype`` and multiplied by ``s_lhs * s_rhs``. Backward: the output gradient quantized to e5m2 with its own
+    ``amax / 57344``; both operand gradients are fp8 products (e5m2 x e4m3) dequantized by their scales. The
+    residuals are the fp8 operands and their scales (as Transformer Engine saves them).
+
+    Args:
+      lhs, rhs: arrays in the compute dtype ``dtype`` (float32 or bfloat16).
+      dimension_numbers: as ``lax.dot_general``'s.
+      dtype: the compute dtype: the quantization arithmetic, the product's accumulation and the result.
+    """
+    return _current_fwd(lhs, rhs, dimension_numbers, dtype)[0]
+
+
+def _current_fwd(lhs, rhs, dimension_numbers, dtype):
+    s_l, s_r = _amax_scale(lhs, E4M3), _amax_scale(rhs, E4M3)
+    q_l, q_r = fp8_ops.quantize(lhs, E4M3, s_l, dtype), fp8_ops.quantize(rhs, E4M3, s_r, dtype)
+    y = lax.dot_general(q_l, q_r, dimension_numbers, preferred_element_type=dtype)
+    return fp8_ops.dequantize(y, dtype, s_l * s_r), (q_l, s_l, q_r, s_r)
+
+
+def _current_bwd(dimension_numbers, dtype, res, g):
+    q_l, s_l, q_r, s_r = res
+    s_g = _amax_scale(g, E5M2)
+    q_g = fp8_ops.quantize(g, E5M2, s_g, dtype)
+    kw = dict(dimension_numbers=dimension_numbers, precision=lax.Precision.HIGHEST, preferred_element_type=dtype)
+    d_l = fp8_ops.dot_general_transpose_lhs(q_g, q_l, q_r, **kw)
+    d_r = fp8_ops.dot_general_transpose_rhs(q_g, q_l, q_r, **kw)
+    return fp8_ops.dequantize(d_l, dtype, s_r * s_g), fp8_ops.dequantize(d_r, dtype, s_l * s_g)
+
+
+current_scaled_dot_general.defvjp(_current_fwd, _current_bwd)
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, meta: dict | None = None,
+                policy: Policy | None = None) -> jax.Array:
+    """``lax.dot_general`` in fp8 as ``policy`` (default: the one in context, :func:`using`) asks.
+
+    ``lhs`` is cast to ``rhs``'s dtype (the compute dtype: flax's rule), which is also the result's. No fp8
+    policy: the plain ``lax.dot_general``. Delayed scaling: flax's ``fp8_scaled_dot_general`` with ``meta``
+    (:func:`init_meta`'s dict; its new values are the cotangents of ``meta``). Current scaling:
+    :func:`current_scaled_dot_general` (``meta`` unused).
+
+    Raises:
+      ValueError: delayed scaling without ``meta``.
+    """
+    policy = active() if policy is None else policy
+    how = recipe(policy)
+    if how is None:
+        return lax.dot_general(lhs, rhs, dimension_numbers)
+    dtype = rhs.dtype
+    lhs = lhs.astype(dtype)
+    if how == "current":
+        return current_scaled_dot_general(lhs, rhs, dimension_numbers, dtype)
+    if meta is None:
+        raise ValueError("fp8 delayed scaling needs the matmul's meta state (jp.fp8.init_meta; a Linen model: "
+                         "jp.fp8.DotGeneral or jp.fp8.declare)")
+    return fp8_ops.fp8_scaled_dot_general(
+        lhs, rhs, dimension_numbers, preferred_element_type=dtype, lhs_scale=meta["input_scale"],
+        rhs_scale=meta["kernel_scale"], grad_scale=meta["output_grad_scale"],
+        lhs_amax_history=meta["input_amax_history"], rhs_amax_history=meta["kernel_amax_history"],
+        grad_amax_history=meta["output_grad_amax_history"], quantize_compute_type=dtype)
+
+
+def matmul(x_TD: jax.Array, w_DF: jax.Array, meta: dict | None = None) -> jax.Array:
+    """``x_TD @ w_DF`` (2-D operands), through :func:`dot_general` under an fp8 policy in context; without one
+    exactly ``x_TD @ w_DF`` (the program is unchanged)."""
+    if active() is None:
+        return x_TD @ w_DF
+    return dot_general(x_TD, w_DF, (((1,), (0,)), ((), ())), meta)
+
+
+class DotGeneral(nn.Module):
+    """A Linen dot-general for a user's model: ``nn.Dense(..., dot_general_cls=jp.fp8.DotGeneral)``, or called
+    as ``DotGeneral()(lhs, rhs, dimension_numbers)``.
+
+    Under an fp8 policy in context (jaxpar's ``init_state`` and steps enter the state's policy) it runs
+    :func:`dot_general`; with delayed scaling its meta state lives in the :data:`OWG` collection under flax's
+    names (as ``flax.linen.Fp8DirectDotGeneralOp``), which ``init_state`` moves to ``TrainState.fp8`` and the
+    step passes back in the variables dict the loss applies (``model.apply(params, x)``). Outside (no policy,
+    plain ``model.apply``) it is ``lax.dot_general`` and declares nothing.
+    """
+
+    def setup(self):
+        policy = active()
+        if recipe(policy) == "delayed":
+            self.meta = {k: self.variable(OWG, k, lambda v=v: v).value
+                         for k, v in init_meta(policy.amax_history).items()}
+        else:
+            self.meta = None
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        if active() is None:
+            return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+        return dot_general(lhs, rhs, dimension_numbers, self.meta)
+
+
+# --------------------------------------------------------------------------------------- the program's dots
+
+_DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(tensor<[^>]*?x(f8E4M3FN|f8E5M2)>,\s*tensor<[^>]*?x(f8E4M3FN|f8E5M2)>")
+
+
+def fp8_dot_counts(lowered: Any) -> dict[str, int]:
+    """The lowered program's fp8 matmuls by operand types, e.g. ``{"e4m3 x e4m3": 16, "e5m2 x e4m3": 32}``.
+
+    Args:
+      lowered: a ``jax.stages.Lowered`` (``step.lower(state, batch)``) or its StableHLO text. The lowered
+        program is what JAX hands to XLA: XLA:GPU runs these dots on fp8 tensor cores (cuBLASLt), XLA:CPU
+        emulates them (it converts the fp8 operands to float32 after compilation: the values are fp8's).
+    """
+    text = lowered if isinstance(lowered, str) else lowered.as_text()
+    short = {"f8E4M3FN": "e4m3", "f8E5M2": "e5m2"}
+    counts: dict[str, int] = {}
+    for a, b in _DOT.findall(text):
+        key = f"{short[a]} x {short[b]}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+__all__ = ["DotGeneral", "META_KEYS", "OWG", "RECIPES", "add", "current_scaled_dot_general", "declare", "dot_general",
+           "fp8_dot_counts", "init_meta", "is_meta", "matmul", "max_combine", "merge", "recipe", "split", "using"]
