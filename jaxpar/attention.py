@@ -21,7 +21,7 @@ masks; outputs back); :func:`shard_sequence` reorders a batch, :func:`positions`
 of the slots; :func:`work_per_device` counts each device's blocks.
 
 With the ``seq`` axis unsharded (``context == 1``), :func:`causal` is the single-device block-skipping attention
-(:func:`jaxpar.models.layers.causal_attention`), unchanged.
+(:func:`causal_attention`, the models' attention), unchanged.
 
 Shape legend: B batch, L sequence (the whole one; ``n`` on one device), H query heads, G key/value heads (``H``
 a multiple of ``G``: grouped-query attention), K head dim.
@@ -203,6 +203,41 @@ def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarra
     return {"computed": 4 * i + 4, "unmasked": 4 * i + 2}
 
 
+# -------------------------------------------------------------------------------- one device's attention
+
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
+                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
+
+    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
+    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
+    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
+    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
+    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
+    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
+    and heads) on any backend.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
+    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
+    padding (any id, e.g. 0) never gives an all-masked, NaN row.
+    """
+    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
+    n = max(1, min(num_blocks, L))
+    bounds = [round(i * L / n) for i in range(n + 1)]
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
+                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
+        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        if segment_ids_BL is not None:   # [B, 1, Q, S]: causal and within the query's own document
+            same_BQS = segment_ids_BL[:, start:end, None] == segment_ids_BL[:, None, :end]
+            visible_QS = (visible_QS[None] & same_BQS)[:, None]
+        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
+    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
+
+
+
 # ---------------------------------------------------------------------------------------------- the kernel
 
 def _block(q_BQGRK, k_BSGK, v_BSGK, visible):
@@ -346,7 +381,6 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
             "with a pipeline (GPTConfig/LlamaConfig.context_attention, or this function's argument); the ring "
             "without one")
     if context == 1:
-        from jaxpar.models.layers import causal_attention   # noqa: PLC0415 (models import this module)
         reps = q_BLHK.shape[2] // k_BLGK.shape[2]
         k, v = (jnp.repeat(t, reps, axis=2) if reps > 1 else t for t in (k_BLGK, v_BLGK))
         return causal_attention(q_BLHK, k, v, num_blocks, segment_ids_BL)

@@ -69,7 +69,7 @@ def validate_rules(rules: Rules, mesh: Mesh) -> None:
                 or len(set(axes)) != len(axes):
             raise ValueError(f"rule {tuple(rule)!r}: the target must be None, a mesh axis name, or a tuple of "
                              "distinct mesh axis names")
-    unknown = sorted(_mesh_axes_of(rules) - set(mesh.axis_names))
+    unknown = sorted(_mesh_axes_of(without_absent_context(rules, mesh)) - set(mesh.axis_names))
     if unknown:
         bad = [r for r in rules if r[1] is not None and set((r[1],) if isinstance(r[1], str) else r[1]) & set(unknown)]
         raise ValueError(
@@ -258,6 +258,20 @@ def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def without_absent_context(rules: Rules, mesh: Any) -> Rules:
+    """``rules`` with the ``context`` mesh axis dropped from every target when ``mesh`` has no such axis (a mesh
+    built without jaxpar, e.g. ``jax.make_mesh(..., ('data', 'fsdp', 'tensor'))``): :data:`DEFAULT_RULES` map
+    ``seq`` to it, which on such a mesh means an unsharded sequence, as before context parallelism."""
+    if "context" in tuple(getattr(mesh, "axis_names", ())):
+        return rules
+    def drop(t):
+        if isinstance(t, (tuple, list)):
+            kept = tuple(a for a in t if a != "context")
+            return kept or None
+        return None if t == "context" else t
+    return tuple((r[0], drop(r[1])) if isinstance(r, (tuple, list)) and len(r) == 2 else r for r in rules)
+
+
 def effective_rules(rules: Rules, mesh: Mesh) -> Rules:
     """The rules as applied to parameters on ``mesh``.
 
@@ -267,6 +281,7 @@ def effective_rules(rules: Rules, mesh: Mesh) -> Rules:
     ``[stages, layers/stages, ...]`` without moving data. (``stage`` keeps precedence for arrays with both.)
     With ``pipe == 1`` the rules are returned unchanged.
     """
+    rules = without_absent_context(rules, mesh)
     if mesh.shape.get("pipe", 1) == 1 or ("layers", None) not in tuple(tuple(r) for r in rules):
         return rules
     stage = tuple(r for r in rules if r[0] == "stage")
@@ -459,8 +474,9 @@ def constrain_spec(x: jax.Array, spec: P) -> jax.Array:
 
 @contextlib.contextmanager
 def use(mesh: Mesh, rules: Rules = DEFAULT_RULES):
-    """Enters ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)``: the context for tracing jaxpar code."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    """Enters ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)``: the context for tracing jaxpar code
+    (a mesh without a ``context`` axis: the rules without it, :func:`without_absent_context`)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(without_absent_context(rules, mesh)):
         yield
 
 
@@ -548,4 +564,4 @@ def path_rules(rules: Sequence[tuple[str, Any]]) -> PathRules:
 __all__ = ["DEFAULT_RULES", "LeafReport", "NON_MATRIX_NAME_PARTS", "PathRules", "Rules", "STACKED_AXIS_NAMES",
            "ShardingReport", "batch_axes", "batch_sharding", "check_transformation", "constrain", "describe_params",
            "effective_rules", "logical_specs", "named_shardings", "opt_state_shardings", "path_rules", "replicated",
-           "use", "validate_rules"]
+           "use", "validate_rules", "without_absent_context"]

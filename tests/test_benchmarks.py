@@ -190,3 +190,14 @@ def test_fp8_quality_script_tiny():
                             "--eval-interval", "2", "--batch-size", "8", "--seq-len", "16"])
     assert set(out["runs"]) == {"bf16", "fp8", "fp8_current"} and set(out["gap_vs_bf16"]) == {"fp8", "fp8_current"}
     assert all(np.isfinite(r["val_loss"]) for r in out["runs"].values())
+
+
+@pytest.mark.slow  # compiles the GPT step four times; .ci/run runs it
+def test_context_script_tiny():
+    import context
+    rows = context.main(["--memory-seq", "256", "--time-seq", "64", "--steps", "1", "--contexts", "1", "2"])
+    memory = [r for r in rows if r["part"] == "memory"]
+    assert [(r["strategy"], r["context"]) for r in memory] == [("ring", 1), ("ring", 2), ("all_gather", 1),
+                                                               ("all_gather", 2)]
+    assert all(r["temp_bytes"] > 0 for r in memory) and memory[1]["ratio_to_context_1"] < 1
+    assert [r["context"] for r in rows if r["part"] == "time"] == [1, 2]

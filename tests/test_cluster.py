@@ -153,7 +153,7 @@ def check_charlm_flags(args: list[str]) -> None:
     assert cfg.mesh.devices_per_host == 8
     # 2 nodes (the smallest multi-node case) must give a valid hybrid mesh: tensor x fsdp fill a node
     per_host, across = jp.mesh.split_axes(dict(data=2, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor), 2)
-    assert per_host["tensor"] * per_host["fsdp"] == 8 and across == dict(data=2, pipe=1, fsdp=1, tensor=1)
+    assert per_host["tensor"] * per_host["fsdp"] == 8 and across == dict(data=2, pipe=1, fsdp=1, context=1, tensor=1)
     assert cfg.out_dir.startswith(("/shared", "/mnt/shared"))
 
 

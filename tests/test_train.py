@@ -49,7 +49,7 @@ def test_rules_with_unknown_mesh_axis(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     rules = tuple((n, "model" if n == "mlp" else t) for n, t in jp.sharding.DEFAULT_RULES)
     init_fn, loss_fn = gpt_parts()
-    pattern = (r"rules name mesh axes \['model'\] that the mesh \('data', 'pipe', 'fsdp', 'tensor'\) does not have "
+    pattern = (r"rules name mesh axes \['model'\] that the mesh \('data', 'pipe', 'fsdp', 'context', 'tensor'\) does not have "
                r"\(in \[\('mlp', 'model'\)\]\); use axes of the mesh")
     for build in (lambda: jp.train.init_state(init_fn, optax.sgd(0.1), 0, mesh=mesh, rules=rules),
                   lambda: jp.train.abstract_state(init_fn, optax.sgd(0.1), mesh=mesh, rules=rules),

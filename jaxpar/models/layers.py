@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import attention as cp
+from jaxpar.attention import causal_attention  # noqa: F401 (the models' single-device attention, public here)
 
 
 @jax.checkpoint
@@ -77,38 +78,6 @@ def tokens(x: jax.Array) -> jax.Array:
 def token_names() -> tuple:
     """The logical names of :func:`tokens`' leading axes, for ``constrain(h, *token_names(), 'mlp')``."""
     return ("batch", "seq") if cp.context_axis()[1] > 1 else (("batch", "seq"),)
-
-
-def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
-                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
-    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
-
-    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
-    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
-    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
-    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
-    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
-    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
-    and heads) on any backend.
-
-    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
-    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
-    padding (any id, e.g. 0) never gives an all-masked, NaN row.
-    """
-    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
-    n = max(1, min(num_blocks, L))
-    bounds = [round(i * L / n) for i in range(n + 1)]
-    out = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
-                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
-        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        if segment_ids_BL is not None:   # [B, 1, Q, S]: causal and within the query's own document
-            same_BQS = segment_ids_BL[:, start:end, None] == segment_ids_BL[:, None, :end]
-            visible_QS = (visible_QS[None] & same_BQS)[:, None]
-        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
-        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
-    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
 
 
 def attention(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
