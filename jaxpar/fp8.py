@@ -245,11 +245,12 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, meta: di
 
 
 def matmul(x_TD: jax.Array, w_DF: jax.Array, meta: dict | None = None) -> jax.Array:
-    """``x_TD @ w_DF`` (2-D operands), through :func:`dot_general` under an fp8 policy in context; without one
-    exactly ``x_TD @ w_DF`` (the program is unchanged)."""
+    """``x_TD @ w_DF`` (``x`` 2-D, or ``[B, L, D]`` where the sequence is sharded over a context axis: its last
+    axis contracted), through :func:`dot_general` under an fp8 policy in context; without one exactly
+    ``x_TD @ w_DF`` (the program is unchanged)."""
     if active() is None:
         return x_TD @ w_DF
-    return dot_general(x_TD, w_DF, (((1,), (0,)), ((), ())), meta)
+    return dot_general(x_TD, w_DF, (((x_TD.ndim - 1,), (0,)), ((), ())), meta)
 
 
 class DotGeneral(nn.Module):

@@ -388,3 +388,20 @@ def test_ring_inside_pipeline_stages_is_refused():
     state = jp.train.init_state(model.init, tx, SEED, mesh=mesh, pipeline=pipe)
     with pytest.raises(ValueError, match=r"context_attention='ring' inside pipeline stages.*'all_gather'"):
         jp.train.make_train_step(pipe, tx, mesh=mesh)(state, _batch(cfg, 4, 64, np.random.default_rng(0)))
+
+
+def test_fp8_matmuls_over_a_context_axis():
+    """fp8 dots (delayed scaling) take the 3-D token operands a sharded sequence keeps: one step at context=2
+    against one device. bf16 compute: the attention sums in another order, so the loss agrees to bf16 rounding
+    (measured 2e-6 relative), not float32's 1e-5 of the other parity tests."""
+    cfg = dataclasses.replace(TINY, max_seq_len=64)
+    model, tx = cfg.as_model(), optax.sgd(0.1)
+    policy = jp.Policy.from_string("p=f32,c=bf16,o=f32,dot=fp8")
+    batch = _batch(cfg, 4, 64, np.random.default_rng(3))
+    losses = {}
+    for C in (1, 2):
+        mesh = _mesh(C, data=2)
+        state = jp.train.init_state(model.init, tx, SEED, mesh=mesh, policy=policy)
+        _, metrics = jp.train.make_train_step(model.loss, tx, mesh=mesh)(state, batch)
+        losses[C] = float(metrics["loss"])
+    assert abs(losses[2] - losses[1]) <= 1e-4 * abs(losses[1]), losses
