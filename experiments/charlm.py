@@ -78,7 +78,7 @@ class Config:
     zb: ZB-H1, weight grads fill the bubble (Qi et al.);
     zbv: ZB-V, 2 chunks per device in a V (least bubble);
     dualpipev: DualPipeV, the V with one microbatch's forward and another's backward fused per tick (DeepSeek-V3;
-    --microbatches >= 2 --pipe)"""
+    --microbatches >= 2 x --pipe)"""
     chunks: int = 2                # virtual stages per device of --schedule interleaved
     microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
     model: Literal["gpt", "llama"] = "gpt"
@@ -131,6 +131,9 @@ class Config:
             raise ValueError(f"--seq-len {self.seq_len} must be a multiple of 2 x --context {self.mesh.context} (the "
                              f"zigzag split cuts each sequence into 2 x context chunks): use --seq-len "
                              f"{-(-self.seq_len // (2 * self.mesh.context)) * 2 * self.mesh.context}")
+        if self.precision.precision == "fp8" and self.pipe > 1 and self.schedule in ("interleaved", "zbv", "dualpipev"):
+            raise ValueError(f"--precision fp8 (delayed scaling) runs through one-chunk pipeline schedules only; got "
+                             f"--schedule {self.schedule}: use gpipe, 1f1b or zb, or --precision fp8_current")
         if self.context_attention == "ring" and self.pipe > 1 and self.mesh.context > 1:
             raise ValueError("--context-attention ring cannot run inside pipeline stages (--pipe > 1); use all_gather "
                              "or auto")

@@ -364,12 +364,20 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
 
     Raises:
       ValueError: an unknown strategy or layout; ``L`` not divisible by ``2 * context`` (zigzag) or ``context``;
-        ``H`` not a multiple of ``G``; shapes that disagree.
+        ``H`` not a multiple of ``G``; shapes that disagree (segment ids included).
+
+    The zigzag layout is a promise about the inputs: they must have been reordered by :func:`shard_sequence` (or
+    :func:`to_zigzag`) inside the traced loss, where the mesh is in context; inputs in their own order with
+    ``layout="zigzag"`` give wrong attention (nothing can detect it). The default ``"contiguous"`` is always
+    correct, only unbalanced.
     """
     if q_BLHK.ndim != 4 or k_BLGK.shape != v_BLGK.shape or k_BLGK.shape[:2] != q_BLHK.shape[:2] \
             or k_BLGK.shape[3] != q_BLHK.shape[3] or q_BLHK.shape[2] % k_BLGK.shape[2]:
         raise ValueError(f"causal attention takes q [B, L, H, K] and k, v [B, L, G, K] with H a multiple of G; got "
                          f"q {tuple(q_BLHK.shape)}, k {tuple(k_BLGK.shape)}, v {tuple(v_BLGK.shape)}")
+    if segment_ids_BL is not None and tuple(segment_ids_BL.shape) != tuple(q_BLHK.shape[:2]):
+        raise ValueError(f"segment_ids {tuple(segment_ids_BL.shape)} must be [B, L] = {tuple(q_BLHK.shape[:2])}, the "
+                         "queries' batch and sequence")
     axis, context = context_axis()
     manual = _manual_context(jax.sharding.get_abstract_mesh())   # already inside a shard_map over it: local arrays
     _check(q_BLHK.shape[1] * (context if manual else 1), context, layout, context_attention)

@@ -186,8 +186,8 @@ GPT_CASES = [  # (strategy, context, seq, config variant, other mesh axes, mask,
      for s in cp.STRATEGIES for c in (2, 4, 8) for L in (256, 1024)] + [
     pytest.param("ring", 2, 256, "rotary", dict(data=2, tensor=2), True, 2, False, id="ring-c2-data2-tensor2-mask-accum",
                  marks=pytest.mark.slow),
-    pytest.param("all_gather", 2, 256, "learned", dict(data=2, pipe=2), True, 1, True,
-                 id="all_gather-c2-data2-pipe2-mask", marks=pytest.mark.slow),
+    pytest.param("all_gather", 2, 256, "learned", dict(data=2, pipe=2), False, 1, True,
+                 id="all_gather-c2-data2-pipe2", marks=pytest.mark.slow),   # (the pipeline takes no loss_mask)
 ]
 
 
@@ -241,9 +241,9 @@ class OwnAttention(nn.Module):
         return nn.Dense(self.vocab)(jp.sharding.constrain(x, "batch", "seq", None))
 
 
-def _own_parts(strategy):
+def _own_parts(strategy, L):
     module = OwnAttention(strategy=strategy)
-    init = lambda rng: module.init(rng, jnp.zeros((1, 64), jnp.int32))["params"]
+    init = lambda rng: module.init(rng, jnp.zeros((1, L), jnp.int32))["params"]
 
     def loss_fn(params, batch, rng):
         del rng
@@ -253,15 +253,19 @@ def _own_parts(strategy):
     return init, loss_fn
 
 
-@pytest.mark.parametrize("strategy,C", [("ring", 4), ("all_gather", 2),
-                                        pytest.param("ring", 8, marks=pytest.mark.slow),
-                                        pytest.param("all_gather", 8, marks=pytest.mark.slow)])
-def test_users_attention_over_a_context_axis(strategy, C):
-    init, loss_fn = _own_parts(strategy)
+OWN_CASES = [pytest.param(s, c, L, id=f"{s}-c{c}-s{L}",
+                          marks=[] if (s, c, L) in (("ring", 4, 256), ("all_gather", 2, 256)) else [pytest.mark.slow])
+             for s in cp.STRATEGIES for c in (2, 4, 8) for L in (256, 1024)]
+
+
+@pytest.mark.parametrize("strategy,C,L", OWN_CASES)
+def test_users_attention_over_a_context_axis(strategy, C, L):
+    init, loss_fn = _own_parts(strategy, L)
     model = type("Own", (), {"init": staticmethod(init)})
     rng = np.random.default_rng(C)
-    batch = {k: rng.integers(0, 37, (4, 64), dtype=np.int32) for k in ("inputs", "targets")}
-    check_step_parity(model, loss_fn, batch, _mesh(C, data=2) if C < 8 else _mesh(C), what=f"own {strategy} {C}")
+    batch = {k: rng.integers(0, 37, (4, L), dtype=np.int32) for k in ("inputs", "targets")}
+    check_step_parity(model, loss_fn, batch, _mesh(C, data=2) if C < 8 else _mesh(C),
+                      what=f"own {strategy} context={C} seq={L}")
 
 
 # ------------------------------------------------------------------------------ the compiled program
@@ -366,6 +370,8 @@ def test_bad_input_errors():
         cp.causal(q, jnp.zeros((1, 16, 3, 8)), jnp.zeros((1, 16, 3, 8)))
     with pytest.raises(ValueError, match=r"layout='diagonal'"):
         cp.causal(q, q, q, layout="diagonal")
+    with pytest.raises(ValueError, match=r"segment_ids \(2, 8\) must be \[B, L\] = \(1, 16\)"):
+        cp.causal(q, q, q, jnp.zeros((2, 8), jnp.int32))
 
 
 def test_model_whose_activations_never_name_seq_is_refused(mesh_factory):

@@ -135,6 +135,20 @@ def test_charlm_pipeline_config_errors():
     with pytest.raises(ValueError, match=r"--schedule dualpipev with --pipe 2 --microbatches 3: dualpipe_v needs "
                                          r"num_microbatches >= 2 \* num_stages .* use num_microbatches >= 4"):
         charlm.Config(pipe=2, microbatches=3, num_layers=4, schedule="dualpipev")
+    fp8 = charlm.experiment.PrecisionConfig("fp8")
+    with pytest.raises(ValueError, match=r"--precision fp8 \(delayed scaling\) runs through one-chunk pipeline "
+                                         r"schedules only; got --schedule dualpipev"):
+        charlm.Config(pipe=2, num_layers=4, schedule="dualpipev", microbatches=4, precision=fp8)
+
+
+def test_charlm_context_config_errors():
+    charlm = _charlm()
+    mesh = charlm.experiment.MeshConfig(fsdp=1, context=2)
+    with pytest.raises(ValueError, match=r"--seq-len 130 must be a multiple of 2 x --context 2 .* use --seq-len 132"):
+        charlm.Config(mesh=mesh, seq_len=130)
+    with pytest.raises(ValueError, match=r"--context-attention ring cannot run inside pipeline stages"):
+        charlm.Config(mesh=mesh, pipe=2, num_layers=4, context_attention="ring")
+    charlm.Config(mesh=mesh, pipe=2, num_layers=4)   # auto: all_gather with a pipeline
 
 
 @pytest.mark.slow  # one short charlm run per schedule (~30 s each); .ci/run runs it

@@ -221,15 +221,16 @@ def test_fp8_current_pipeline_step_has_fp8_dots():
     assert counts.get("e4m3 x e4m3", 0) >= 4 and counts.get("e5m2 x e4m3", 0) >= 8, counts
 
 
-def _pipeline_against_one_device(dot, accum, mesh, microbatches=4):
-    """Loss after one step and fp8 meta: one device (``accum`` accumulation steps) and the 1F1B pipeline."""
+def _pipeline_against_one_device(dot, accum, mesh, microbatches=4, schedule=None):
+    """Loss after one step and fp8 meta: one device (``accum`` accumulation steps) and the pipeline (1F1B, or
+    ``schedule(2, microbatches)``)."""
     rng = np.random.default_rng(7)
     batches = [gpt_batch(rng, 8, TINY) for _ in range(2)]
     policy = jp.Policy.from_string(f"p=f32,c=f32,o=f32,dot={dot}")
     model, tx = GPT(TINY), optax.adam(1e-2)
     out = []
     for m, pipe in ((jp.make_mesh(data=1, devices=jax.devices()[:1]), None),
-                    (mesh, jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, microbatches)))):
+                    (mesh, jp.pipeline.Pipeline.from_model(model, (schedule or jp.pipeline.one_f_one_b)(2, microbatches)))):
         state = jp.train.init_state(model.init, tx, 0, mesh=m, policy=policy, pipeline=pipe, report=False)
         step = jp.train.make_train_step(pipe or model.loss, tx, mesh=m, grad_accum_steps=1 if pipe else accum)
         for b in batches:
@@ -253,6 +254,15 @@ def test_fp8_current_through_the_pipeline_equals_one_device():
     shard_map the amax is a pmax over the manual batch axes (data here), so each data shard's scale is the
     microbatch's global one."""
     _pipeline_against_one_device("fp8_current", 4, jp.make_mesh(data=2, pipe=2, tensor=2))
+
+
+@pytest.mark.slow
+def test_fp8_current_through_a_split_backward_equals_one_device():
+    """ZB-H1 splits each backward into B and W by replaying its equations (jaxpar.pipeline.split): the replayed
+    ``pvary`` of the amax reduction meets values that already vary over the data shard (a crash, found by a
+    fresh user with ``--schedule zb/dualpipev --precision fp8_current``)."""
+    _pipeline_against_one_device("fp8_current", 4, jp.make_mesh(data=2, pipe=2, devices=jax.devices()[:4]),
+                                 schedule=jp.pipeline.zero_bubble)
 
 
 # ------------------------------------------------------------------------------------ checkpoint, errors

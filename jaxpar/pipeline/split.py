@@ -321,6 +321,12 @@ def _zeros(aval, like_axes: frozenset) -> jax.Array:
     return jax.lax.pcast(z, tuple(like_axes), to="varying") if like_axes else z
 
 
+def _vary_missing(x: Any, axes: tuple[str, ...]) -> Any:
+    """``pvary`` over those of ``axes`` that ``x`` does not already vary over (a replayed ``pvary`` equation)."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _run(ops: tuple[_Op, ...], env: dict[int, Any], zeroable: frozenset = frozenset()) -> None:
     """Binds ``ops`` in order over ``env``. A key in ``zeroable`` (a cotangent the other phase computes) that is
     not in ``env`` is zero: an equation whose cotangents all are zero makes zeros (left out of ``env``, as the
@@ -345,6 +351,10 @@ def _run(ops: tuple[_Op, ...], env: dict[int, Any], zeroable: frozenset = frozen
             args = [*subfuns, *map(read, op.ins)]
         else:
             args = list(map(read, op.ins))
+        if op.eqn.primitive.name == "pvary":   # a value may already vary here (e.g. a zero cotangent made varying)
+            args = [_vary_missing(x, params["axes"]) for x in args]
+            env.update(zip(op.outs, args))
+            continue
         with op.eqn.ctx.manager:
             out = op.eqn.primitive.bind(*args, **params)
         env.update(zip(op.outs, out if op.eqn.primitive.multiple_results else [out]))
