@@ -99,10 +99,12 @@ def _assert_layout_is_used(state, layout):
         assert split, f"{layout}: no parameter is sharded"
 
 
-# The GPTs run every layout in the slow set; the fast set keeps the GPT's 2x2x2 case and every layout of the MLP.
+# The GPTs run every layout in the slow set; the fast set keeps the GPT's 2x2x2 case and every layout of the MLP
+# (the Llama's 2x2x2 case is slow too: its fast siblings are tests/test_attention.py's Llama over fsdp x context
+# and tests/models/test_llama.py against transformers).
 CASES = [pytest.param(model, layout, id=f"{model}-{layout}",
                       marks=[pytest.mark.slow] if (model != "mlp" and layout != "data2_fsdp2_tensor2")
-                      or model == "gpt_rotary_untied_scan"
+                      or model in ("gpt_rotary_untied_scan", "llama")
                       else [])
          for model in MODELS for layout in LAYOUTS]
 
