@@ -176,13 +176,14 @@ def check_step_parity(model, loss_fn, batch, mesh, grad_fn=None, accum=1, what="
 
 
 GPT_CASES = [  # (strategy, context, seq, config variant, other mesh axes, mask, accumulation, pipeline)
-    # the fast set: seq 64, one layer's worth of each composition; the must-show matrix (seq 256, 1024) is slow
+    # the fast set: seq 64, the ring alone and all-gather beside pipe; the other compositions and the must-show
+    # matrix (seq 256, 1024) are slow
     pytest.param("ring", 4, 64, "rotary", {}, False, 1, False, id="ring-c4-s64-rotary"),
     pytest.param("all_gather", 2, 64, "learned", dict(data=2, tensor=2), False, 1, False,
-                 id="all_gather-c2-s64-data2-tensor2"),
-    pytest.param("ring", 2, 64, "learned", dict(data=2), True, 2, False, id="ring-c2-s64-mask-accum2"),
+                 id="all_gather-c2-s64-data2-tensor2", marks=pytest.mark.slow),
+    pytest.param("ring", 2, 64, "learned", dict(data=2), True, 2, False, id="ring-c2-s64-mask-accum2", marks=pytest.mark.slow),
     pytest.param("all_gather", 2, 64, "rotary", dict(pipe=2), False, 1, True, id="all_gather-c2-s64-pipe2"),
-    pytest.param("ring", 2, 64, "llama", dict(fsdp=2), True, 1, False, id="ring-c2-s64-llama-fsdp2-mask"),
+    pytest.param("ring", 2, 64, "llama", dict(fsdp=2), True, 1, False, id="ring-c2-s64-llama-fsdp2-mask", marks=pytest.mark.slow),
     pytest.param("ring", 4, 256, "rotary", {}, False, 1, False, id="ring-c4-s256-rotary", marks=pytest.mark.slow),
     pytest.param("all_gather", 2, 256, "learned", dict(data=2, tensor=2), False, 1, False,
                  id="all_gather-c2-s256-data2-tensor2", marks=pytest.mark.slow),
@@ -263,7 +264,8 @@ def _own_parts(strategy, L):
 
 OWN_CASES = [pytest.param(s, c, L, id=f"{s}-c{c}-s{L}",
                           marks=[pytest.mark.slow]) for s in cp.STRATEGIES for c in (2, 4, 8) for L in (256, 1024)] + [
-    pytest.param("ring", 4, 64, id="ring-c4-s64"), pytest.param("all_gather", 2, 64, id="all_gather-c2-s64")]
+    pytest.param("ring", 4, 64, id="ring-c4-s64"),
+    pytest.param("all_gather", 2, 64, id="all_gather-c2-s64", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("strategy,C,L", OWN_CASES)
@@ -405,6 +407,7 @@ def test_ring_inside_pipeline_stages_is_refused():
         jp.train.make_train_step(pipe, tx, mesh=mesh)(state, _batch(cfg, 4, 64, np.random.default_rng(0)))
 
 
+@pytest.mark.slow   # ~17 s; .ci/run runs it
 def test_fp8_matmuls_over_a_context_axis():
     """fp8 dots (delayed scaling) take the 3-D token operands a sharded sequence keeps: one step at context=2
     against one device. bf16 compute: the attention sums in another order, so the loss agrees to bf16 rounding

@@ -182,6 +182,7 @@ def test_charlm_trains_a_llama_on_data2_tensor2_pipe2(tmp_path, capsys):
     assert "final validation loss" in out
 
 
+@pytest.mark.slow  # ~15 s end to end; .ci/run runs it
 def test_finetune_a_hf_llama_end_to_end(tmp_path):
     """experiments/finetune.py --hf: a tiny random transformers Llama (vocab 256: bytes), loaded onto data=2 x
     fsdp=2 x tensor=2, fine-tuned 30 steps (the loss falls), saved; from_pretrained reads the result and its

@@ -136,7 +136,11 @@ def test_private_names_finds_underscores():
     assert private_names("import jaxpar as jp\njp.plot.loss_curve(rows)\nprint(jax.__version__, jp.pipeline.__all__)") == []
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+FAST_NOTEBOOKS = ("01_quickstart.ipynb", "06_charlm_end_to_end.ipynb")   # the others run in the slow set
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[] if p.name in FAST_NOTEBOOKS else [pytest.mark.slow])
+                                  for p in sorted(NOTEBOOKS.glob("*.ipynb"))], ids=lambda p: p.name)
 def test_notebook_runs(path: Path, record_property):
     assert path.name in FIGURES, f"{path.name}: declare how many figures it draws in FIGURES"
     nb = nbformat.read(path, as_version=4)

@@ -49,6 +49,7 @@ def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
+@pytest.mark.slow  # a planner sweep in a subprocess (~16 s); tests/plan/test_planner.py's advice tests stay fast
 def test_sweep_reports_a_layout_that_does_not_fit(tmp_path):
     proc = _run([*TINY_SWEEP, "--max-layouts", "1", "--memory-fraction", "1e-9"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -31,6 +31,7 @@ def checkpoint(tmp_path_factory):
     return model, str(path)
 
 
+@pytest.mark.slow  # ~16 s; the Llama's transformers comparison stays in the fast set
 def test_gpt2_load_matches_transformers_logits_loss_and_embedding_grad(checkpoint):
     ref, path = checkpoint
     rng = np.random.default_rng(1)
