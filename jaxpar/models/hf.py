@@ -6,7 +6,8 @@ A checkpoint is a directory with ``config.json`` and ``model.safetensors``, or s
 ``transformers``' ``save_pretrained``). Weights are read through ``safetensors``' lazy slices: each device's
 block of each parameter is read by itself (``jax.make_array_from_callback``), so the whole model never exists
 on one device or in host memory at once, and in a multi-process run each process reads only its devices'
-slices.
+slices. The files are data (:mod:`jaxpar.models.hf_files`): read from inside the directory only, as float32,
+float16 or bfloat16; config fields the models here do not compute are refused (:mod:`jaxpar.models.hf_config`).
 
 Layouts (HF ``nn.Linear`` weights are ``[out, in]``): ``q_proj [H*K, D] -> q_kernel [D, H, K]``, ``k_proj`` /
 ``v_proj [G*K, D] -> [D, G, K]``, ``o_proj [D, H*K] -> out_kernel [H, K, D]``, ``gate/up_proj [F, D] -> [D, F]``,
@@ -22,92 +23,26 @@ Needs the optional ``safetensors`` package (``pip install 'jaxpar[hf]'``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import shutil
-import tempfile
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxpar import fp8
 from jaxpar import sharding as shd
+from jaxpar.models import hf_files
 from jaxpar.models.gpt import GPT, GPTConfig
-from jaxpar.models.hf_config import _arch, _hf_config, _read_config, gpt2_config, llama_config  # noqa: F401
+from jaxpar.models.hf_config import _arch, _hf_config, _read_config, gpt2_config, llama_config
+from jaxpar.models.hf_files import INDEX, SINGLE, Reader
 from jaxpar.models.llama import Llama, LlamaConfig
 
-_INDEX = "model.safetensors.index.json"
 # buffers some checkpoints carry that are not weights: rotary frequencies, GPT-2's causal mask
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-_SINGLE = "model.safetensors"
-
-
-def _safetensors():
-    try:
-        import safetensors  # noqa: F401
-        from safetensors import safe_open
-    except ImportError as e:   # pragma: no cover - depends on the environment
-        raise ImportError("jaxpar.models.hf needs safetensors: pip install 'jaxpar[hf]' (or pip install safetensors)"
-                          ) from e
-    return safe_open
-
-
-class _Reader:
-    """Lazy reads of named tensors across a checkpoint's safetensors files."""
-
-    def __init__(self, path: str):
-        safe_open = _safetensors()
-        index = os.path.join(path, _INDEX)
-        if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    files = json.load(f)["weight_map"]
-                assert isinstance(files, dict)
-            except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-                raise ValueError(f"{index!r} is not a safetensors index with a 'weight_map' object ({e!r}); "
-                                 "restore it, or remove it next to a single model.safetensors") from None
-        elif os.path.isfile(os.path.join(path, _SINGLE)):
-            files = None
-        else:
-            raise ValueError(f"{path!r} has neither {_SINGLE} nor {_INDEX}; jaxpar reads safetensors checkpoints "
-                             "(save_pretrained(..., safe_serialization=True))")
-        self.path, self._open, self._handles = path, safe_open, {}
-        if files is None:
-            files = {k: _SINGLE for k in self._file(_SINGLE).keys()}
-        self.files = files
-
-    def _file(self, file: str):
-        if file not in self._handles:
-            full = os.path.join(self.path, file)
-            if not os.path.isfile(full):
-                raise ValueError(f"the checkpoint's index names {file!r}, which is not in {self.path!r}")
-            try:
-                self._handles[file] = self._open(full, framework="numpy")
-            except Exception as e:   # safetensors raises its own SafetensorError for a torn or foreign file
-                raise ValueError(f"{full!r} is not a readable safetensors file ({e}); it may be truncated: "
-                                 "copy the checkpoint again") from None
-        return self._handles[file]
-
-    def _handle(self, name: str):
-        if name not in self.files:
-            raise ValueError(f"the checkpoint in {self.path!r} has no tensor {name!r}")
-        handle = self._file(self.files[name])
-        if name not in handle.keys():
-            raise ValueError(f"the index of {self.path!r} puts tensor {name!r} in {self.files[name]!r}, which does "
-                             "not hold it: the index and the shards disagree")
-        return handle
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def read(self, name: str, rows: slice, cols: slice | None = None) -> np.ndarray:
-        """``tensor[rows, cols]`` (1-D tensors: ``tensor[rows]``) read from disk; float32."""
-        sl = self._handle(name).get_slice(name)
-        out = sl[rows] if cols is None else sl[rows, cols]
-        return np.asarray(out, np.float32)
 
 
 def _span(s: slice, n: int) -> tuple[int, int]:
@@ -127,7 +62,7 @@ def _linear(name: Callable[[int], str], view: tuple[int, ...], rows: int, out_ax
         inner = math.prod(dims[1:])
         return slice(lo * inner, hi * inner)
 
-    def read(reader: _Reader, index: tuple[slice, ...], layer: int) -> np.ndarray:
+    def read(reader: Reader, index: tuple[slice, ...], layer: int) -> np.ndarray:
         idx = index[1:] if layers is not None else index
         vsl = [idx[out_axes[a]] for a in range(len(view))]
         r, c = covering(vsl[:rows], view[:rows]), covering(vsl[rows:], view[rows:])
@@ -137,7 +72,7 @@ def _linear(name: Callable[[int], str], view: tuple[int, ...], rows: int, out_ax
         cut = (slice(None),) + tuple(vsl[1:rows]) + (slice(None),) + tuple(vsl[rows + 1:])
         return np.transpose(block[cut], np.argsort(out_axes))
 
-    def leaf(reader: _Reader, index: tuple[slice, ...]) -> np.ndarray:
+    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
         if layers is None:
             return read(reader, index, 0)
         lo, hi = _span(index[0], layers)
@@ -146,7 +81,7 @@ def _linear(name: Callable[[int], str], view: tuple[int, ...], rows: int, out_ax
 
 
 def _vector(name: Callable[[int], str], layers: int | None):
-    def leaf(reader: _Reader, index: tuple[slice, ...]) -> np.ndarray:
+    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
         if layers is None:
             return reader.read(name(0), index[0])
         lo, hi = _span(index[0], layers)
@@ -156,7 +91,7 @@ def _vector(name: Callable[[int], str], layers: int | None):
 
 def _vocab_rows(name: str, vocab: int, transpose: bool):
     """``[V, D]`` HF table as the padded ``[Vp, D]`` (or, ``transpose``, ``[D, Vp]``) leaf; padding rows are 0."""
-    def leaf(reader: _Reader, index: tuple[slice, ...]) -> np.ndarray:
+    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
         vsl, dsl = (index[1], index[0]) if transpose else index
         lo, hi = vsl.start or 0, vsl.stop
         d0, d1 = _span(dsl, reader.shape(name)[1])
@@ -169,7 +104,7 @@ def _vocab_rows(name: str, vocab: int, transpose: bool):
 
 def _small(name: Callable[[int], str], transform: Callable[[np.ndarray], np.ndarray], layers: int | None):
     """A small leaf (a bias) read whole, reshaped by ``transform``, then cut to the block."""
-    def leaf(reader: _Reader, index: tuple[slice, ...]) -> np.ndarray:
+    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
         if layers is None:
             return transform(reader.read(name(0), slice(None)))[index]
         lo, hi = _span(index[0], layers)
@@ -262,6 +197,9 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
 
     Args:
       path_or_dir: the directory (``config.json`` and ``model.safetensors`` or sharded files with their index).
+        Every file read is inside it once links are resolved (a Hugging Face hub cache snapshot's links into its
+        repo's ``blobs`` count as inside). Weights may be stored as float32, float16 or bfloat16. A save into it
+        that was killed is first finished or undone (:func:`save`).
       mesh: place each param by the model's logical names and ``rules`` on this mesh (each device's block read
         from disk by itself: the whole model is never on one device or in host memory); None: the default device.
       dtype: the params' dtype (default: an overridden ``param_dtype``, else float32; converted on read). The
@@ -276,9 +214,12 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
 
     Raises:
       ValueError: not a checkpoint directory, another architecture (``model_type`` / ``architectures``), a missing
-        or malformed config field, a tensor missing, of another shape than the config says, or with no place in
-        the model (it would be dropped), a torn safetensors file or index.
+        or malformed config field, a config field that changes the computation in a way the model here does not
+        (``hf_config.UNSUPPORTED``: a sliding window, soft-capping, ...), a tensor missing, of another shape than
+        the config says, stored as another dtype than float32, float16 or bfloat16, or with no place in the model
+        (it would be dropped), an index naming a file outside the directory, a torn safetensors file or index.
     """
+    hf_files.recover(path_or_dir)
     hf_cfg = _read_config(path_or_dir)
     if _arch(hf_cfg) == "llama":
         cfg = llama_config(hf_cfg, **config_overrides)
@@ -286,7 +227,7 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     else:
         cfg = gpt2_config(hf_cfg, **config_overrides)
         model, leaves = GPT(cfg), _gpt2_leaves
-    reader = _Reader(path_or_dir)
+    reader = Reader(path_or_dir)
     # GPT-2 checkpoints name their tensors "transformer.h.0..." (save_pretrained) or "h.0..." (the original ones)
     prefix = "transformer." if isinstance(cfg, GPTConfig) and "transformer.wte.weight" in reader.files else ""
     expected = _hf_shapes(cfg, prefix)
@@ -294,14 +235,14 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
         got = reader.shape(name)
         if got != shape:
             raise ValueError(f"tensor {name!r} in {reader.path!r} has shape {got}; config.json implies {shape}")
+        reader.check_dtype(name)
     unused = sorted(k for k in reader.files if k not in expected and not k.endswith(_BUFFERS))
     if unused:
         raise ValueError(f"{reader.path!r} holds {len(unused)} tensors the {type(model).__name__} of its config.json "
                          f"has no place for, e.g. {unused[:3]}: another architecture (biases, more layers than "
                          "num_hidden_layers, another head) whose weights would be dropped")
-    boxed = jax.eval_shape(model.init, jax.random.key(0))
-    is_box = lambda b: hasattr(b, "names")
-    shapes = jax.tree.map(lambda b: b.value.shape if is_box(b) else b.shape, boxed, is_leaf=is_box)
+    boxed, _ = _abstract_init(model)
+    shapes = _shapes(boxed)
     if mesh is not None:
         shardings = shd.named_shardings(boxed, mesh, rules)
     else:
@@ -322,15 +263,32 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
 def with_names(model: Any, params: dict) -> dict:
     """``params`` boxed with the model's logical axis names (``nn.LogicallyPartitioned``), so that
     ``jp.train.init_state(lambda rng: with_names(model, params), tx, rng, mesh=mesh)`` places them, and the
-    optimizer state, by the rules (as ``model.init``'s would be): loaded params become a ``TrainState``.
+    optimizer state, by the rules (as ``model.init``'s would be): loaded params become a ``TrainState``. Under a
+    policy with fp8 matmuls of delayed scaling (``dot=fp8``), the fp8 meta state ``model.init`` adds is added as
+    ``model.init`` makes it (amax histories of zeros, scales of one).
 
     Raises:
       ValueError: a leaf whose shape is not the one the model's config gives (named).
     """
-    _check_shapes(model, params)
+    boxed, meta = _abstract_init(model)
+    _check_shapes(boxed, params)
     is_box = lambda b: hasattr(b, "names")
-    boxed = jax.eval_shape(model.init, jax.random.key(0))
-    return jax.tree.map(lambda b, a: b.replace(value=a) if is_box(b) else a, boxed, params, is_leaf=is_box)
+    named = jax.tree.map(lambda b, a: b.replace(value=a) if is_box(b) else a, boxed, params, is_leaf=is_box)
+    if meta is None:
+        return named
+    # only the meta state is an output: the random params of this init are dead code, never computed
+    return fp8.merge(named, jax.jit(lambda key: fp8.split(model.init(key))[1])(jax.random.key(0)))
+
+
+def _abstract_init(model: Any) -> tuple[dict, Any]:
+    """``(boxed params, fp8 meta state or None)`` of ``model.init``, as shapes (the policy in context decides
+    whether there is meta state: :mod:`jaxpar.fp8`)."""
+    return fp8.split(jax.eval_shape(model.init, jax.random.key(0)))
+
+
+def _shapes(boxed: dict) -> dict:
+    is_box = lambda b: hasattr(b, "names")
+    return jax.tree.map(lambda b: tuple(b.value.shape) if is_box(b) else tuple(b.shape), boxed, is_leaf=is_box)
 
 
 def _export(cfg: Any, params: dict) -> dict[str, Callable[[], np.ndarray]]:
@@ -389,11 +347,14 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     ``model.safetensors.index.json`` when larger), read by ``from_pretrained(dir)``. The vocabulary padding is
     dropped; a GPT without ``qkv_bias`` writes zero biases.
 
-    Atomic as a whole: the checkpoint is written to a temporary directory beside ``dir`` and swapped in by two
-    renames, so an interrupted or failed save leaves the previous ``dir`` as it was (in the instant between the
-    renames it is ``.<name>.jaxpar-old-<pid>`` beside it), and no file of an earlier checkpoint (a stale index or
-    shard) survives next to the new one. Other files of an existing ``dir`` (a tokenizer's, ``generation_config.json``)
-    are kept, as are those of ``like``.
+    Atomic as a whole: the checkpoint is written to a temporary directory ``.<name>.jaxpar-tmp-<owner>-*`` beside
+    ``dir`` and swapped in by two renames, so an interrupted or failed save leaves the previous ``dir`` as it was
+    (in the instant between the renames it is ``.<name>.jaxpar-old-<owner>-*`` beside it), and no file of an
+    earlier checkpoint (a stale index or shard) survives next to the new one. A save killed on the way (``kill
+    -9``) is recovered by the next ``save`` or :func:`load` of ``dir``: its temporary directory is removed and a
+    previous checkpoint it left aside is renamed back, once the process that wrote them (``<owner>``: host,
+    process id and start time) no longer runs. Other files of an existing ``dir`` (a tokenizer's,
+    ``generation_config.json``) are kept, as are those of ``like``.
 
     Args:
       like: a Hugging Face checkpoint directory (e.g. the one fine-tuned): its ``bos_token_id``, ``eos_token_id``
@@ -402,7 +363,8 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
 
     Raises:
       ValueError: another model, a GPT with rotary positions (GPT-2 has learned ones), params of other shapes
-        than its config's, ``dir`` an existing file, ``like`` not a checkpoint directory.
+        than its config's, ``dir`` an existing file, ``like`` not a checkpoint directory, a file to carry over
+        that is a link out of its directory.
     """
     if not isinstance(model, GPT):
         raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.Llama or GPT, got {type(model).__name__}")
@@ -410,12 +372,13 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     if isinstance(cfg, GPTConfig) and cfg.positions != "learned":
         raise ValueError("a GPT with positions='rotary' has no GPT-2 checkpoint (GPT-2 learns its positions); "
                          "save a GPTConfig(positions='learned') model")
+    hf_files.recover(dir)
     if os.path.exists(dir) and not os.path.isdir(dir):
         raise ValueError(f"{dir!r} is a file; save writes a checkpoint directory there: pass a directory path")
     extra = _read_config(like) if like is not None else {}
     from safetensors.numpy import save_file
     params = nn.meta.unbox(params)   # model.init's Flax-boxed params are accepted as they are
-    _check_shapes(model, params)
+    _check_shapes(_abstract_init(model)[0], params)
     tensors = _export(cfg, params)
     shapes = _hf_shapes(cfg, "transformer." if isinstance(cfg, GPTConfig) else "")
     sizes = {k: 4 * math.prod(shapes[k]) for k in tensors}
@@ -427,48 +390,36 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
         current.append(k)
         total += sizes[k]
     shards.append(current)
-    names = [_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                  for i in range(len(shards))]
     parent, base = os.path.split(os.path.abspath(dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.jaxpar-tmp-", dir=parent)
+    tmp = hf_files.temp_dir(dir, "tmp")
     try:
         for source in (like, dir):   # the tokenizer and other files of the source and of the old checkpoint
             if source is not None and os.path.isdir(source):
                 for f in os.listdir(source):
                     if not _WEIGHTS.match(f) and os.path.isfile(os.path.join(source, f)):
-                        shutil.copy2(os.path.join(source, f), os.path.join(tmp, f))
+                        shutil.copy2(hf_files.inside(source, f, repr(source)), os.path.join(tmp, f))
         for name, keys in zip(names, shards):
             save_file({k: np.ascontiguousarray(tensors[k]()) for k in keys}, os.path.join(tmp, name),
                       metadata={"format": "pt"})
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
-            _write_json(os.path.join(tmp, _INDEX), index)
-        _write_json(os.path.join(tmp, "config.json"),
+            hf_files.write_json(os.path.join(tmp, INDEX), index)
+        hf_files.write_json(os.path.join(tmp, "config.json"),
                     {**_hf_config(cfg), **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
-        _swap_in(tmp, os.path.join(parent, base))
+        hf_files.swap_in(tmp, os.path.join(parent, base))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _swap_in(new: str, dir: str) -> None:
-    """Moves directory ``new`` to ``dir``, replacing an existing ``dir`` (renamed aside first, then removed)."""
-    if not os.path.isdir(dir):
-        os.rename(new, dir)
-        return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(dir)}.jaxpar-old-", dir=os.path.dirname(dir))
-    os.rmdir(old)
-    os.rename(dir, old)
-    os.rename(new, dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _check_shapes(model: Any, params: dict) -> None:
-    """Raises a ValueError naming the first leaf of ``params`` whose shape is not the one ``model``'s config gives."""
-    want = jax.tree.map(lambda b: b.value.shape, jax.eval_shape(model.init, jax.random.key(0)),
-                        is_leaf=lambda b: hasattr(b, "names"))
+def _check_shapes(boxed: dict, params: dict) -> None:
+    """Raises a ValueError naming the first leaf of ``params`` whose shape is not that of the leaf of ``boxed``
+    (``model.init``'s abstract params, :func:`_abstract_init`)."""
+    want = _shapes(boxed)
     got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
     if got != want:
         flat_want = {shd.key_path(p): s for p, s in jax.tree_util.tree_flatten_with_path(
@@ -478,10 +429,3 @@ def _check_shapes(model: Any, params: dict) -> None:
         bad = sorted(k for k in flat_want.keys() | flat_got.keys() if flat_want.get(k) != flat_got.get(k))
         raise ValueError(f"params do not match the model's config: {bad[0]} has shape {flat_got.get(bad[0])}, the "
                          f"config's {flat_want.get(bad[0])} ({len(bad)} leaves differ)")
-
-
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from jaxpar.models.gpt import GPTConfig
+from jaxpar.models.hf_files import inside
 from jaxpar.models.llama import LlamaConfig
 
 
@@ -19,6 +20,7 @@ def _read_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{path!r} has no config.json; it is not a Hugging Face checkpoint directory")
+    inside(path, "config.json", "the checkpoint")
     try:
         with open(cfg_path) as f:
             hf = json.load(f)
@@ -52,6 +54,63 @@ def _flag(hf: dict, key: str, default: bool) -> bool:
 
 _HEADS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
+# Config fields that change what a model computes, in ways the models here do not: field -> (the values that
+# mean "off", what the field turns on). An absent field is off; a list is off when each of its items is (Gemma's
+# and Qwen's per-layer `layer_types`). Fields of other architectures are here because their configs are
+# relabelled as a Llama's (Mistral's with `sliding_window`), and a relabelled field would be ignored silently.
+# Dropout fields are absent on purpose: they change training only, and jaxpar trains without dropout.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "sliding_window": ((None,), "sliding-window attention (Mistral, Qwen2, Gemma 2)"),
+    "use_sliding_window": ((None, False), "sliding-window attention (Qwen2)"),
+    "layer_types": (("full_attention",), "per-layer attention kinds (sliding windows, chunks)"),
+    "attention_chunk_size": ((None,), "chunked attention (Llama 4)"),
+    "no_rope_layers": ((1,), "layers without rotary positions (Llama 4, SmolLM3)"),
+    "attn_logit_softcapping": ((None,), "attention logit soft-capping (Gemma 2)"),
+    "final_logit_softcapping": ((None,), "output logit soft-capping (Gemma 2)"),
+    "query_pre_attn_scalar": ((None,), "another attention scale (Gemma 2)"),
+    "use_bidirectional_attention": ((None, False), "bidirectional attention"),
+    "learnable_sink_init": ((None,), "attention sinks"),
+    "attention_multiplier": ((None,), "another attention scale (Granite)"),
+    "embedding_multiplier": ((None, 1), "scaled embeddings (Granite)"),
+    "residual_multiplier": ((None, 1), "scaled residuals (Granite)"),
+    "logits_scaling": ((None, 1), "scaled logits (Granite)"),
+    "logit_scale": ((None, 1), "scaled logits (Cohere)"),
+    "use_qk_norm": ((None, False), "query/key normalization"),
+    "partial_rotary_factor": ((None, 1), "rotary positions on part of each head"),
+    "add_cross_attention": ((None, False), "cross-attention"),
+}
+# the same for one architecture: fields whose "off" values are that model's
+_UNSUPPORTED_BY_ARCH = {
+    "llama": {"attention_bias": ((None, False), "biases (jaxpar's Llama has none)"),
+              "mlp_bias": ((None, False), "biases (jaxpar's Llama has none)"),
+              "hidden_act": (("silu",), "another activation (the Llama's SwiGLU uses silu)"),
+              "hidden_activation": ((None, "silu"), "another activation (the Llama's SwiGLU uses silu)")},
+    "gpt2": {"activation_function": (("gelu_new", "gelu_pytorch_tanh"),
+                                     "another activation (the GPT's MLP uses GELU with the tanh approximation)"),
+             "scale_attn_weights": ((True,), "another attention scaling (the GPT scales logits by 1/sqrt(head_dim))"),
+             "scale_attn_by_inverse_layer_idx": ((None, False), "another attention scaling (the GPT scales logits by "
+                                                 "1/sqrt(head_dim))"),
+             "reorder_and_upcast_attn": ((None, False), "another attention scaling (the GPT scales logits by "
+                                         "1/sqrt(head_dim))")},
+}
+
+
+def _off(value: Any, off: tuple) -> bool:
+    return all(item in off for item in (value if isinstance(value, list) else [value]))
+
+
+def _check_computation(hf: dict, kind: str) -> None:
+    """Raises a ValueError naming the first field of :data:`UNSUPPORTED` (or ``kind``'s own) that ``hf`` (or its
+    ``rope_parameters``) sets on."""
+    fields = {**UNSUPPORTED, **_UNSUPPORTED_BY_ARCH[kind]}
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    for where, values in (("", hf), ("rope_parameters.", rope)):
+        for key, (off, what) in fields.items():
+            if key in values and not _off(values[key], off):
+                raise ValueError(f"config.json has {where}{key}={values[key]!r}: {what}, which the {_HEADS[kind]} "
+                                 f"loaded here does not compute (it takes {' or '.join(map(json.dumps, off))} or no "
+                                 f"{key}), so its outputs would differ from those of the checkpoint's model")
+
 
 def _arch(hf: dict) -> str:
     """``"llama"`` or ``"gpt2"``: ``model_type`` and, when given, ``architectures`` must name a causal LM of these."""
@@ -71,16 +130,12 @@ def gpt2_config(hf: dict, **overrides: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a ``GPT2LMHeadModel`` ``config.json`` (a dict), with ``overrides``.
 
     Raises:
-      ValueError: features the GPT here lacks (another activation, LayerNorm epsilon, unscaled attention).
+      ValueError: features the GPT here lacks (another activation, LayerNorm epsilon, unscaled attention, a field
+        of :data:`UNSUPPORTED` set on), naming the field.
     """
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"config.json has activation_function={hf['activation_function']!r}; the GPT's MLP uses "
-                         "GELU with the tanh approximation (gelu_new)")
+    _check_computation(hf, "gpt2")
     if abs(float(hf.get("layer_norm_epsilon", 1e-5)) - 1e-5) > 1e-12:
         raise ValueError(f"config.json has layer_norm_epsilon={hf['layer_norm_epsilon']}; the GPT's LayerNorm uses 1e-5")
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx") \
-            or hf.get("reorder_and_upcast_attn"):
-        raise ValueError("config.json changes GPT-2's attention scaling; the GPT scales logits by 1/sqrt(head_dim)")
     kwargs = dict(vocab_size=_need(hf, "vocab_size"), num_layers=_need(hf, "n_layer"), num_heads=_need(hf, "n_head"),
                   d_model=_need(hf, "n_embd"), d_mlp=hf.get("n_inner") or 0, max_seq_len=_need(hf, "n_positions"),
                   positions="learned", tie_embeddings=_flag(hf, "tie_word_embeddings", True), qkv_bias=True,
@@ -94,15 +149,12 @@ def llama_config(hf: dict, **overrides: Any) -> LlamaConfig:
 
     Raises:
       ValueError: a config another architecture wrote, or features the Llama here lacks (biases, another
-        activation, a rope type other than Llama 3's).
+        activation, a rope type other than Llama 3's, a field of :data:`UNSUPPORTED` set on: a sliding window,
+        soft-capping, attention sinks, ...), naming the field.
     """
     if _arch(hf) != "llama":
         raise ValueError(f"config.json has model_type={hf.get('model_type')!r}; llama_config reads a Llama's")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ValueError(f"config.json sets {key}=true; jaxpar's Llama has no biases")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json has hidden_act={hf['hidden_act']!r}; the Llama's SwiGLU uses silu")
+    _check_computation(hf, "llama")
     rope = dict(hf.get("rope_parameters") or {})       # transformers >= 5
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
