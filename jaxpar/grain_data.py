@@ -102,7 +102,9 @@ class GrainBatches:
 
     ``batches(t)`` (or ``next(batches)``) returns global batch ``t``: a dict of :data:`KEYS` to int32
     ``jax.Array`` s of shape ``[global_batch, seq_len]``, sharded over the rules' batch axes. Batches come in
-    order: ``t`` must be :attr:`step`, the number of batches taken (restore a state to start elsewhere).
+    order: ``t`` must be :attr:`step`, the number of batches taken (restore a state to start elsewhere). With
+    ``num_epochs`` set, iterating ends after the batch that serves the last document (the rows of shards that
+    ran out before it are padding, loss mask 0).
 
     Attributes:
       step: the index of the next batch.
@@ -131,7 +133,8 @@ class GrainBatches:
         docs = dataset.shuffle(seed=seed) if shuffle else dataset
         docs = docs.repeat(num_epochs)
         pairs = _Pairs(seq_len, split=packing == "concat_then_split")
-        self._iters = [iter(self._pack(grain, docs[j::num_shards].map(pairs), j)) for j in self.shards]
+        self._packed = [self._pack(grain, docs[j::num_shards].map(pairs), j) for j in self.shards]
+        self._iters = [iter(packed) for packed in self._packed]
         self.step = 0
 
     def _pack(self, grain: Any, pairs: Any, shard: int) -> Any:
@@ -148,21 +151,44 @@ class GrainBatches:
         return packed.map(_rows)
 
     def local_batch(self) -> dict[str, np.ndarray]:
-        """This process's rows of the next global batch (numpy, int32); advances :attr:`step`."""
-        try:
-            rows = [next(it) for it in self._iters for _ in range(self.rows_per_shard)]
-        except StopIteration:
-            raise ValueError(f"grain_batches ran out of documents at batch {self.step} (num_epochs="
-                             f"{self.config.get('num_epochs')}): stop the loop at {self.step}, or pass num_epochs=None "
-                             "to repeat the data") from None
+        """This process's rows of the next global batch (numpy, int32); advances :attr:`step`.
+
+        Raises:
+          ValueError: a finite pass (``num_epochs``) has served every row already.
+        """
+        batch = self._take()
+        if batch is None:
+            raise ValueError(f"grain_batches ran out of documents at batch {self.step}: the pass over num_epochs="
+                             f"{self.config['num_epochs']} served every document in batches 0..{self.step - 1}; stop "
+                             f"the loop at {self.step} (or iterate: next() ends it), or pass num_epochs=None to repeat "
+                             "the data")
+        return batch
+
+    def _take(self) -> dict[str, np.ndarray] | None:
+        """This process's rows of the next global batch, advancing :attr:`step`: ``rows_per_shard`` rows of each
+        of its shards, a shard that has run out giving padding rows (all 0, loss mask 0); None when a finite pass
+        is over: no shard of any process has a row left. Every process takes part (a collective, for finite
+        passes only), so all agree on the batch that ends the pass."""
+        rows, real = [], False
+        for it in self._iters:
+            for _ in range(self.rows_per_shard):
+                row = next(it, None)
+                real |= row is not None
+                rows.append(self._padding if row is None else row)
+        if self.config["num_epochs"] is not None and not any(_allgather_json(real)):
+            return None
         self.step += 1
         return {k: np.stack([r[k] for r in rows]) for k in KEYS}
+
+    @property
+    def _padding(self) -> dict[str, np.ndarray]:
+        return {k: np.zeros(self.config["seq_len"], np.int32) for k in KEYS}
 
     def __call__(self, step: int) -> dict[str, jax.Array]:
         """Global batch ``step`` (must be :attr:`step`: the batches come in order).
 
         Raises:
-          ValueError: ``step`` is not the next batch's index.
+          ValueError: ``step`` is not the next batch's index, or a finite pass (``num_epochs``) has ended.
         """
         if nonnegative_int("step", step) != self.step:
             raise ValueError(f"grain batches come in order: asked for batch {step}, the next one is {self.step}; "
@@ -174,7 +200,11 @@ class GrainBatches:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        return self(self.step)
+        """The next global batch; StopIteration when a finite pass (``num_epochs``) has served every row."""
+        batch = self._take()
+        if batch is None:
+            raise StopIteration
+        return self._batches.place(batch)
 
     def get_state(self) -> dict:
         """``{"format", "step", "config", "shards": [state of shard 0, ..., shard S-1]}``, JSON-able.
@@ -192,8 +222,15 @@ class GrainBatches:
     def set_state(self, state: dict) -> None:
         """Continues from a state of :meth:`get_state` (saved by any number of processes).
 
+        The whole state is checked before any of it is applied: its format, the pipeline's settings, the step and
+        every shard's state, those of the shards other processes build too (each must have the fields and value
+        types of this pipeline's shard states), so every process refuses the same state. The shard states are
+        then set on new iterators, which replace the current ones only once every shard took its state: a refused
+        state changes nothing (neither the shards nor :attr:`step`).
+
         Raises:
-          ValueError: not such a state, or one of another pipeline (naming the first setting that differs).
+          ValueError: not such a state, one of another pipeline (naming the first setting that differs), or a
+            shard state that is not one of this pipeline's (naming the shard and the field) or that grain refuses.
         """
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -205,13 +242,49 @@ class GrainBatches:
                 raise ValueError(f"the restored data state is of another pipeline: its {key} is {saved.get(key)!r}, "
                                  f"this pipeline's is {value!r}; build grain_batches with the settings (and dataset) "
                                  "of the run that saved it")
-        shards, step = state.get("shards"), nonnegative_int("state['step']", state.get("step"))   # checked first:
-        if not isinstance(shards, list) or len(shards) != self.config["num_shards"]:   # nothing half-applied
+        shards, step = state.get("shards"), nonnegative_int("state['step']", state.get("step"))
+        if not isinstance(shards, list) or len(shards) != self.config["num_shards"]:
             raise ValueError(f"the restored data state holds {len(shards) if isinstance(shards, list) else shards!r} "
                              f"shard states; this pipeline has num_shards={self.config['num_shards']}")
-        for j, it in zip(self.shards, self._iters):
-            it.set_state(_tuples(shards[j]))
-        self.step = step
+        shards = [_tuples(shard) for shard in shards]
+        template = self._iters[0].get_state()
+        for j, shard in enumerate(shards):
+            _check_like(shard, template, f"shard {j}", "")
+        fresh = [iter(packed) for packed in self._packed]
+        for j, it in zip(self.shards, fresh):
+            try:
+                it.set_state(shards[j])
+            except Exception as e:  # grain's own error types (KeyError, IndexError, ...) for a state it cannot take
+                raise ValueError(f"the restored data state's shard {j} is refused by grain ({type(e).__name__}: {e}); "
+                                 "pass a state GrainBatches.get_state() returned for this pipeline") from e
+        self._iters, self.step = fresh, step
+
+
+def _check_like(value: Any, template: Any, shard: str, field: str) -> None:
+    """ValueError unless ``value`` has ``template``'s structure: the same dict keys, sequences of the same length,
+    leaves of the same type (an int is never a bool); the message names ``shard`` and the field."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"the restored data state's {shard} is not a shard state of this pipeline: {what}; pass "
+                          "a state GrainBatches.get_state() returned for this pipeline")
+    where = f"field {field!r}" if field else "the shard state"
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise bad(f"{where} is {value!r:.80} of type {type(value).__name__}, expected a dict with fields "
+                      f"{list(template)}")
+        extra = [key for key in value if key not in template]
+        for key in [*template, *extra]:
+            name = f"{field}.{key}" if field else str(key)
+            if key not in value or key not in template:
+                raise bad(f"field {name!r} is {'missing' if key not in value else 'unknown'} ({where} has "
+                          f"{list(value)}, expected {list(template)})")
+            _check_like(value[key], template[key], shard, name)
+    elif isinstance(template, (tuple, list)):
+        if not isinstance(value, (tuple, list)) or len(value) != len(template):
+            raise bad(f"{where} is {value!r:.80}, expected a sequence of {len(template)} values")
+        for i, (v, t) in enumerate(zip(value, template)):
+            _check_like(v, t, shard, f"{field}[{i}]")
+    elif isinstance(value, bool) != isinstance(template, bool) or not isinstance(value, type(template)):
+        raise bad(f"{where} is {value!r:.80} of type {type(value).__name__}, expected type {type(template).__name__}")
 
 
 def _tuples(state: Any) -> Any:
@@ -249,7 +322,11 @@ def grain_batches(dataset: Any, *, global_batch: int, mesh: Mesh, rules: shd.Rul
         and be a multiple of the processes' row blocks. A state resumes on any process count whose row blocks
         fall on whole shards (e.g. any count dividing ``S``).
       shuffle: shuffle the documents (globally, by ``seed``) before dealing them to shards.
-      num_epochs: passes over the dataset (None: endless).
+      num_epochs: passes over the dataset (None: endless). A finite pass serves every document's input/target
+        pairs exactly ``num_epochs`` times: once a shard has run out its rows are padding (all 0, loss mask 0) until
+        every shard has, then iteration ends (``next`` raises StopIteration; ``batches(t)`` past the end raises
+        ValueError). The processes of a multi-process run agree on the last batch with one small all-gather of a
+        flag per batch (finite passes only).
       read_options: a ``grain.ReadOptions`` for reading each shard (default: ``num_threads=0``, read in the
         calling thread, the fastest here for a cheap ``.map``; threads help a ``.map`` that releases the GIL).
         It does not change the batches.
@@ -262,7 +339,8 @@ def grain_batches(dataset: Any, *, global_batch: int, mesh: Mesh, rules: shd.Rul
       TypeError: ``dataset`` is not a ``grain.MapDataset``; ``read_options`` not a ``grain.ReadOptions``.
       ValueError: ``global_batch`` not divisible by ``num_shards`` or by the mesh's batch axes; this process's
         rows not on whole shards; an unknown ``packing``; non-positive sizes. While iterating: a document that
-        is not 1-D integers, shorter than 2 tokens, or (first_fit) longer than ``seq_len + 1``.
+        is not 1-D integers, shorter than 2 tokens, or (first_fit) longer than ``seq_len + 1``; a batch asked for
+        after a finite pass ended.
       ImportError: grain is not installed (``pip install 'jaxpar[data]'``).
     """
     grain = _grain()

@@ -5,8 +5,9 @@ A token directory (written by ``experiments/prepare_tokens.py``, :func:`jaxpar.t
 ``train.bin`` and ``val.bin`` (little-endian ``uint16`` when the vocabulary has at most 65536 ids, else ``uint32``,
 no header), ``meta.json`` (vocabulary size, dtype, eod id, per split its token, document and UTF-8 byte counts)
 and ``tokenizer.json`` (a Hugging Face ``tokenizers`` file). Opening a split checks the file against
-``meta.json`` and every token id against the vocabulary, so a bad file fails at once, naming itself, never
-inside a step. Re-exported as ``jaxpar.data.TokenFile`` and ``jaxpar.data.TokenCorpus``.
+``meta.json``, meta.json's vocabulary fields against ``tokenizer.json``, every path against leaving the directory
+and every token id against the vocabulary, so a bad file fails at once, naming itself, never inside a step.
+Re-exported as ``jaxpar.data.TokenFile`` and ``jaxpar.data.TokenCorpus``.
 """
 
 from __future__ import annotations
@@ -112,30 +113,117 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def _member(directory: Path, name: str, what: str) -> Path:
+    """``directory / name``, checked to stay inside ``directory`` once links are resolved: a token directory is one
+    artefact, so a listed file never reads data from elsewhere (``../other/train.bin``, an absolute path, a link).
+
+    Raises:
+      ValueError: the path leaves the directory; the message names the entry and where it leads.
+    """
+    path = directory / name
+    root, target = directory.resolve(), path.resolve()
+    if not target.is_relative_to(root):
+        raise ValueError(f"{what} ({name!r}) leads to {str(target)!r}, outside the token directory {str(directory)!r}: "
+                         "a token directory is one artefact and its files stay inside it; copy the file into the "
+                         "directory (or prepare it again with experiments/prepare_tokens.py)")
+    return path
+
+
 def _locate(path: Path, split: str) -> tuple[Path, Path | None, str]:
-    """(the .bin file, its meta.json or None, the split name) for a token directory or a .bin file."""
+    """(the .bin file, its meta.json or None, the split name) for a token directory or a .bin file; every path
+    meta.json leads to is checked to stay inside the directory (:func:`_member`)."""
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist; pass a token directory written by "
                          "experiments/prepare_tokens.py or a .bin token file")
     if path.is_dir():
-        meta = path / META
+        meta = _member(path, META, META)
         if not meta.is_file():
             raise ValueError(f"{str(path)!r} holds no {META}; pass a token directory written by "
                              "experiments/prepare_tokens.py (or a .bin file with dtype= and vocab_size=)")
         splits = read_meta(meta)["splits"]
         if split not in splits:
             raise ValueError(f"{str(meta)!r} lists no split {split!r} (it has {sorted(splits)})")
-        return path / splits[split]["file"], meta, split
+        return _member(path, splits[split]["file"], f"{META}'s file of split {split!r}"), meta, split
     meta = path.parent / META
     if not meta.is_file():
         return path, None, path.stem
+    meta = _member(path.parent, META, META)
     splits = read_meta(meta)["splits"]
     named = [k for k, v in splits.items() if v["file"] == path.name]
     if not named:
         files = sorted(v["file"] for v in splits.values())
         raise ValueError(f"{str(path)!r} is none of the files {str(meta)!r} lists ({files}); open one of those, or "
                          "move the file away from that meta.json")
-    return path, meta, named[0]
+    return _member(path.parent, path.name, f"{META}'s file of split {named[0]!r}"), meta, named[0]
+
+
+def _tokenizer_bytes(directory: Path, meta: dict | None) -> bytes | None:
+    """The bytes of ``tokenizer.json`` in ``directory`` (None if there is none), checked against the sha256
+    ``meta`` names.
+
+    Raises:
+      ValueError: the file leaves the directory, or its sha256 is not meta.json's ``tokenizer_sha256``.
+    """
+    path = _member(directory, TOKENIZER, TOKENIZER)
+    if not path.is_file():
+        return None
+    raw = path.read_bytes()
+    want = (meta or {}).get("tokenizer_sha256")
+    if want is not None and hashlib.sha256(raw).hexdigest() != want:
+        raise ValueError(f"{str(path)!r} is not the tokenizer {META} names (its sha256 differs): the directory "
+                         "was prepared with another tokenizer; run prepare_tokens.py again")
+    return raw
+
+
+def _tokenizer_vocab(spec: dict) -> dict[str, int]:
+    """Token -> id of a parsed Hugging Face ``tokenizer.json`` (its model's vocabulary and its added tokens), read
+    without ``tokenizers``: its length is ``Tokenizer.get_vocab_size(with_added_tokens=True)``.
+
+    Raises:
+      ValueError: no vocabulary where a ``tokenizers`` file keeps one (``model.vocab``: a dict, or Unigram's list).
+    """
+    model = spec.get("model") if isinstance(spec, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        ids = dict(vocab)
+    elif isinstance(vocab, list) and all(isinstance(v, list) and v for v in vocab):
+        ids = {v[0]: i for i, v in enumerate(vocab)}   # Unigram: [piece, score], the id is the index
+    else:
+        raise ValueError("it holds no model vocabulary (model.vocab)")
+    for added in spec.get("added_tokens") or []:
+        ids[added["content"]] = added["id"]
+    return ids
+
+
+def _check_against_tokenizer(meta: dict, meta_path: Path) -> None:
+    """Checks ``meta.json``'s tokenizer-derived fields against the ``tokenizer.json`` beside it (if there is one):
+    ``vocab_size`` must be the tokenizer's vocabulary size and ``eod_id`` the id of ``eod_token``.
+
+    The fields are checked against the tokenizer rather than meta.json being covered by a checksum: the tokenizer
+    is already pinned by ``tokenizer_sha256``, so each field is checked against what defines it and an
+    inconsistent field is named (a checksum only says that something changed, would live in a fifth file edited
+    as easily, and refuses harmless edits). The token counts are checked against the files on open.
+
+    Raises:
+      ValueError: a field disagrees with the tokenizer, or tokenizer.json is unreadable (naming the files).
+    """
+    raw = _tokenizer_bytes(meta_path.parent, meta)
+    if raw is None:
+        return
+    where = f"{str(meta_path.parent / TOKENIZER)!r}"
+    try:
+        ids = _tokenizer_vocab(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as e:   # JSON and UTF-8 errors are ValueErrors
+        raise ValueError(f"{where} is not a readable tokenizers tokenizer.json ({e}); prepare the directory again "
+                         "with experiments/prepare_tokens.py") from None
+    again = "; the fields must be the tokenizer's: prepare the directory again with experiments/prepare_tokens.py"
+    if meta["vocab_size"] != len(ids):
+        raise ValueError(f"{str(meta_path)!r}: vocab_size {meta['vocab_size']} is not the vocabulary size "
+                         f"{len(ids)} of the tokenizer {where}{again}")
+    eod = meta.get("eod_token")
+    if eod is not None and ids.get(eod) != meta["eod_id"]:
+        raise ValueError(f"{str(meta_path)!r}: eod_id {meta['eod_id']} is not the id ({ids.get(eod)}) of its eod_token "
+                         f"{eod!r} in the tokenizer {where}{again}")
 
 
 class TokenFile:
@@ -155,7 +243,10 @@ class TokenFile:
     Raises (on open, each naming the file):
       ValueError: a missing file or directory, a split meta.json does not list, a file size that is not a
         multiple of the dtype's size (truncated) or disagrees with meta.json's token count, an empty split, a
-        token id >= vocab_size, a meta.json that is unreadable or inconsistent, or ``dtype=`` / ``vocab_size=``
+        token id >= vocab_size, a meta.json that is unreadable or inconsistent, a file of the directory
+        (meta.json, a split's file, tokenizer.json) whose path leads outside it (``..``, an absolute path, a
+        link), a tokenizer.json that is not the one meta.json's ``tokenizer_sha256`` names or whose vocabulary
+        size / eod token id are not meta.json's ``vocab_size`` / ``eod_id``, or ``dtype=`` / ``vocab_size=``
         missing for a bare file or contradicting meta.json.
     """
 
@@ -163,6 +254,8 @@ class TokenFile:
                  vocab_size: int | None = None, check_ids: bool = True):
         self.path, meta_path, self.split = _locate(Path(path), split)
         self.meta = read_meta(meta_path) if meta_path is not None else None
+        if self.meta is not None:
+            _check_against_tokenizer(self.meta, meta_path)
         self.dtype, self.vocab_size = self._dtype_and_vocab(dtype, vocab_size)
         if not self.path.is_file():
             raise ValueError(f"token file {str(self.path)!r} does not exist; prepare the directory again with "
@@ -177,14 +270,20 @@ class TokenFile:
                              f"{self.meta['splits'][self.split]['tokens']}: the file is truncated or from another "
                              "run; prepare the directory again")
         if n == 0:
-            raise ValueError(f"{str(self.path)!r} holds no tokens: the {self.split!r} split is empty (e.g. "
-                             "--val-fraction 0); prepare it with documents in this split, or use another split")
+            raise ValueError(f"{str(self.path)!r} holds no tokens: the {self.split!r} split is empty; "
+                             + self._empty_split_fix())
         self.tokens = np.memmap(self.path, dtype=DTYPES[self.dtype], mode="r")
         if check_ids:
             self._check_ids()
         self.eod_id = self.meta["eod_id"] if self.meta is not None else None
         self.num_bytes = self.meta["splits"][self.split]["bytes"] if self.meta is not None else None
         self._tokenizer, self._epochs = None, {}
+
+    def _empty_split_fix(self) -> str:
+        if self.split == "val" and (self.meta or {}).get("val_fraction") == 0:
+            return ("the directory was prepared with val_fraction 0, so every document is in 'train': open "
+                    "split='train', or prepare it again with --val-fraction > 0 for a validation split")
+        return "open another split, or prepare the directory again with documents in this split"
 
     def _dtype_and_vocab(self, dtype, vocab_size) -> tuple[str, int]:
         if self.meta is None:
@@ -276,16 +375,12 @@ class TokenFile:
           ValueError: no tokenizer.json there. ImportError: ``tokenizers`` not installed (``jaxpar[data]``).
         """
         if self._tokenizer is None:
-            path = self.path.parent / TOKENIZER
-            if not path.is_file():
+            raw = _tokenizer_bytes(self.path.parent, self.meta)
+            if raw is None:
                 raise ValueError(f"no {TOKENIZER} beside {str(self.path)!r}; encode/decode need the tokenizer the "
                                  "file was prepared with")
-            want = (self.meta or {}).get("tokenizer_sha256")
-            if want is not None and hashlib.sha256(path.read_bytes()).hexdigest() != want:
-                raise ValueError(f"{str(path)!r} is not the tokenizer {META} names (its sha256 differs): the directory "
-                                 "was prepared with another tokenizer; run prepare_tokens.py again")
-            self._tokenizer = require("tokenizers", "jp.data.TokenFile.encode/decode", "data").Tokenizer.from_file(
-                str(path))
+            self._tokenizer = require("tokenizers", "jp.data.TokenFile.encode/decode", "data").Tokenizer.from_str(
+                raw.decode("utf-8"))
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:

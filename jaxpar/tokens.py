@@ -302,7 +302,9 @@ def prepare(inputs: Iterable[str | os.PathLike], out: str | os.PathLike, *, form
 
     Raises:
       ValueError: no inputs, both or neither of ``tokenizer`` / ``train_bpe_vocab``, a bad ``val_fraction``, a
-        bad input (:func:`read_documents`), no document in the validation split while ``val_fraction > 0``.
+        bad input (:func:`read_documents`), no document in the inputs or in the training split, no document in
+        the validation split while ``val_fraction > 0`` (refused before ``train.bin`` / ``val.bin`` are replaced).
+        With ``val_fraction=0`` every document goes to ``train.bin`` and ``val.bin`` is empty.
     """
     inputs = [Path(p) for p in inputs]
     _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction, chunk_documents, seed, eod_token)
@@ -318,9 +320,6 @@ def prepare(inputs: Iterable[str | os.PathLike], out: str | os.PathLike, *, form
     chunks = _chunks(documents(inputs, format, field), chunk_documents)
     counts = _write_splits(out, encoded_chunks(chunks, tok.to_str(), eod_id, workers or os.cpu_count() or 1),
                            dtype, vocab_size, val_fraction, seed, progress)
-    if val_fraction > 0 and not counts["val"]["documents"]:
-        raise ValueError(f"no document of the {counts['train']['documents']} fell in the validation split "
-                         f"(val_fraction {val_fraction}); give more documents or a larger --val-fraction")
     _write_text(out / TOKENIZER, tokenizer_text)
     meta = {"format": "jaxpar.tokens", "version": 1, "vocab_size": vocab_size, "dtype": dtype, "eod_id": eod_id,
             "eod_token": eod_token, "tokenizer": TOKENIZER,
@@ -358,10 +357,26 @@ def _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction
         raise ValueError(f"chunk_documents={chunk_documents} must be >= 1")
 
 
+def _check_counts(counts: dict[str, dict[str, int]], val_fraction: float) -> None:
+    """Refuses splits a token directory cannot serve, before they replace anything: an empty training split (no
+    document at all, or every one in validation) or, with ``val_fraction > 0``, an empty validation split."""
+    train, val = counts["train"]["documents"], counts["val"]["documents"]
+    if not train + val:
+        raise ValueError("the inputs hold no documents (empty or blank files): a token directory needs at least one "
+                         "training document; pass files with text")
+    if not train:
+        raise ValueError(f"all {val} documents fell in the validation split (val_fraction {val_fraction}), none in "
+                         "train; give more documents or a smaller --val-fraction")
+    if val_fraction > 0 and not val:
+        raise ValueError(f"no document of the {train} fell in the validation split (val_fraction {val_fraction}); "
+                         "give more documents or a larger --val-fraction")
+
+
 def _write_splits(out: Path, chunks, dtype: str, vocab_size: int, val_fraction: float, seed: int,
                   progress: bool) -> dict[str, dict[str, int]]:
-    """Writes each chunk's documents to ``train.bin`` / ``val.bin`` (through ``*.tmp`` files renamed at the end);
-    returns per split the counts of tokens, documents and UTF-8 bytes."""
+    """Writes each chunk's documents to ``train.bin`` / ``val.bin`` (through ``*.tmp`` files renamed at the end,
+    once :func:`_check_counts` accepts the splits); returns per split the counts of tokens, documents and UTF-8
+    bytes."""
     tqdm = require("tqdm", "jaxpar.tokens.prepare (progress bar)").tqdm if progress else None
     bar = tqdm(desc="tokenize", unit="doc") if progress else None
     counts = {s: {"tokens": 0, "documents": 0, "bytes": 0} for s in SPLITS}
@@ -381,6 +396,7 @@ def _write_splits(out: Path, chunks, dtype: str, vocab_size: int, val_fraction: 
             first += len(lengths)
             if bar is not None:
                 bar.update(len(lengths))
+        _check_counts(counts, val_fraction)
         done = True
     finally:
         for f in files.values():

@@ -3,6 +3,7 @@
 Script (also under ``python -m jaxpar.cli.launch -n 2``)::
 
     python tests/grain_worker.py --out DIR --steps 8 [--mesh 2,2,2] [--model gpt|bigram] [--sigterm-before-step K]
+    python tests/grain_worker.py --out DIR --steps 0 --finite-pass [--mesh 2,2,2]
 
 Trains on random documents (:func:`documents`) packed into rows of 16 (a global batch of 16 rows in 8 shards),
 resuming from ``DIR/ckpt`` (train state and data state) when it holds a checkpoint, saving every 2 steps, at
@@ -10,7 +11,8 @@ the end and on SIGTERM. ``--sigterm-before-step K``: process 0 sends itself SIGT
 the run stops after step K + 1 (the preemption handler makes every process stop at the same step). Process 0
 appends ``DIR/losses.jsonl`` (``{"step", "loss"}`` per step); every process appends ``DIR/rows_<process>.jsonl``
 (``{"step", "rows": {row index: [inputs, targets, segment_ids, positions, loss_mask]}}``: the global-batch rows
-its devices received, read back from the placed arrays).
+its devices received, read back from the placed arrays). ``--finite-pass`` only iterates one pass over
+:func:`finite_pass_documents` to its end, writing the rows the same way.
 
 The models are defined here (not jaxpar's only): ``bigram`` (a [V, V] logit table, a masked cross-entropy of
 its own) and ``gpt`` (``jp.models.GPT`` on ``helpers.SMALL_GPT``, which takes the packed entries itself).
@@ -135,6 +137,33 @@ def train(out: str | Path, steps: int, mesh_sizes=(2, 2, 2), model: str = "gpt",
     return start, preemption.stopped_at
 
 
+def finite_pass_documents(n: int = 96) -> list:
+    """``n`` documents dealt (in order, ``[j::NUM_SHARDS]``) so that shards 0..3, process 0's of 2, get short ones
+    (1 to 4 pairs) and shards 4..7 ones of a whole row each: process 0's shards run out batches earlier."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, VOCAB, SEQ_LEN + 1 if i % NUM_SHARDS >= NUM_SHARDS // 2 else int(rng.integers(2, 6)))
+            .astype(np.int32) for i in range(n)]
+
+
+def finite_pass(out: str | Path, mesh_sizes=(2, 2, 2)) -> int:
+    """Iterates one unshuffled pass (``num_epochs=1``) over :func:`finite_pass_documents` to its end, every
+    process writing ``DIR/rows_<process>.jsonl`` as :func:`train` does; returns the number of batches."""
+    import grain
+    import jax
+
+    import jaxpar as jp
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = jp.data.grain_batches(grain.MapDataset.source(finite_pass_documents()), global_batch=GLOBAL_BATCH,
+                                    mesh=make_mesh(mesh_sizes), seed=SEED, seq_len=SEQ_LEN, num_shards=NUM_SHARDS,
+                                    shuffle=False, num_epochs=1)
+    with open(out / f"rows_{jax.process_index()}.jsonl", "w") as f:
+        for t, batch in enumerate(batches):
+            f.write(json.dumps({"step": t, "rows": loaded_rows(batch)}) + "\n")
+    return batches.step
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 
@@ -146,9 +175,14 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="2,2,2", help="data,fsdp,tensor")
     p.add_argument("--model", default="gpt", choices=["gpt", "bigram"])
     p.add_argument("--sigterm-before-step", type=int, default=None)
+    p.add_argument("--finite-pass", action="store_true", help="iterate one pass to its end instead of training")
     a = p.parse_args(argv)
     from ckpt_worker import start_worker
     jax = start_worker()
+    if a.finite_pass:
+        batches = finite_pass(a.out, tuple(int(v) for v in a.mesh.split(",")))
+        print(f"worker {jax.process_index()}: finite pass of {batches} batches", flush=True)
+        return 0
     start, stopped = train(a.out, a.steps, tuple(int(v) for v in a.mesh.split(",")), a.model, a.sigterm_before_step)
     if jax.process_index() == 0:
         print(f"worker: trained from step {start} to {stopped or a.steps}" + (" (preempted)" if stopped else ""),

@@ -8,7 +8,9 @@ flush leave grain in a seeded random order, so they are compared as a set per fl
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 
 import grain
 import jax
@@ -18,6 +20,8 @@ import pytest
 import grain_worker as worker
 import jaxpar as jp
 from helpers import launch
+from jaxpar import tokens
+from jaxpar.grain_data import KEYS
 
 L = 8
 
@@ -268,3 +272,204 @@ def test_a_truncated_state_is_refused_before_anything_is_applied_and_running_out
     big = grain.MapDataset.source([np.asarray([3, 2 ** 32 + 7, 4], np.int64)])
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 2\*\*31\)"):
         jp.data.grain_batches(big, global_batch=1, mesh=one_device_mesh(), seed=0, seq_len=L)(0)
+
+
+def test_a_garbage_shard_state_is_refused_whole_naming_the_shard_and_field():
+    """A state whose shard 1 is ``{"foo": 1}`` is refused with a ValueError naming shard 1 and its missing field
+    ``parent`` (not grain's KeyError), and nothing is applied: neither shard 0 before it nor the step change, so
+    the next batch is the one an untouched twin gives."""
+    docs = grain.MapDataset.source(random_docs(16, L + 1, seed=None))
+    make = lambda: jp.data.grain_batches(docs, global_batch=2, mesh=one_device_mesh(), seed=1, seq_len=L,
+                                         shuffle=False)
+    b, twin = make(), make()
+    state = json.loads(json.dumps(b.get_state()))
+    for _ in range(2):
+        b.local_batch(), twin.local_batch()
+    state["shards"][1] = {"foo": 1}
+    with pytest.raises(ValueError, match=r"shard 1 is not a shard state of this pipeline: field 'parent' is missing "
+                                         r"\(the shard state has \['foo'\]"):
+        b.set_state(state)
+    assert b.step == 2
+    got, want = b.local_batch(), twin.local_batch()
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def segments(batches: list[dict]) -> list[tuple]:
+    """Each packed document of the batches' rows as (inputs, targets), read back by its segment id."""
+    out = []
+    for b in batches:
+        for r in range(b["segment_ids"].shape[0]):
+            seg = b["segment_ids"][r]
+            for s in np.unique(seg[seg > 0]):
+                out.append((tuple(b["inputs"][r][seg == s]), tuple(b["targets"][r][seg == s])))
+    return out
+
+
+def test_a_finite_pass_serves_every_target_token_once_and_ends():
+    """shuffle=False, num_epochs=1, 3 shards, shard 0 dealt documents filling a row each and the others short
+    ones, so shards 1 and 2 run out first: iterating gives every document exactly once (read back by segment; the
+    target-token count is that of the documents), rows of shards that ran out padded with loss mask 0, then the
+    iteration ends (StopIteration); asking for a batch after it is named."""
+    rng = np.random.default_rng()
+    docs = [rng.integers(0, 100, L + 1 if i % 3 == 0 else int(rng.integers(2, 5))).astype(np.int32)
+            for i in range(int(rng.integers(18, 30)))]
+    b = jp.data.grain_batches(grain.MapDataset.source(docs), global_batch=3, mesh=one_device_mesh(), seed=0,
+                              seq_len=L, shuffle=False, num_epochs=1, num_packing_bins=2)
+    got = [jax.device_get(batch) for batch in b]
+    assert sum(int(g["loss_mask"].sum()) for g in got) == sum(len(d) - 1 for d in docs)
+    assert sorted(segments(got)) == sorted((tuple(d[:-1]), tuple(d[1:])) for d in docs)
+    assert all(np.array_equal(g["loss_mask"], g["segment_ids"] > 0) for g in got)
+    assert b.step == len(got) and not got[-1]["loss_mask"][1:].any()     # shards 1 and 2 ran out before the end
+    with pytest.raises(StopIteration):
+        next(b)
+    with pytest.raises(ValueError, match=f"ran out of documents at batch {len(got)}: the pass over num_epochs=1 "
+                                         f"served every document in batches 0..{len(got) - 1}"):
+        b(len(got))
+
+
+def leaf_paths(state, path=()):
+    """The paths (tuples of keys) of a nested dict's leaves."""
+    if isinstance(state, dict):
+        return [q for k, v in state.items() for q in leaf_paths(v, (*path, k))]
+    return [path]
+
+
+def mutations(shard: dict):
+    """Ways to break a real shard state, each with the message part naming the field: a shard of another kind,
+    none, and per leaf: removed, an unknown sibling, a string, a bool (an int leaf) or a sequence of another
+    length and a string element (a sequence leaf, as grain's concat-then-split marker)."""
+    def edit(path, value=None, pop=False):
+        out = json.loads(json.dumps(shard))
+        node = out
+        for k in path[:-1]:
+            node = node[k]
+        node.pop(path[-1]) if pop else node.__setitem__(path[-1], value)
+        return out
+    yield {"foo": 1}, f"field '{next(iter(shard))}' is missing"
+    yield None, "the shard state is None of type NoneType"
+    for path in leaf_paths(shard):
+        name, leaf = ".".join(path), shard
+        for k in path:
+            leaf = leaf[k]
+        yield edit(path, pop=True), f"field '{name}' is missing"
+        yield edit((*path[:-1], "extra"), 0), f"field '{'.'.join((*path[:-1], 'extra'))}' is unknown"
+        if isinstance(leaf, list):
+            yield edit(path, "3"), f"field '{name}' is '3', expected a sequence of {len(leaf)} values"
+            yield edit(path, [*leaf, 0]), f"field '{name}' is {[*leaf, 0]!r}, expected a sequence of {len(leaf)}"
+            yield edit(path, ["3", *leaf[1:]]), f"field '{name}[0]' is '3' of type str"
+        else:
+            yield edit(path, "3"), f"field '{name}' is '3' of type str"
+            yield edit(path, True), f"field '{name}' is True of type bool"
+
+
+@pytest.mark.slow  # about 100 refusals over both packings and two process layouts; the fast sibling is above
+@pytest.mark.parametrize("packing", ["first_fit", "concat_then_split"])
+def test_every_kind_of_bad_shard_state_is_refused_whole(monkeypatch, packing):
+    """Each shard (of this process, or one another process builds) broken in every way: refused, naming the shard
+    and the field, before anything is applied; after all the refusals the batches are an untouched twin's, and
+    the state taken before them still resumes exactly."""
+    docs = grain.MapDataset.source(random_docs(40, 3 * L if packing == "concat_then_split" else L + 1, seed=None))
+    make = lambda: jp.data.grain_batches(docs, global_batch=4, mesh=one_device_mesh(), seed=2, seq_len=L,
+                                         num_shards=4, packing=packing)
+    whole = make()
+    for _ in range(3):
+        whole.local_batch()
+    saved = json.loads(json.dumps(whole.get_state()))
+    for rows in (None, slice(2, 4)):                     # every shard here, or shards 2 and 3 of 4 (process 1 of 2)
+        if rows is not None:
+            monkeypatch.setattr(jp.sharding, "process_batch_rows", lambda n, mesh, rules: rows)
+        b, twin, resumed = make(), make(), make()
+        for _ in range(3):
+            b.local_batch(), twin.local_batch()
+        refused = 0
+        for j in range(4):
+            for shard, field in mutations(saved["shards"][j]):
+                with pytest.raises(ValueError, match=f"state's shard {j} is not a shard state of this pipeline: "
+                                                     + re.escape(field)):
+                    b.set_state({**saved, "step": 7, "shards": [*saved["shards"][:j], shard,
+                                                                *saved["shards"][j + 1:]]})
+                refused += 1
+        assert refused >= 4 * 10 and b.step == 3
+        resumed.set_state(saved)
+        for _ in range(3):
+            want = twin.local_batch()
+            for got in (b.local_batch(), resumed.local_batch()):
+                assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def held_out_documents(tmp_path) -> tuple[list[np.ndarray], int]:
+    """The validation documents of a token directory prepared here (CPython's documentation, byte-level BPE),
+    read back from val.bin with numpy and split after each end-of-document id; and the split's target-token
+    count (each document of n tokens gives n - 1 input/target pairs)."""
+    text = jp.data.default_text()
+    (tmp_path / "pydoc.txt").write_text(text[:text.index("\n\n", 40_000)])
+    meta = tokens.prepare([tmp_path / "pydoc.txt"], tmp_path / "tok", train_bpe_vocab=400, val_fraction=0.2,
+                          workers=1, progress=False)
+    ids = np.fromfile(tmp_path / "tok" / "val.bin", "<u2").astype(np.int32)
+    docs = np.split(ids, np.flatnonzero(ids == meta["eod_id"])[:-1] + 1)
+    assert len(docs) == meta["splits"]["val"]["documents"] and all(d[-1] == meta["eod_id"] for d in docs)
+    return docs, len(ids) - len(docs)
+
+
+def pair_counts(batches: list[dict]) -> collections.Counter:
+    return collections.Counter((int(i), int(t)) for b in batches
+                               for i, t in zip(b["inputs"][b["loss_mask"] > 0], b["targets"][b["loss_mask"] > 0]))
+
+
+@pytest.mark.slow  # 14 finite passes over a prepared split and their resumes; the fast sibling is above
+def test_finite_passes_over_a_held_out_split_serve_every_target_token_once(tmp_path):
+    """A held-out split (val.bin of a prepared directory, read back independently): every finite pass (both
+    packings, shuffled or not, 1, 2 or 4 shards, num_epochs 1 or 2) serves exactly the split's target tokens
+    num_epochs times (each input/target pair as often as the documents hold it; first-fit rows hold whole
+    documents) and then ends; a pass resumed from its state after any batch (through JSON) gives the same
+    remaining batches and ends at the same batch."""
+    docs, targets = held_out_documents(tmp_path)
+    want_pairs = collections.Counter((int(i), int(t)) for d in docs for i, t in zip(d[:-1], d[1:]))
+    assert sum(want_pairs.values()) == targets > 1000
+    longest = max(len(d) for d in docs) - 1
+    cases = [(packing, shuffle, shards, 1) for packing in ("first_fit", "concat_then_split")
+             for shuffle in (False, True) for shards in (1, 2, 4)]
+    cases += [("first_fit", True, 2, 2), ("concat_then_split", False, 4, 2)]
+    for packing, shuffle, shards, epochs in cases:
+        seq_len = longest if packing == "first_fit" else 32
+        make = lambda: jp.data.grain_batches(grain.MapDataset.source(docs), global_batch=4, mesh=one_device_mesh(),
+                                             seed=3, seq_len=seq_len, packing=packing, num_shards=shards,
+                                             shuffle=shuffle, num_epochs=epochs)
+        got = [jax.device_get(b) for b in make()]
+        case = (packing, shuffle, shards, epochs)
+        assert sum(int(g["loss_mask"].sum()) for g in got) == epochs * targets, case
+        assert pair_counts(got) == collections.Counter({k: epochs * v for k, v in want_pairs.items()}), case
+        if packing == "first_fit":
+            assert sorted(segments(got)) == sorted((tuple(d[:-1]), tuple(d[1:])) for d in docs for _ in range(epochs))
+        if shards == 4 and epochs == 1:
+            for k in range(len(got)):
+                first = make()
+                for _ in range(k):
+                    first.local_batch()
+                resumed = make()
+                resumed.set_state(json.loads(json.dumps(first.get_state())))
+                rest = [jax.device_get(b) for b in resumed]
+                assert len(rest) == len(got) - k, (case, k)
+                assert all(np.array_equal(r[key], g[key]) for r, g in zip(rest, got[k:]) for key in g), (case, k)
+    print(f"\n[grain finite pass] {targets} held-out target tokens of {len(docs)} documents, each served once "
+          f"per epoch in {len(cases)} passes")
+
+
+@pytest.mark.slow  # two processes through the launcher; the fast sibling is above
+def test_two_processes_end_a_finite_pass_at_the_same_batch(tmp_path):
+    """2 processes x 4 devices, a finite pass whose process-0 shards run out batches before process 1's: both
+    take every batch up to the same last one (process 0's rows padded), and together their rows hold every
+    document once."""
+    job = launch(["-n", "2", "tests/grain_worker.py", "--out", str(tmp_path), "--steps", "0", "--finite-pass"])
+    assert job.returncode == 0, job.stdout[-4000:]
+    procs = [worker.read_jsonl(tmp_path / f"rows_{p}.jsonl") for p in (0, 1)]
+    assert [r["step"] for r in procs[0]] == [r["step"] for r in procs[1]] == list(range(len(procs[0])))
+    keys = sorted(KEYS)
+    batches = [{k: np.array([rows[r][keys.index(k)] for r in sorted(rows, key=int)]) for k in keys}
+               for rows in ({**a["rows"], **b["rows"]} for a, b in zip(*procs))]
+    assert all(len(b["inputs"]) == worker.GLOBAL_BATCH for b in batches)
+    docs = worker.finite_pass_documents()
+    assert sorted(segments(batches)) == sorted((tuple(d[:-1]), tuple(d[1:])) for d in docs)
+    early = [t for t, b in enumerate(batches) if not b["loss_mask"][:worker.GLOBAL_BATCH // 2].any()]
+    assert early and early[-1] == len(batches) - 1      # process 0's rows were all padding before the end
+    print(f"\n[grain finite pass, 2 processes] {len(batches)} batches, process 0 padded from batch {early[0]}")

@@ -6,11 +6,14 @@ the module documents), on fresh random ids; batches are compared with numpy refe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import signal
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -205,6 +208,121 @@ def test_bad_files_are_clear_errors_on_open(tmp_path, case):
     path, split, pattern = bad(tmp_path, case)
     with pytest.raises(ValueError, match=pattern):
         jp.data.TokenFile(path, split)
+
+
+def test_a_file_leading_out_of_the_directory_is_refused(tmp_path):
+    """A token directory is one artefact: a split file listed as ``../elsewhere/train.bin`` or as an absolute path,
+    a ``train.bin`` or ``meta.json`` that is a link out, are refused (each would open a valid file elsewhere); a
+    link inside the directory and the directory reached through a link open."""
+    rng = np.random.default_rng()
+    ids, other = rng.integers(0, 50, 300), rng.integers(0, 50, 300)
+    d = write_tokens(tmp_path / "t", {"train": ids, "val": ids[:40]}, vocab=50)
+    elsewhere = write_tokens(tmp_path / "elsewhere", {"train": other, "val": other[:40]}, vocab=50)
+    meta = json.loads((d / "meta.json").read_text())
+    out = r"leads to '.*elsewhere/{}', outside the token directory '.*t'"
+    for name in ("../elsewhere/train.bin", str(elsewhere / "train.bin")):
+        listed = {**meta, "splits": {**meta["splits"], "train": {**meta["splits"]["train"], "file": name}}}
+        (d / "meta.json").write_text(json.dumps(listed))
+        with pytest.raises(ValueError, match=r"meta.json's file of split 'train' \('" + re.escape(name) + r"'\) "
+                           + out.format("train.bin")):
+            jp.data.TokenFile(d, "train")
+    (d / "meta.json").write_text(json.dumps(meta))
+    (d / "train.bin").unlink()
+    (d / "train.bin").symlink_to(elsewhere / "train.bin")
+    for path in (d, d / "train.bin"):
+        with pytest.raises(ValueError, match=r"file of split 'train' \('train.bin'\) " + out.format("train.bin")):
+            jp.data.TokenFile(path, "train")
+    (d / "train.bin").unlink()
+    (d / "data").mkdir()
+    ids.astype("<u2").tofile(d / "data" / "train.bin")
+    (d / "train.bin").symlink_to(Path("data") / "train.bin")          # a link that stays inside opens
+    (tmp_path / "link").symlink_to(d)                                   # and so does the directory through a link
+    np.testing.assert_array_equal(np.asarray(jp.data.TokenFile(tmp_path / "link", "train").tokens), ids)
+    (d / "meta.json").unlink()
+    (d / "meta.json").symlink_to(elsewhere / "meta.json")
+    with pytest.raises(ValueError, match=r"meta.json \('meta.json'\) " + out.format("meta.json")):
+        jp.data.TokenFile(d, "val")
+
+
+def word_level_tokenizer(words: list[str], eod: str):
+    """A tokenizers WordLevel tokenizer of ``[UNK]`` + ``words`` with ``eod`` added as a special token."""
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.add_special_tokens([eod])
+    return tok
+
+
+def test_meta_fields_are_checked_against_the_tokenizer(tmp_path):
+    """meta.json's vocab_size and eod_id must be the tokenizer's (tokenizers' own vocabulary size and id): a
+    vocab_size raised from the tokenizer's to 50000, with or without the tokenizer hash, or another eod_id is
+    refused on open, naming the field and both values."""
+    rng = np.random.default_rng()
+    eod = "<|endoftext|>"
+    tok = word_level_tokenizer([f"w{i}" for i in range(int(rng.integers(20, 300)))], eod)
+    vocab, eod_id = tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(eod)
+    d = tmp_path / "t"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    fields = {"eod_token": eod, "eod_id": eod_id,
+              "tokenizer_sha256": hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()}
+    ids = rng.integers(0, vocab, 500)
+    write_tokens(d, {"train": ids}, vocab=vocab, meta=fields)
+    assert jp.data.TokenFile(d).vocab_size == vocab
+    meta = json.loads((d / "meta.json").read_text())
+    for change, pattern in (
+            ({"vocab_size": 50_000}, f"vocab_size 50000 is not the vocabulary size {vocab} of the tokenizer"),
+            ({"vocab_size": 50_000, "tokenizer_sha256": None}, f"vocab_size 50000 is not the vocabulary size {vocab}"),
+            ({"eod_id": 1}, f"eod_id 1 is not the id \\({eod_id}\\) of its eod_token '<\\|endoftext\\|>'")):
+        edited = {k: v for k, v in {**meta, **change}.items() if v is not None}
+        (d / "meta.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=r"meta.json': " + pattern):
+            jp.data.TokenFile(d)
+
+
+def user_tokenizers(docs: list[str]):
+    """A tokenizer of each tokenizers model kind trained on ``docs``, with special tokens added after training."""
+    tk = pytest.importorskip("tokenizers")
+    made = {}
+    for kind, model, trainer in (
+            ("BPE", tk.models.BPE(unk_token="[UNK]"), tk.trainers.BpeTrainer(vocab_size=80, special_tokens=["[UNK]"],
+                                                                            show_progress=False)),
+            ("WordPiece", tk.models.WordPiece(unk_token="[UNK]"),
+             tk.trainers.WordPieceTrainer(vocab_size=80, special_tokens=["[UNK]"], show_progress=False)),
+            ("WordLevel", tk.models.WordLevel(unk_token="[UNK]"),
+             tk.trainers.WordLevelTrainer(special_tokens=["[UNK]"])),
+            ("Unigram", tk.models.Unigram(), tk.trainers.UnigramTrainer(vocab_size=60, special_tokens=["<unk>"],
+                                                                         unk_token="<unk>", show_progress=False))):
+        tok = tk.Tokenizer(model)
+        tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+        tok.train_from_iterator(docs, trainer)
+        tok.add_special_tokens(["<|pad|>", "[UNK]"])     # one new, one that may already be in the vocabulary
+        made[kind] = tok
+    return made
+
+
+@pytest.mark.slow  # four tokenizer kinds trained and prepared; the fast sibling is above
+def test_directories_of_every_tokenizer_kind_open_and_a_changed_vocab_size_is_refused(tmp_path):
+    """A directory prepared with a user's tokenizer of each tokenizers model kind (BPE, WordPiece, WordLevel,
+    Unigram; special tokens added after training) opens, its vocab_size tokenizers' own; the same meta.json with
+    vocab_size one more, or 50000, is refused."""
+    rng = np.random.default_rng()
+    words = ["the", "cat", "sat", "on", "mat", "Zürich", "x+1", "naïve", "def", "return"]
+    docs = [" ".join(rng.choice(words, int(rng.integers(1, 12)))) for _ in range(60)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    for kind, tok in user_tokenizers(docs).items():
+        tok.save(str(tmp_path / f"{kind}.json"))
+        out = tmp_path / kind
+        tokens.prepare([tmp_path / "d.jsonl"], out, tokenizer=tmp_path / f"{kind}.json", val_fraction=0.0, workers=1,
+                       progress=False)
+        vocab = pytest.importorskip("tokenizers").Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(
+            with_added_tokens=True)
+        assert jp.data.TokenFile(out).vocab_size == vocab, kind
+        meta = json.loads((out / "meta.json").read_text())
+        for wrong in (vocab + 1, 50_000):
+            (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": wrong}))
+            with pytest.raises(ValueError, match=f"vocab_size {wrong} is not the vocabulary size {vocab} of the "
+                                                 "tokenizer"):
+                jp.data.TokenFile(out, check_ids=False)
 
 
 def test_bad_arguments(stream, tmp_path):

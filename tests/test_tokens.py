@@ -205,6 +205,31 @@ def test_bad_input_names_the_file(tmp_path, name, content, kwargs, pattern):
         tokens.prepare([path], tmp_path / "out", workers=1, progress=False, **kwargs)
 
 
+def test_empty_splits_are_refused_when_written_and_val_fraction_0_opens_for_train(tmp_path):
+    """Blank input with val_fraction 0 is refused by prepare (no train.bin, no meta.json written), and so is a
+    training split that gets no document; val_fraction 0 on text gives a directory whose train split opens with
+    every document (tokenizers' count) and whose val split is refused naming val_fraction 0."""
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    with pytest.raises(ValueError, match=r"the inputs hold no documents"):
+        tokens.prepare([tmp_path / "blank.txt"], tmp_path / "empty", train_bpe_vocab=300, val_fraction=0.0, workers=1,
+                       progress=False)
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []
+    (tmp_path / "two.txt").write_text("one\n\ntwo\n")
+    in_val = next(f for f in (0.5, 0.9, 0.99) if tokens.validation_documents(np.arange(2), f).all())
+    with pytest.raises(ValueError, match=rf"all 2 documents fell in the validation split \(val_fraction {in_val}\)"):
+        tokens.prepare([tmp_path / "two.txt"], tmp_path / "all_val", train_bpe_vocab=300, val_fraction=in_val,
+                       workers=1, progress=False)
+    docs = random_docs(np.random.default_rng(), 30)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokens.prepare([tmp_path / "d.jsonl"], tmp_path / "out", train_bpe_vocab=300, val_fraction=0.0, workers=1,
+                   progress=False)
+    train = jp.data.TokenFile(tmp_path / "out", "train")
+    assert len(train) == len(reference_stream(tmp_path / "out", docs)[0])
+    with pytest.raises(ValueError, match=r"'val' split is empty; the directory was prepared with val_fraction 0, so "
+                                         r"every document is in 'train': open split='train'"):
+        jp.data.TokenFile(tmp_path / "out", "val")
+
+
 def test_missing_files_and_bad_parquet_column(tmp_path):
     with pytest.raises(ValueError, match=r"input file .*nope.txt' does not exist"):
         tokens.prepare([tmp_path / "nope.txt"], tmp_path / "out", train_bpe_vocab=300, progress=False)
