@@ -84,8 +84,9 @@ class Reader:
             try:
                 with open(index) as f:
                     files = json.load(f)["weight_map"]
-                assert isinstance(files, dict)
-            except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+                if not isinstance(files, dict):
+                    raise TypeError(f"'weight_map' is a {type(files).__name__}")
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index!r} is not a safetensors index with a 'weight_map' object ({e!r}); "
                                  "restore it, or remove it next to a single model.safetensors") from None
             checked = set()
