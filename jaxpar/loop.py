@@ -226,25 +226,61 @@ def restore_data(manager: CheckpointManager, data: Any, step: int | None = None)
 def mean_metrics(eval_step: Callable[[Any, Any], dict], state: Any, batches: Iterable[Any]) -> dict[str, float]:
     """The mean over ``batches`` of each metric ``eval_step(state, batch)`` returns, as Python floats.
 
-    Every batch counts equally (``eval_step`` returns each batch's mean). Raises ValueError when
-    ``batches`` is empty.
+    When the metrics hold a ``weight`` (the number of targets a batch's means are over, e.g. its token count
+    or the sum of its loss mask: the built-in models' losses return it and ``jp.train.make_eval_step`` passes
+    it on), each metric is weighted by it, ``sum_b weight_b * metric_b / sum_b weight_b``: the mean over every
+    target of the batches, as one batch holding them all would give, not the mean of per-batch means; the
+    ``weight`` reported is the sum. A batch of weight 0 (every target masked) counts for nothing, even where
+    its metrics are NaN. Without a ``weight`` every batch counts equally. The sums are float64 on the host.
+
+    Raises:
+      ValueError: ``batches`` is empty; batches whose metrics differ in their keys; a ``weight`` that is
+        negative or not finite; weights that sum to 0 (no target to average over).
     """
-    rows = [jax.device_get(eval_step(state, b)) for b in batches]
+    rows = [_host(eval_step(state, b)) for b in batches]
     if not rows:
         raise ValueError("no evaluation batches: pass at least one batch")
-    return {k: float(np.mean([float(r[k]) for r in rows])) for k in rows[0]}
+    return _weighted_means(rows)
+
+
+def _weighted_means(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """:func:`mean_metrics` of per-batch metrics already on the host (a list of dicts of floats)."""
+    keys = set(rows[0])
+    for i, r in enumerate(rows):
+        if set(r) != keys:
+            raise ValueError(f"evaluation batch {i} returned metrics {sorted(r)}, batch 0 returned {sorted(keys)}; "
+                             "every batch must return the same metrics")
+    if "weight" not in keys:
+        return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    w = np.asarray([r["weight"] for r in rows], np.float64)
+    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+    if bad.size:
+        raise ValueError(f"evaluation batch {bad[0]} has weight {w[bad[0]]}; a weight counts targets (e.g. "
+                         "tokens), finite and >= 0")
+    if w.sum() == 0:
+        raise ValueError(f"the {len(rows)} evaluation batches have weight 0 in all (every target masked): there "
+                         "is nothing to average; pass batches with at least one target")
+    out = {}
+    for k in rows[0]:
+        v = np.asarray([r[k] for r in rows], np.float64)
+        out[k] = float(w.sum()) if k == "weight" else float(np.where(w > 0, v, 0.0) @ w / w.sum())
+    return out
 
 
 def evaluate(eval_step: Callable[[Any, Any], dict], batches: Callable[[int], Iterable[Any]],
              report: HookFn, *, every: int, at_end: bool = True) -> Hook:
     """A state hook evaluating the state of step ``s``: ``report(s, state, mean_metrics(eval_step, state,
-    batches(s)))`` every ``every`` steps and at ``stop`` (``at_end``); not at a preemption's step.
+    batches(s)))`` every ``every`` steps and at ``stop`` (``at_end``); not at a preemption's step. The metrics
+    are weighted by the batches' ``weight`` when the eval step returns one (:func:`mean_metrics`).
 
     Args:
       eval_step: ``eval_step(state, batch) -> metrics`` (e.g. ``jp.train.make_eval_step(...)``).
       batches: ``batches(step)`` -> the evaluation batches at that step (e.g. more at the end).
       report: receives the step, the state and the mean metrics (write them, print them, keep them).
       every, at_end: as for :class:`Hook`.
+
+    Raises:
+      TypeError: ``batches`` or ``report`` not callable. (At a call) ValueError: as :func:`mean_metrics`.
     """
     if not callable(batches) or not callable(report):
         raise TypeError("evaluate needs batches(step) -> iterable of batches and report(step, state, metrics), "

@@ -1,11 +1,13 @@
 """A user's own loop never queues more than two steps on a multi-device CPU mesh (no rendezvous abort).
 
-The steps below hold a host callback that blocks until a gate opens (or 1 s passes), so a step cannot finish
-early however fast or slow the machine is: the check is on what must have finished when ``step`` returns,
-not on timing. Unbounded asynchronous dispatch returns from every call at once with nothing finished.
+The bound is checked on outputs whose completion the test controls, so the check does not depend on how fast
+the machine runs a step: a :class:`HeldOutput` is unfinished until something waits for it
+(``block_until_ready``), as a step that takes forever would be. Real steps cannot be held that way: a step
+held by a host callback occupies one of XLA:CPU's executor threads (as many as the machine has cores), which
+stalls every other computation, and jaxlib 0.10 makes the next dispatch wait for a computation with a host
+callback, which bounds the steps whether jaxpar does or not. A second test checks that the train and eval
+steps reach the bound with their metrics as the outputs it waits for.
 """
-
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,55 +16,77 @@ import optax
 
 import jaxpar as jp
 
-
-def _gated_loss(gate: threading.Event):
-    def wait(x):
-        gate.wait(1.0)
-        return x
-
-    def loss_fn(params, batch, rng):
-        x = jax.pure_callback(wait, jax.ShapeDtypeStruct(batch["x"].shape, batch["x"].dtype), batch["x"])
-        return jnp.mean((x @ params["w"]) ** 2), {}
-    return loss_fn
+POLLS = 1000  # an output asked this often without being waited for finishes, so a polling bound fails, not hangs
 
 
-def _setup(mesh_factory, np_rng):
+class HeldOutput(jax.Array):
+    """An output that finishes only when waited for; it records the wait."""
+
+    def __init__(self, waits: list, index: int):
+        self.waits, self.index, self.finished, self.polls = waits, index, False, 0
+
+    def is_ready(self) -> bool:
+        self.polls += 1
+        if self.polls > POLLS:
+            self.finished = True
+        return self.finished
+
+    def is_deleted(self) -> bool:
+        return False
+
+    def block_until_ready(self) -> "HeldOutput":
+        self.waits.append(self.index)
+        self.finished = True
+        return self
+
+
+def test_bounded_waits_before_each_dispatch_for_the_call_two_back(mesh_factory):
+    """Dispatch ``t`` happens after call ``t - 2`` has finished and while call ``t - 1`` still runs; only the
+    tracked outputs (not e.g. the state the next call donates) are waited for."""
+    mesh = mesh_factory(data=2)
+    jp.dispatch.wait_all()   # nothing of earlier tests in flight
+    waits, metrics, states, finished_at_dispatch = [], [], [], []
+
+    def call(t):
+        finished_at_dispatch.append([m.finished for m in metrics])
+        return HeldOutput(waits, -1), HeldOutput(waits, t)   # (state, metrics)
+
+    for t in range(6):
+        state, m = jp.dispatch.bounded(mesh, lambda: call(t), lambda out: out[1])
+        states.append(state)
+        metrics.append(m)
+        assert finished_at_dispatch[t] == [k < t - 1 for k in range(t)], (
+            f"when call {t} was dispatched, calls finished: {finished_at_dispatch[t]}; want calls 0..{t - 2} "
+            f"finished (at most {jp.dispatch.MAX_IN_FLIGHT} in flight) and call {t - 1} running")
+    assert waits == [0, 1, 2, 3] and max(m.polls for m in metrics) < POLLS, (waits, [m.polls for m in metrics])
+    jp.dispatch.wait_all()
+    assert waits == [0, 1, 2, 3, 4, 5] and not any(s.finished for s in states)
+
+
+def test_train_and_eval_steps_dispatch_through_the_bound(mesh_factory, np_rng, monkeypatch):
+    """Every call of a train or eval step on a multi-device CPU mesh goes through ``jp.dispatch.bounded``, which
+    waits for the call's metrics (a train step's state is donated to the next call, so it is not waited for)."""
     mesh = mesh_factory(data=8)
     tx = optax.sgd(0.1)
     state = jp.train.init_state(lambda r: {"w": jax.random.normal(r, (4, 2))}, tx, 0, mesh=mesh)
+    loss = lambda params, batch, rng: (jnp.mean((batch["x"] @ params["w"]) ** 2), {})
+    step, evaluate = jp.train.make_train_step(loss, tx, mesh=mesh), jp.train.make_eval_step(loss, mesh=mesh)
     batch = {"x": np_rng.normal(size=(8, 4)).astype(np.float32)}
-    return mesh, tx, state, batch
+    seen, bounded = [], jp.dispatch.bounded
 
-
-def test_train_step_user_loop_keeps_at_most_two_in_flight(mesh_factory, np_rng):
-    mesh, tx, state, batch = _setup(mesh_factory, np_rng)
-    gate = threading.Event()
-    step = jp.train.make_train_step(_gated_loss(gate), tx, mesh=mesh)
-    gate.set()
-    state, _ = step(state, batch)   # compile with the gate open
-    jp.dispatch.wait_all()
-    gate.clear()
-    history = []
-    for _ in range(5):
+    def recording(on_mesh, call, track=lambda out: out):
+        out = bounded(on_mesh, call, track)
+        seen.append((on_mesh, out, track(out)))
+        return out
+    monkeypatch.setattr(jp.dispatch, "bounded", recording)
+    for _ in range(2):
         state, metrics = step(state, batch)
-        history.append(metrics["loss"])
-        # Step t+1 may run while the caller works; step t-1 must be finished before step t+1 is dispatched.
-        assert all(m.is_ready() for m in history[:-2]), [m.is_ready() for m in history]
-    gate.set()
-    assert np.isfinite(float(history[-1]))
-
-
-def test_eval_step_user_loop_keeps_at_most_two_in_flight(mesh_factory, np_rng):
-    mesh, _, state, batch = _setup(mesh_factory, np_rng)
-    gate = threading.Event()
-    evaluate = jp.train.make_eval_step(_gated_loss(gate), mesh=mesh)
-    gate.set()
-    evaluate(state, batch)
+        assert seen[-1][0] is mesh and seen[-1][1][0] is state
+        assert {id(x) for x in jax.tree.leaves(seen[-1][2])} == {id(x) for x in jax.tree.leaves(metrics)}
+    out = evaluate(state, batch)
+    assert len(seen) == 3 and seen[-1][0] is mesh and seen[-1][2] is out
     jp.dispatch.wait_all()
-    gate.clear()
-    history = [evaluate(state, batch)["loss"] for _ in range(4)]
-    assert all(m.is_ready() for m in history[:-2]), [m.is_ready() for m in history]
-    gate.set()
+    assert np.isfinite(float(out["loss"]))
 
 
 def test_only_multi_device_cpu_meshes_are_bounded(mesh_factory):

@@ -10,6 +10,7 @@ import os
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -170,6 +171,50 @@ def test_evaluate_and_checkpoint_hooks(job, tmp_path):
         state = ckpt.restore(step, target=job["abstract"]())
         assert int(state.step) == step and ckpt.restore_extras(step) == {"data_step": step}
         assert_params_equal(state.params, ref[step - 1][0], f"checkpoint {step}")
+
+
+def _masked_token_loss(params, batch, rng):
+    """Per-token softmax cross-entropy of ``x @ w`` over the ``mask``ed targets: (masked mean, {accuracy, weight})."""
+    logits = batch["x"] @ params["w"]
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][..., None], -1)[..., 0]
+    mask = batch["mask"].astype(jnp.float32)
+    weight = mask.sum()
+    mean = lambda v: jnp.where(weight > 0, (v * mask).sum() / jnp.maximum(weight, 1.0), 0.0)
+    return mean(ce), {"accuracy": mean((logits.argmax(-1) == batch["y"]).astype(jnp.float32)), "weight": weight}
+
+
+def test_mean_metrics_weights_batches_by_their_token_count(mesh_factory):
+    """With ``weight`` (a token count) from the eval step, the reported loss and accuracy are those of every
+    unmasked token of the batches (numpy on all of them at once), not the mean of per-batch means; a batch with
+    no token counts for nothing; metrics that cannot be averaged are refused."""
+    rng = np.random.default_rng()
+    w = rng.normal(size=(6, 5)).astype(np.float32)
+    state = jp.train.init_state(lambda r: {"w": jnp.asarray(w)}, optax.sgd(0.1), 0, mesh=mesh_factory())
+    batches = []
+    for kept in (0.05, 0.5, 1.0, 0.0, 0.3):   # fractions of targets kept: unequal token counts, one empty batch
+        x = rng.normal(size=(4, 16, 6)).astype(np.float32)
+        batches.append({"x": x, "y": rng.integers(0, 5, (4, 16), dtype=np.int32),
+                        "mask": (rng.random((4, 16)) < kept).astype(np.int32)})
+    batches[0]["mask"][0, 0] = 1   # at least one token
+    got = jp.loop.mean_metrics(jp.train.make_eval_step(_masked_token_loss, mesh=mesh_factory()), state, batches)
+
+    x, y, m = (np.concatenate([b[k].reshape(-1, *b[k].shape[2:]) for b in batches]) for k in ("x", "y", "mask"))
+    logits = x.astype(np.float64) @ w.astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ce, keep = -np.take_along_axis(logp, y[:, None], -1)[:, 0], m > 0
+    want = {"loss": ce[keep].mean(), "accuracy": (logits.argmax(-1) == y)[keep].mean(), "weight": keep.sum()}
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    per_batch = [c[k].mean() if k.any() else 0.0 for c, k in zip(ce.reshape(5, -1), keep.reshape(5, -1))]
+    assert abs(np.mean(per_batch) - want["loss"]) > 1e-3, per_batch   # the inputs tell the two apart
+
+    fixed = lambda rows: (lambda state, b: rows[b])
+    with pytest.raises(ValueError, match="weight 0 in all"):
+        jp.loop.mean_metrics(fixed([{"loss": 1.0, "weight": 0.0}] * 2), None, [0, 1])
+    with pytest.raises(ValueError, match="batch 1 has weight -2"):
+        jp.loop.mean_metrics(fixed([{"loss": 1.0, "weight": 3.0}, {"loss": 1.0, "weight": -2.0}]), None, [0, 1])
+    with pytest.raises(ValueError, match="batch 1 returned metrics"):
+        jp.loop.mean_metrics(fixed([{"loss": 1.0, "weight": 3.0}, {"loss": 1.0}]), None, [0, 1])
 
 
 def test_preemption_stops_at_the_next_step_with_a_forced_save(job, tmp_path):

@@ -27,7 +27,7 @@ from jaxpar.checks import positive_int
 from jaxpar.models import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
 from jaxpar.pruning.structure import key_name, path_str
-from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, group_masks
+from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, carried_minimum, group_masks
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -113,12 +113,13 @@ def _unboxed(params: Any) -> Any:
     return nn.meta.unbox(params)
 
 
-def _indices(mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+def _indices(mask: np.ndarray, multiple: int, minimum: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Per stacked slice, the sorted indices kept (the kept groups, then the lowest pruned ones as padding up to
-    one count for every slice: the largest kept, rounded up to ``multiple``), and their masks."""
+    one count for every slice: the largest kept, at least ``minimum``, rounded up to ``multiple``), and their
+    masks."""
     size = mask.shape[-1]
     flat = mask.reshape(-1, size)
-    count = min(size, -(-max(int(flat.sum(-1).max()), 1) // multiple) * multiple)
+    count = min(size, -(-max(int(flat.sum(-1).max()), minimum) // multiple) * multiple)
     rows = []
     for row in flat:
         kept, pruned = np.flatnonzero(row), np.flatnonzero(~row)
@@ -127,15 +128,16 @@ def _indices(mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
     return index, np.take_along_axis(mask, index, axis=-1)
 
 
-def _plan_indices(mask: np.ndarray, plan: GroupPlan, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+def _plan_indices(mask: np.ndarray, plan: GroupPlan, multiple: int,
+                  minimum: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_indices` of a plan; grouped-query heads (``plan.segments`` key/value groups of ``H // G`` query heads)
-    keep one count per group, the largest any group keeps, rounded up so that ``G * count`` is a multiple of
-    ``multiple``; the indices stay ascending, so the kept query heads of group ``g`` are again the ``g``-th run of
-    ``count`` heads (query head ``h`` reads key/value head ``h // count`` in the compacted model)."""
+    keep one count per group, the largest any group keeps (at least ``minimum``), rounded up so that ``G * count``
+    is a multiple of ``multiple``; the indices stay ascending, so the kept query heads of group ``g`` are again the
+    ``g``-th run of ``count`` heads (query head ``h`` reads key/value head ``h // count`` in the compacted model)."""
     if plan.segments == 1:
-        return _indices(mask, multiple)
+        return _indices(mask, multiple, minimum)
     g, per = plan.segments, plan.size // plan.segments
-    index, kept = _indices(mask.reshape(plan.segment_shape), multiple // math.gcd(multiple, g))
+    index, kept = _indices(mask.reshape(plan.segment_shape), multiple // math.gcd(multiple, g), minimum)
     index = index + (np.arange(g, dtype=np.int32) * per)[:, None]
     return index.reshape(*plan.batch_shape, -1), kept.reshape(*plan.batch_shape, -1)
 
@@ -168,7 +170,10 @@ class Compaction:
     param_shapes: tuple
 
     @classmethod
-    def build(cls, params: Any, masks_or_state: Any, config: Any, multiple_of: Any = 1) -> "Compaction":
+    def build(cls, params: Any, masks_or_state: Any, config: Any, multiple_of: Any = 1,
+              carry: bool = False) -> "Compaction":
+        """``carry``: the structured pruning transform goes on with the compacted model (:func:`compact_state`), so
+        every plan keeps at least :func:`jaxpar.pruning.structured.carried_minimum` groups per segment."""
         _check_multiple_of(multiple_of)
         params = _unboxed(params)
         masks = _as_masks(masks_or_state)
@@ -187,7 +192,8 @@ class Compaction:
             if mask.shape != plans[key].mask_shape:
                 raise ValueError(f"mask {path_str(key)} has shape {mask.shape}; this model's groups have "
                                  f"{plans[key].mask_shape}: pass the masks of these params")
-            index[key], kept[key] = _plan_indices(mask, plans[key], _multiple(multiple_of, key[-1]))
+            index[key], kept[key] = _plan_indices(mask, plans[key], _multiple(multiple_of, key[-1]),
+                                                  carried_minimum(plans[key]) if carry else 1)
         new_config = _replaced(model, {k: v.shape[-1] for k, v in index.items()})
         shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(params))
         c = cls(tuple(plans[k] for k in keys), index, kept, new_config, shapes)
@@ -337,7 +343,9 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
     equal ``model.apply(params * mask)``'s to float32 rounding. Pruned heads are removed whole: ``head_dim``
     is kept (``GPTConfig.head_dim``), so ``num_heads * head_dim`` may differ from ``d_model``. Grouped-query
     heads (the Llama) keep one count per key/value group (the largest any group keeps), so the compacted Llama
-    has ``num_kv_heads`` key/value heads and ``num_kv_heads * count`` query heads.
+    has ``num_kv_heads`` key/value heads and ``num_kv_heads * count`` query heads; where that count is 1,
+    :func:`structured_pruning` refuses the compacted model (nothing is left to prune within a group):
+    :func:`compact_state` keeps at least 2, and ``multiple_of={'heads': 2 * num_kv_heads}`` keeps an even count here.
 
     Args:
       params: the model's params (numpy or jax arrays, sharded or not); Flax-boxed params (``model.init``'s
@@ -419,6 +427,12 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
     ``one_shot`` after ``end_step``) its masks stay fixed, so padding groups stay zero; a schedule that still
     refreshes would prune the compacted model again at its target.
 
+    Grouped-query heads keep at least two query heads per key/value group where the model had two or more: ``tx``
+    goes on pruning query heads within their group, and refuses a model whose every query head has its own
+    key/value head. So where the masks keep one query head per group (e.g. 4 query heads, 2 key/value heads and
+    a heads sparsity of 0.5) the compacted model keeps two, one of them zero padding: its attention is no smaller,
+    its MLP is; :func:`compact` alone goes down to one.
+
     Args:
       state: the ``TrainState``.
       config: the model or its config, as for :func:`compact`.
@@ -436,7 +450,7 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
         differ from ``tx.init`` of the compacted model (the leaf path is named).
     """
     multiple_of = _mesh_multiples(mesh, rules) if multiple_of is None else multiple_of
-    c = Compaction.build(state.params, state.opt_state, config, multiple_of)
+    c = Compaction.build(state.params, state.opt_state, config, multiple_of, carry=True)
     params, opt_state = c.params(state.params), c.opt_state(state.opt_state, state.params)
     target = train.abstract_state(_model(c.config, state.params).init, tx, mesh=mesh, rules=rules,
                                   policy=state.policy)

@@ -59,7 +59,9 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
     * the leaves of one module (same parent path: the GPT's ``blocks``) holding the axis are coupled, when no
       other module holds that axis name;
     * heads next to ``kv_heads`` leaves (grouped-query attention) are pruned within their key/value group, every
-      group keeping the same number, so the compacted model has as many key/value heads as before;
+      group keeping the same number, so the compacted model has as many key/value heads as before
+      (:func:`jaxpar.pruning.compact_state` keeps at least two query heads per group, so this transform can go
+      on with the compacted model);
     * chains across modules are given by ``groups``: the digits MLP's hidden layer 0 is
       ``groups={"mlp": [("dense_0", "dense_1")]}`` (``dense_0``'s kernel columns and bias, ``dense_1``'s kernel
       rows). Once ``groups`` names an axis, modules outside its chains stay dense for that axis;
@@ -142,7 +144,10 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
             if p.segments == p.size > 1:
                 raise ValueError(f"{p.name}: each of its {p.size} query heads has its own key/value head (num_kv_heads "
                                  "== num_heads), and query heads are pruned only within their key/value group, so "
-                                 "none can be: prune axes=('mlp',), or give the model fewer key/value heads")
+                                 "none can be: prune axes=('mlp',), or give the model fewer key/value heads (a "
+                                 "model compacted from one with more query heads per group: compact it with "
+                                 "jp.pruning.compact_state, which keeps two per group, or pass multiple_of={'heads': "
+                                 "2 * num_kv_heads} to compact and compact_opt_state)")
         return plans
 
     def init_fn(params):
@@ -169,6 +174,14 @@ def structured_pruning(sparsity: float | SparsitySchedule | Mapping[str, float |
         return treedef.unflatten(out), StructuredPruningState(optax.safe_increment(state.count), new_masks)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def carried_minimum(plan: GroupPlan) -> int:
+    """The fewest groups per segment that a model compacted from ``plan`` must keep for
+    :func:`structured_pruning` to run on it: 2 query heads per key/value group where the plan has 2 or more (a
+    model whose every query head has its own key/value head cannot have a head pruned within its group, so the
+    transform refuses it), else 1."""
+    return 2 if plan.segments > 1 and plan.size // plan.segments >= 2 else 1
 
 
 def _check_state(state: Any, plans: list[GroupPlan]) -> dict:

@@ -134,6 +134,57 @@ def test_compacted_llama_trains_on_and_loads_in_transformers(tmp_path, mesh_fact
     assert max_rel_err(got, want) <= 1e-5
 
 
+# two query heads per key/value group: pruning one leaves a group of one, which compact_state must not give
+GQA_4_2 = LlamaConfig(vocab_size=61, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_mlp=64, max_seq_len=8)
+
+
+def gqa_4_2_tx(sparsity=0.5):
+    prune = jp.pruning.structured_pruning(jp.pruning.one_shot(sparsity, 0), "uniform", axis_names=llama_names(GQA_4_2))
+    return optax.chain(optax.adamw(3e-3, weight_decay=0.1), prune)
+
+
+def test_compact_state_keeps_two_query_heads_per_kv_group_for_the_transform_it_carries(mesh_factory):
+    """4 query heads on 2 key/value heads, heads sparsity 0.5: the masks keep one query head per group (a
+    different one per layer). compact_state keeps two per group (the pruned one as zero padding, still masked),
+    so the compacted Llama is again grouped-query attention that the carried transform accepts (compact_state
+    builds tx.init of it), where a group of one would be refused (compact alone goes down to one per group)."""
+    tx, mesh = gqa_4_2_tx(), mesh_factory()
+    params = random_params(llama_names(GQA_4_2), seed=27)
+    heads = np.array([[True, False, False, True], [False, True, True, False]])   # [layers, H]: one per group
+    mlp = np.random.default_rng().random((2, 64)) < 0.5
+    adam, prune = tx.init(params)
+    opt_state = (adam, prune._replace(masks={"blocks": {"heads": heads, "mlp": mlp}}))
+    state = jp.train.TrainState(jnp.zeros((), jnp.int32), params, opt_state, jax.random.key(0))
+    new, cfg = jp.pruning.compact_state(state, GQA_4_2, tx, mesh=mesh)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.d_mlp) == (4, 2, int(mlp.sum(-1).max()))
+    got = jax.device_get(jp.pruning.group_masks(new.opt_state))
+    assert np.array_equal(got["blocks"]["heads"], heads)   # the padding heads stay pruned
+    params = jax.device_get(new.params)
+    off = pruned_leaves(params, {"blocks": {"heads": heads}}, llama_names(cfg))
+    assert off and all(np.all(functools.reduce(lambda d, k: d[k], path, params)[o] == 0.0) for path, o in off.items())
+
+
+@pytest.mark.slow
+def test_gqa_with_two_query_heads_per_group_trains_compacts_and_trains_on(mesh_factory):
+    """The whole run on data=2 x tensor=2: one-shot uniform pruning of half the heads and neurons, two steps,
+    compact_state, and the compacted model's losses equal the masked model's for three more steps."""
+    mesh, tx = mesh_factory(data=2, tensor=2), gqa_4_2_tx()
+    state = jp.train.init_state(Llama(GQA_4_2).init, tx, jax.random.key(6), mesh=mesh)
+    step = jp.train.make_train_step(Llama(GQA_4_2).loss, tx, mesh=mesh, donate=False)
+    rng = np.random.default_rng()
+    batches = [gpt_batch(rng, 4, GQA_4_2) for _ in range(5)]
+    for t in range(2):
+        state, _ = step(state, batches[t])
+    assert jax.device_get(jp.pruning.group_masks(state.opt_state))["blocks"]["heads"].reshape(-1, 2).sum(-1).max() == 1
+    new, cfg = jp.pruning.compact_state(state, GQA_4_2, tx, mesh=mesh)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.d_mlp) == (4, 2, 32)
+    step2 = jp.train.make_train_step(Llama(cfg).loss, tx, mesh=mesh, donate=False)
+    for t in range(2, 5):
+        state, ref = step(state, batches[t])
+        new, got = step2(new, batches[t])
+        assert max_rel_err(got["loss"], ref["loss"]) <= 1e-5, t
+
+
 # -------------------------------------------------------------------- a GQA model written by the user
 
 
