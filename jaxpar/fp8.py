@@ -35,12 +35,25 @@ pipeline does the same (:func:`add` over its microbatches, a ``pmax`` over the m
 sums the gradients), so delayed scaling through ``jp.pipeline`` equals one device (single-chunk
 schedules; a state in a multi-chunk stage layout is refused).
 Over data/fsdp/tensor shards nothing is summed: under GSPMD ``jnp.max(|x|)`` of a sharded tensor is a global
-reduction (the partitioner inserts an all-reduce max), so every shard records the global amax and the
-replicated meta state needs no further reduction. Policy casts never touch leaves under :data:`OWG`.
+reduction (the partitioner inserts an all-reduce max, also inside the custom VJPs), so every shard records the
+global amax and the replicated meta state needs no further reduction. (A partitioned bf16 program may still
+compute a tensor one ulp away from one device's: XLA's excess precision, on by default, and sums split over
+``tensor``; fp8 rounding amplifies such ulps: ``benchmarks/fp8_parity.py``.) Policy casts never touch leaves
+under :data:`OWG`.
 
-A user's model opts in by calling :func:`matmul` / :func:`dot_general` with its meta, or (Linen) by using
-:class:`DotGeneral` as a dot-general (``nn.Dense(..., dot_general_cls=jp.fp8.DotGeneral)``); without an fp8
-policy in context both are the plain ``lax.dot_general``.
+A model opts in per matmul (without an fp8 policy in context each route is the plain ``lax.dot_general``):
+
+* Linen: ``nn.Dense(..., dot_general_cls=jp.fp8.DotGeneral)`` (:class:`DotGeneral`), both recipes;
+* NNX: ``nnx.Linear(..., dot_general=jp.fp8.NnxDotGeneral())``, one instance per layer
+  (:class:`NnxDotGeneral`: its meta state is an ``nnx.Param`` under :data:`OWG`, so ``init_state`` moves it to
+  ``TrainState.fp8`` as a Linen model's), both recipes; ``dot_general=jp.fp8.dot_general`` (the bare function,
+  which takes Flax's ``precision=``, ``preferred_element_type=``, ``out_sharding=``) serves ``dot=fp8_current``
+  only: delayed scaling needs variables to keep its state in, and it raises a ValueError saying so;
+* any function: :func:`matmul` / :func:`dot_general` with its meta (:func:`declare` in a Linen ``setup``).
+
+A policy asking for fp8 on a model that did not opt in is refused when the train step is first called or
+lowered (:func:`check_program`: no matmul of the traced program has fp8 operands), rather than training in the
+compute dtype without a word.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.linen import fp8_ops
 from jax import lax
 
@@ -120,7 +134,8 @@ def declare(module: nn.Module, names: tuple[str, ...]) -> dict | None:
 
 def split(tree: Any) -> tuple[Any, Any]:
     """``(tree without its OWG entries, the OWG entries)``: every subtree under the key :data:`OWG` of a nested
-    mapping, in a tree of the same nesting holding only those (None when there is none)."""
+    mapping, in a tree of the same nesting holding only those (None when there is none). A mapping that held
+    meta state only (an NNX layer's :class:`NnxDotGeneral`) is dropped from the first; :func:`merge` restores it."""
     if not isinstance(tree, Mapping):
         return tree, None
     rest, meta = {}, {}
@@ -131,6 +146,8 @@ def split(tree: Any) -> tuple[Any, Any]:
         rest[k], m = split(v)
         if m is not None:
             meta[k] = m
+            if not rest[k]:   # a module holding only meta state (jp.fp8.NnxDotGeneral) leaves no empty node
+                del rest[k]
     return (rest, meta) if meta else (tree, None)   # a tree without meta state comes back as it is
 
 
@@ -140,7 +157,7 @@ def merge(params: Any, meta: Any) -> Any:
         return params
     out = dict(params)
     for k, v in meta.items():
-        out[k] = v if k == OWG else merge(params[k], v)
+        out[k] = v if k == OWG else merge(params.get(k, {}), v)
     return out
 
 
@@ -215,33 +232,48 @@ current_scaled_dot_general.defvjp(_current_fwd, _current_bwd)
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, meta: dict | None = None,
-                policy: Policy | None = None) -> jax.Array:
+                policy: Policy | None = None, *, precision: Any = None, preferred_element_type: Any = None,
+                out_sharding: Any = None) -> jax.Array:
     """``lax.dot_general`` in fp8 as ``policy`` (default: the one in context, :func:`using`) asks.
 
     ``lhs`` is cast to ``rhs``'s dtype (the compute dtype: flax's rule), which is also the result's. No fp8
-    policy: the plain ``lax.dot_general``. Delayed scaling: flax's ``fp8_scaled_dot_general`` with ``meta``
-    (:func:`init_meta`'s dict; its new values are the cotangents of ``meta``). Current scaling:
-    :func:`current_scaled_dot_general` (``meta`` unused).
+    policy: the plain ``lax.dot_general`` (with ``precision``, ``preferred_element_type``, ``out_sharding``).
+    Delayed scaling: flax's ``fp8_scaled_dot_general`` with ``meta`` (:func:`init_meta`'s dict; its new values
+    are the cotangents of ``meta``). Current scaling: :func:`current_scaled_dot_general` (``meta`` unused).
+
+    The keyword arguments are those Flax passes to a layer's dot-general (``nnx.Linear(..., dot_general=
+    jp.fp8.dot_general)``: NNX with ``dot=fp8_current``). Under an fp8 policy ``precision`` is ignored (the fp8
+    product sets its own), the result is cast to ``preferred_element_type`` when given and constrained to
+    ``out_sharding`` when given.
 
     Raises:
-      ValueError: delayed scaling without ``meta``.
+      ValueError: delayed scaling without ``meta`` (a bare function has nowhere to keep it: NNX layers take
+        :class:`NnxDotGeneral`, Linen layers :class:`DotGeneral`).
     """
     policy = active() if policy is None else policy
     how = recipe(policy)
     if how is None:
-        return lax.dot_general(lhs, rhs, dimension_numbers)
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
     dtype = rhs.dtype
     lhs = lhs.astype(dtype)
     if how == "current":
-        return current_scaled_dot_general(lhs, rhs, dimension_numbers, dtype)
-    if meta is None:
-        raise ValueError("fp8 delayed scaling needs the matmul's meta state (jp.fp8.init_meta; a Linen model: "
-                         "jp.fp8.DotGeneral or jp.fp8.declare)")
-    return fp8_ops.fp8_scaled_dot_general(
-        lhs, rhs, dimension_numbers, preferred_element_type=dtype, lhs_scale=meta["input_scale"],
-        rhs_scale=meta["kernel_scale"], grad_scale=meta["output_grad_scale"],
-        lhs_amax_history=meta["input_amax_history"], rhs_amax_history=meta["kernel_amax_history"],
-        grad_amax_history=meta["output_grad_amax_history"], quantize_compute_type=dtype)
+        y = current_scaled_dot_general(lhs, rhs, dimension_numbers, dtype)
+    elif meta is None:
+        raise ValueError(f"dot={policy.dot} (fp8 delayed scaling) needs each matmul's meta state (amax histories "
+                         "and scales), which a bare jp.fp8.dot_general has nowhere to keep: NNX layers take "
+                         "dot_general=jp.fp8.NnxDotGeneral() (one per layer), Linen layers dot_general_cls="
+                         "jp.fp8.DotGeneral, a function jp.fp8.matmul(x, w, meta) with meta from jp.fp8.declare; or "
+                         "use dot=fp8_current (no state), with which a bare jp.fp8.dot_general works")
+    else:
+        y = fp8_ops.fp8_scaled_dot_general(
+            lhs, rhs, dimension_numbers, preferred_element_type=dtype, lhs_scale=meta["input_scale"],
+            rhs_scale=meta["kernel_scale"], grad_scale=meta["output_grad_scale"],
+            lhs_amax_history=meta["input_amax_history"], rhs_amax_history=meta["kernel_amax_history"],
+            grad_amax_history=meta["output_grad_amax_history"], quantize_compute_type=dtype)
+    if preferred_element_type is not None:
+        y = y.astype(preferred_element_type)
+    return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
 def matmul(x_TD: jax.Array, w_DF: jax.Array, meta: dict | None = None) -> jax.Array:
@@ -272,11 +304,54 @@ class DotGeneral(nn.Module):
         else:
             self.meta = None
 
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        if active() is None:
-            return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                                   preferred_element_type=preferred_element_type)
-        return dot_general(lhs, rhs, dimension_numbers, self.meta)
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
+        return dot_general(lhs, rhs, dimension_numbers, self.meta, precision=precision,
+                           preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+class _Meta(nnx.Module):
+    """One matmul's delayed-scaling meta state as NNX ``Param`` variables under flax's names (:func:`init_meta`)."""
+
+    def __init__(self, history: int):
+        for k, v in init_meta(history).items():
+            setattr(self, k, nnx.Param(v))
+
+
+class NnxDotGeneral(nnx.Module):
+    """An NNX dot-general for a user's layer, both recipes: ``nnx.Linear(..., dot_general=jp.fp8.NnxDotGeneral())``
+    (one instance per layer: an instance holds one matmul's meta state).
+
+    Built under a delayed-scaling policy (``jp.train.init_state`` constructs the model inside the state's policy)
+    it holds :func:`init_meta`'s state as ``nnx.Param`` variables under the attribute :data:`OWG`, so the meta
+    sits in the params at ``.../dot_general/_overwrite_with_gradient/...``; ``init_state`` moves it to
+    ``TrainState.fp8`` as it does a Linen model's, and the step merges it back, so the NNX model the loss gets
+    (``nnx.merge``) reads it and its VJP gives the new values. Otherwise it holds nothing. Called, it runs
+    :func:`dot_general` with the policy in context: a plain ``lax.dot_general`` without one. (A bare
+    ``dot_general=jp.fp8.dot_general`` serves ``dot=fp8_current`` only: it has no variables to keep the
+    delayed recipe's state in.)
+    """
+
+    def __init__(self):
+        policy = active()
+        if recipe(policy) == "delayed":
+            setattr(self, OWG, _Meta(policy.amax_history))
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
+        """:func:`dot_general` with this layer's meta state (Flax's dot-general call form).
+
+        Raises:
+          ValueError: a delayed-scaling policy in context and no meta state here (the model was built without
+            that policy).
+        """
+        held = getattr(self, OWG, None)
+        if held is None and recipe(active()) == "delayed":
+            raise ValueError(f"the policy {active()} asks for fp8 delayed scaling (dot=fp8) but this NnxDotGeneral "
+                             "was built without it and holds no meta state: build the model through "
+                             "jp.train.init_state(model_fn, tx, rng, mesh=mesh, policy=policy), which constructs it "
+                             "under the policy (or restore a checkpoint written with that policy)")
+        meta = None if held is None else {k: getattr(held, k)[...] for k in META_KEYS}
+        return dot_general(lhs, rhs, dimension_numbers, meta, precision=precision,
+                           preferred_element_type=preferred_element_type, out_sharding=out_sharding)
 
 
 # --------------------------------------------------------------------------------------- the program's dots
@@ -301,5 +376,51 @@ def fp8_dot_counts(lowered: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["DotGeneral", "META_KEYS", "OWG", "RECIPES", "add", "current_scaled_dot_general", "declare", "dot_general",
-           "fp8_dot_counts", "init_meta", "is_meta", "matmul", "max_combine", "merge", "recipe", "split", "using"]
+def _jaxprs(params: Mapping) -> Any:
+    """The sub-programs among an equation's params (scan, cond, shard_map, custom_vjp and pjit bodies)."""
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            x = getattr(x, "jaxpr", x)          # a ClosedJaxpr holds its Jaxpr
+            if hasattr(x, "eqns"):
+                yield x
+
+
+def _has_fp8_dot(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and any(
+                jnp.dtype(getattr(v.aval, "dtype", jnp.float32)).name.startswith("float8") for v in eqn.invars):
+            return True
+        if any(_has_fp8_dot(sub) for sub in _jaxprs(eqn.params)):
+            return True
+    return False
+
+
+def check_program(jaxpr: Any, policy: Policy | None) -> None:
+    """Refuses a traced step whose policy asks for fp8 matmuls when none of its matmuls is fp8.
+
+    A model whose layers did not opt in (a plain ``nn.Dense``, ``nnx.Linear`` or ``x @ w``) would otherwise
+    train in the compute dtype under ``dot=fp8`` without a word. The train step calls this once per compiled
+    program, on the program it traced (``jax.jit(...).trace``), before running or lowering it.
+
+    Args:
+      jaxpr: the step's traced program (a ``ClosedJaxpr`` or ``Jaxpr``; every sub-program is searched).
+      policy: the state's precision policy; nothing is checked without ``dot=``.
+
+    Raises:
+      ValueError: ``dot=fp8`` / ``dot=fp8_current`` and no ``dot_general`` with an fp8 operand in the program,
+        naming the ways a model opts in.
+    """
+    if recipe(policy) is None or _has_fp8_dot(getattr(jaxpr, "jaxpr", jaxpr)):
+        return
+    raise ValueError(
+        f"the policy {policy} asks for fp8 matmuls (dot={policy.dot}), but no matmul of this step's program is "
+        "fp8: the model's layers did not opt in, so it would train in the compute dtype. Opt in (both recipes): "
+        "Linen nn.Dense(..., dot_general_cls=jp.fp8.DotGeneral); NNX nnx.Linear(..., dot_general="
+        "jp.fp8.NnxDotGeneral()), one per layer (a bare dot_general=jp.fp8.dot_general serves dot=fp8_current "
+        "only); any function jp.fp8.matmul(x, w, meta) / jp.fp8.dot_general (jaxpar's GPT and Llama opt in). "
+        "Or drop dot= from the policy")
+
+
+__all__ = ["DotGeneral", "META_KEYS", "NnxDotGeneral", "OWG", "RECIPES", "add", "check_program",
+           "current_scaled_dot_general", "declare", "dot_general", "fp8_dot_counts", "init_meta", "is_meta", "matmul",
+           "max_combine", "merge", "recipe", "split", "using"]

@@ -61,14 +61,19 @@ class MeshJit:
         by the caller and only need shardings).
       pass_shardings: call ``fn(arg_shardings, *args)``: the arguments' pytrees of shardings (static, one compile
         per shardings) come first, e.g. for a step that reads its state's ``PartitionSpec``\\ s.
+      check_program: ``check_program(jaxpr, *args)``, run once per compiled program on the program traced for
+        ``args`` (``jax.jit(...).trace``; the call and ``lower`` reuse that trace) before it runs or lowers:
+        where a feature refuses a program it cannot serve (it raises).
 
     Calls return ``fn``'s outputs asynchronously. ``lower(*args)`` accepts arrays or ``ShapeDtypeStruct``\\ s.
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, rules: shd.Rules, out_shardings: Callable[..., Any], *,
                  donate_argnums: Sequence[int] = (), track: Callable[[Any], Any] = lambda out: out,
-                 checked_args: Sequence[int] = (0,), pass_shardings: bool = False):
+                 checked_args: Sequence[int] = (0,), pass_shardings: bool = False,
+                 check_program: Callable[..., None] | None = None):
         self._fn, self._mesh, self._rules, self._out = fn, mesh, rules, out_shardings
+        self._check_program, self._programs_checked = check_program, set()
         self._pass = pass_shardings
         self._donate, self._track, self._checked = tuple(donate_argnums), track, tuple(checked_args)
         self._cache: dict = {}
@@ -81,6 +86,11 @@ class MeshJit:
             fn = functools.partial(self._fn, shardings) if self._pass else self._fn
             self._cache[key] = jax.jit(fn, in_shardings=shardings, out_shardings=self._out(*shardings),
                                        donate_argnums=self._donate)
+        if self._check_program is not None and key not in self._programs_checked:
+            with shd.use(self._mesh, self._rules):
+                traced = self._cache[key].trace(*args)
+            self._check_program(traced.jaxpr, *args)
+            self._programs_checked.add(key)
         return self._cache[key]
 
     def __call__(self, *args: Any) -> Any:

@@ -8,8 +8,10 @@
   ``model.init`` returns for a model with ``nn.BatchNorm``): ``{"params": ...}`` become the state's params and
   the other collections its ``model_state`` (Flax's ImageNet example keeps ``batch_stats`` beside the params
   the same way);
-* a Flax NNX model function (:func:`jaxpar.models.nnx_bridge.module_fn`): ``Param`` variables become params,
-  every other variable the model state, and the graph definition the state's static ``graphdef``.
+* a Flax NNX model function (:func:`jaxpar.models.nnx_bridge.module_fn`): ``Param`` variables become params
+  (less the fp8 meta state of ``jp.fp8.NnxDotGeneral`` layers, which goes to the state's ``fp8`` as a Linen
+  model's ``OWG`` collection does), every other variable the model state, and the graph definition the state's
+  static ``graphdef``.
 
 Init is traced without the logical rules in context (:func:`jaxpar.sharding.use_for_init`) and NNX's eager
 sharding off, so any init plain Flax runs runs here; ``jit``'s ``out_shardings`` then place the leaves.
@@ -85,8 +87,13 @@ def describe(init_fn: Any, rng: jax.Array, mesh: Mesh) -> ModelInit:
             make = init_fn
     if make is not None:
         graphdef, pshapes, pnames, sshapes, snames = nnx_bridge.abstract(make, rng)
-        return ModelInit(lambda key: (*nnx_bridge.build(make, key)[1:], None), pshapes, pnames, sshapes, snames,
-                         graphdef)
+        (pshapes, meta), pnames = fp8.split(pshapes), fp8.split(pnames)[0]   # jp.fp8.NnxDotGeneral's meta state
+
+        def init_nnx(key):
+            _, params, state = nnx_bridge.build(make, key)
+            params, params_meta = fp8.split(params)
+            return params, state, params_meta
+        return ModelInit(init_nnx, pshapes, pnames, sshapes, snames, graphdef, fp8_shapes=meta)
     params, state = _split(boxed)
     params, meta = fp8.split(params)
 

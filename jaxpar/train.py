@@ -468,7 +468,8 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
       TypeError, ValueError (at once): a bad ``grad_fn``, ``tx``, mesh or rules; ``grad_accum_steps`` not a
         positive int; a mesh with ``pipe > 1`` and no pipeline.
       ValueError (first call, before tracing): a state in a stage layout (``state.layout``) for a gradient
-        function that is not a pipeline, or in another schedule's layout than the pipeline's.
+        function that is not a pipeline, or in another schedule's layout than the pipeline's. (First call or
+        lower, traced, before running): an fp8 policy and no fp8 matmul in the program (``jp.fp8.check_program``).
     """
     _check_common(mesh, rules)
     rules = shd.with_batch_axis(rules, batch_axis)
@@ -495,7 +496,8 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         return state, metrics
 
     jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)), pass_shardings=True,
-                     donate_argnums=(0,) if donate else (), track=lambda out: out[1])  # metrics: state is donated
+                     donate_argnums=(0,) if donate else (), track=lambda out: out[1],  # metrics: state is donated
+                     check_program=lambda jaxpr, state, batch: fp8.check_program(jaxpr, state.policy))
     return Step(jitted, Batches(mesh, rules), grad_fn, _check_batch_fn(check_batch, grad_fn), tx)
 
 

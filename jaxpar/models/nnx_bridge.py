@@ -6,7 +6,9 @@ An NNX model is an object holding its variables. jaxpar keeps the pure-function 
 * ``TrainState.graphdef``: the model's ``nnx.GraphDef`` (static: structure, not arrays);
 * ``TrainState.params``: its ``nnx.Param`` variables as a pure dict (``nnx.to_pure_dict``: nested dicts of
   arrays, key paths such as ``blocks/0/attn/query/kernel``), which optax, checkpoints, precision policies and
-  pruning see as any params;
+  pruning see as any params (the fp8 meta state of ``jp.fp8.NnxDotGeneral`` layers, ``nnx.Param`` variables
+  under the key ``_overwrite_with_gradient``, is kept apart in ``TrainState.fp8`` and merged back by the step
+  before ``nnx.merge``, so the model reads it and its VJP gives the new values);
 * ``TrainState.model_state``: every other variable (``nnx.BatchStat`` running statistics, ``nnx.RngState``
   streams of ``nnx.Dropout``, caches) as a pure dict, never touched by the optimizer, updated by the step.
 
