@@ -491,12 +491,9 @@ def test_a_minigpt_named_on_tensor_alone_also_gets_fsdp_and_the_report_says_per_
 
 
 @pytest.mark.slow   # an 8-device compile of the MiniGPT's step; the placement itself is checked in the fast set
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "XLA's SPMD partitioner (jax 0.10.2, CPU; GSPMD and Shardy alike) miscompiles the backward of a model whose "
-    "activations carry no constraints when a kernel's contracted dimension is on fsdp while the batch is on "
-    "(data, fsdp) and tensor > 1: the same MiniGPT named ('embed', 'model') trains wrong without automatic FSDP "
-    "too. Gathering each param over fsdp where the step uses it (FSDP's all-gather) gives exact gradients"))
 def test_the_minigpt_with_fsdp_added_matches_one_device(mesh_factory):
+    """Its activations carry no constraints, so the step gathers its FSDP weights (without: the second loss is
+    5.80796 against 5.80332, jaxpar._compat.fsdp_gather_spec)."""
     from tests.models.test_nnx_bridge import check, reference
     rng = np.random.default_rng(7)
     batches = [{k: rng.integers(0, MINI["vocab"], (8, 16)).astype(np.int32) for k in ("inputs", "targets")}
@@ -508,7 +505,15 @@ def test_the_minigpt_with_fsdp_added_matches_one_device(mesh_factory):
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(metrics["loss"])
-    worst = check(losses, state, reference(MiniGPT, mini_loss, SGD, batches))
+    ref_losses, ref_params, ref_state = reference(MiniGPT, mini_loss, SGD, batches)
+    got = jax.device_get(state.params)
+    # the key bias adds one constant to each query's attention logits, to which softmax is blind: its gradient
+    # is 0 in exact arithmetic and both sides hold rounding noise (~1e-10), which no relative error can compare
+    for params in (got, ref_params):
+        for block in params["blocks"].values():
+            assert np.abs(block["mha"]["key"]["bias"]).max() < 1e-8
+            block["mha"]["key"]["bias"] = np.zeros_like(block["mha"]["key"]["bias"])
+    worst = check(losses, state.replace(params=got), (ref_losses, ref_params, ref_state))
     assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == P("fsdp", "tensor")
     print(f"NNX MiniGPT on 2x2x2 with fsdp added: worst param error {worst:.2e} after 2 steps")
 
