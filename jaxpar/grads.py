@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import fp8
+from jaxpar import _compat, fp8
 from jaxpar import sharding as shd
 from jaxpar.checks import positive_int
 from jaxpar.models import nnx_bridge, protocol
@@ -52,7 +52,10 @@ class Context(NamedTuple):
     for a gradient function without ``uses_pipe``), and ``param_specs``: the state's params' ``PartitionSpec``\\ s
     (a tree of the params' structure, None where a leaf has no named sharding; None when unknown), from which a
     pipeline reads which dim of a stage leaf is sharded over ``fsdp``; ``model_state`` and ``graphdef``: the
-    state's (``TrainState.model_state``, ``TrainState.graphdef``), None without."""
+    state's (``TrainState.model_state``, ``TrainState.graphdef``), None without; ``gather_specs``: the
+    ``PartitionSpec`` each param is gathered to where the loss starts (a tree of the params' structure, None
+    where a leaf stays as placed; None for no gather), set by the steps (:func:`with_weight_gather`) and applied
+    by :func:`gather_weights`."""
     mesh: Mesh
     rules: shd.Rules = shd.DEFAULT_RULES
     policy: Policy | None = None
@@ -60,6 +63,7 @@ class Context(NamedTuple):
     param_specs: Any = None
     model_state: Any = None
     graphdef: Any = None
+    gather_specs: Any = None
 
     @property
     def stateful(self) -> bool:
@@ -156,12 +160,16 @@ class GradFn(abc.ABC):
     microbatches per accumulation batch (for the batch-size check; 1 and 1 unless a subclass splits);
     ``uses_pipe``: whether it runs over the mesh's ``pipe`` axis (a step on a mesh with ``pipe > 1`` needs one
     that does); ``carries_model_state``: whether, for a state with a model state or an NNX graph definition
-    (``ctx.stateful``), it returns the new model state as a fourth output (else the step keeps it unchanged).
+    (``ctx.stateful``), it returns the new model state as a fourth output (else the step keeps it unchanged);
+    ``shards_activations``: whether the model it differentiates declares activation constraints (the model
+    protocol's attribute), so the step gathers no weights for it (:func:`with_weight_gather`). A gradient
+    function of your own gathers by calling :func:`gather_weights` on the params inside what it differentiates.
     """
     grad_accum_steps: int = 1
     microbatches: int = 1
     uses_pipe: bool = False
     carries_model_state: bool = False
+    shards_activations: bool = False
 
     def check_mesh(self, mesh: Mesh) -> None:
         """Raises TypeError/ValueError for a mesh this function cannot run on (when the step is built)."""
@@ -286,6 +294,10 @@ class _ValueAndGrad(GradFn):
     def model_check_batch(self):
         return protocol.batch_checker(self.loss_fn)
 
+    @property
+    def shards_activations(self) -> bool:
+        return protocol.shards_activations(self.loss_fn)
+
     def check(self, params, batch, ctx):
         check_loss_arity(self.loss_fn, ctx)
 
@@ -295,6 +307,7 @@ class _ValueAndGrad(GradFn):
         def f(p):
             if policy is not None:   # cast inside the differentiated function: grads come back in param dtype
                 p = policy.cast_to_compute(p)
+            p = gather_weights(p, ctx)   # after the cast: the gather moves compute-dtype bytes
             loss, aux, new_state = call_loss(self.loss_fn, p, batch, rng, ctx)
             loss = loss.astype(jnp.float32)
             return loss * scale, (loss, aux, new_state)
@@ -308,7 +321,8 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
     ``loss`` is a floating scalar (a mean over the batch), ``aux`` a dict of scalars or None (keys other than
     ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``). Under the context's policy, params are cast to its
     compute dtype inside the differentiated function, so gradients come back in the param dtype; the loss
-    is taken in float32.
+    is taken in float32. Then, when the step asks (``ctx.gather_specs``), each FSDP-sharded param is gathered
+    over ``fsdp`` (:func:`gather_weights`).
 
     Raises:
       TypeError: ``loss_fn`` is not callable (at once). ValueError: a bad ``loss_fn`` output (when traced).
@@ -316,6 +330,55 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
     if isinstance(loss_fn, GradFn) or not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
     return _ValueAndGrad(loss_fn)
+
+
+# ------------------------------------------------------------------- FSDP weights gathered where a loss starts
+
+def check_gather_weights(gather_weights: Any, fn: Any) -> bool | None:
+    """The steps' ``gather_weights`` option, checked when a step is built: None (automatic) or a bool; False
+    for a pipelined gradient function (``uses_pipe``), which places its stages' weights itself.
+
+    Raises:
+      TypeError: not None or a bool. ValueError: True for a pipelined gradient function.
+    """
+    if gather_weights is not None and not isinstance(gather_weights, bool):
+        raise TypeError(f"gather_weights must be None (gather FSDP weights unless the model declares "
+                        f"shards_activations), True or False; got {gather_weights!r}")
+    if getattr(fn, "uses_pipe", False):
+        if gather_weights:
+            raise ValueError("gather_weights=True applies to the GSPMD step (a loss_fn or jp.grads.value_and_grad), "
+                             "not to a jp.pipeline.Pipeline, which places its stages' weights itself: leave it None")
+        return False
+    return gather_weights
+
+
+def with_weight_gather(ctx: Context, gather_weights: bool | None, *declarers: Any) -> Context:
+    """``ctx`` with ``gather_specs`` when the step gathers FSDP weights: on a mesh with ``fsdp > 1`` whose
+    params' specs are known (``ctx.param_specs``), if ``gather_weights`` is True, or None and none of
+    ``declarers`` (the step's loss or gradient function) nor the NNX module class of ``ctx.graphdef`` declares
+    ``shards_activations`` (:func:`jaxpar.models.protocol.shards_activations`). Each leaf whose spec uses
+    ``fsdp`` gets that spec without it (:func:`jaxpar._compat.fsdp_gather_spec`: why); ``ctx`` unchanged
+    otherwise."""
+    if gather_weights is None:
+        gather_weights = not protocol.shards_activations(*declarers, nnx_bridge.module_class(ctx.graphdef))
+    if not gather_weights or ctx.mesh.shape.get("fsdp", 1) == 1 or ctx.param_specs is None:
+        return ctx
+    return ctx._replace(gather_specs=jax.tree.map(_compat.fsdp_gather_spec, ctx.param_specs,
+                                                  is_leaf=lambda x: x is None or isinstance(x, P)))
+
+
+def gather_weights(params: Any, ctx: Context) -> Any:
+    """``params`` with each leaf that ``ctx.gather_specs`` names constrained to its spec (FSDP's weight
+    all-gather; in the backward its transpose reduce-scatters the gradient). Traced, under the step's mesh.
+
+    The gathered weights stay live for the whole step (forward and backward), in the dtype they have here: a
+    ZeRO-2-like param memory (params whole over ``fsdp`` during the step, gradients and optimizer state still
+    sharded) for models that do not constrain their activations."""
+    if ctx.gather_specs is None:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    specs = treedef.flatten_up_to(ctx.gather_specs)
+    return treedef.unflatten([x if s is None else shd.constrain_spec(x, s) for x, s in zip(leaves, specs)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +389,8 @@ class _Accumulate(GradFn):
     def __post_init__(self):   # the batch splits into steps x the inner function's splits
         for name, value in (("grad_accum_steps", self.steps * self.inner.grad_accum_steps),
                             ("microbatches", self.inner.microbatches), ("uses_pipe", self.inner.uses_pipe),
-                            ("carries_model_state", self.inner.carries_model_state)):
+                            ("carries_model_state", self.inner.carries_model_state),
+                            ("shards_activations", self.inner.shards_activations)):
             object.__setattr__(self, name, value)
 
     def check_mesh(self, mesh):
@@ -390,5 +454,5 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
 
 
 __all__ = ["Context", "GradFn", "LossFn", "RESERVED_METRICS", "accumulate", "call_loss", "check_batch_size",
-           "check_loss_output",
+           "check_loss_output", "gather_weights",
            "value_and_grad"]

@@ -13,6 +13,11 @@ Each leaf is placed by the first of these that applies:
    that ``fsdp`` divides (ties: the first), as ZeRO-3 (Rajbhandari et al. 2020, sec. 5) and PyTorch FSDP
    (Zhao et al. 2023) shard every parameter without annotation. Smaller leaves (biases, norm scales) and
    leaves no dimension of which ``fsdp`` divides stay replicated, and the report says so.
+   A leaf the model names by **logical** names that the rules map to other mesh axes only (the Flax NNX
+   MiniGPT's ``(None, 'model')`` with a ``('model', 'tensor')`` rule) gets ``fsdp`` the same way, on its
+   largest *free* dimension: one named None or by a name no rule knows. A dimension a rule maps to None
+   (``layers``, ``kv``, ``kv_heads``) is left whole as the rule says, and names that are mesh axes
+   (``nn.with_partitioning(init, (None, 'tensor'))``) and path rules are literal layouts, kept as written.
 
 Tensor parallelism is never guessed (a Megatron split needs the model's semantics): asking for ``tensor > 1``
 when no param maps to ``tensor`` is an error naming the fix. What was placed how is returned as ``sources``
@@ -58,17 +63,28 @@ def boxed_names(boxed: Any) -> Any:
     return jax.tree.map(lambda x: tuple(x.names) if box(x) else None, boxed, is_leaf=box)
 
 
-def _auto_spec(shape: tuple[int, ...], mesh: Mesh, min_size: int) -> P | None:
-    """``fsdp`` on the largest dimension it divides (ties: the first), for a leaf of at least ``min_size``
-    elements on a mesh with ``fsdp > 1``; None when it stays replicated."""
+def _auto_spec(shape: tuple[int, ...], mesh: Mesh, min_size: int, spec: P = P(),
+               free: tuple[int, ...] | None = None) -> P | None:
+    """``spec`` with ``fsdp`` on the largest of the ``free`` dimensions (default: all) that ``fsdp`` divides (ties:
+    the first), for a leaf of at least ``min_size`` elements on a mesh with ``fsdp > 1`` that ``spec`` does not
+    already split over ``fsdp``; None when nothing is added."""
     n = mesh.shape.get("fsdp", 1)
-    if n == 1 or math.prod(shape) < min_size:
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    taken = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if n == 1 or "fsdp" in taken or math.prod(shape) < min_size:
         return None
-    dims = [d for d, size in enumerate(shape) if size % n == 0]
+    dims = [d for d in (range(len(shape)) if free is None else free) if entries[d] is None and shape[d] % n == 0]
     if not dims:
         return None
     best = max(dims, key=lambda d: (shape[d], -d))
-    return P(*(("fsdp" if d == best else None) for d in range(len(shape))))
+    entries[best] = "fsdp"
+    return P(*entries)
+
+
+def _free_dims(names: tuple[Any, ...], spec: P, unknown: list[Any]) -> tuple[int, ...]:
+    """The dimensions of a leaf named ``names`` (one per dimension) that no name places: named None, or by a
+    name in ``unknown``. A name a rule maps to None keeps its dimension whole."""
+    return tuple(d for d, (n, s) in enumerate(zip(names, spec)) if s is None and (n is None or n in unknown))
 
 
 def _path_rule_spec(target: Any, rx: str, where: str, ndim: int, rules: shd.Rules, mesh: Mesh) -> tuple[P, list]:
@@ -123,8 +139,14 @@ def place(shapes: Any, names: Any, mesh: Mesh, rules: shd.Rules, *, param_rules:
             if len(nm) > ndim:
                 raise ValueError(f"{what} {where} of shape {tuple(leaf.shape)} is named {nm}: more names than "
                                  "dimensions; give one name (or None) per dimension")
-            spec, unknown = shd.resolve_names(tuple(nm) + (None,) * (ndim - len(nm)), rules, mesh)
-            sources[where] = "mesh axes" if all(n is None or n in mesh.axis_names for n in nm) else "rules"
+            full = tuple(nm) + (None,) * (ndim - len(nm))
+            spec, unknown = shd.resolve_names(full, rules, mesh)
+            literal = all(n is None or n in mesh.axis_names for n in nm)
+            sources[where] = "mesh axes" if literal else "rules"
+            more = None if literal or not auto_fsdp or not any(spec) else _auto_spec(
+                tuple(leaf.shape), mesh, auto_fsdp_min_size, spec, _free_dims(full, spec, unknown))
+            if more is not None:
+                spec, sources[where] = more, "rules + auto fsdp"
         if unknown:
             notes.append(f"{what} {where}: logical names {unknown} are known to no rule and name no mesh axis: add "
                          f"rules for them (rules=(..., ({unknown[0]!r}, 'fsdp'), ...)) or a path rule")

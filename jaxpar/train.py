@@ -143,7 +143,7 @@ def _report(shapes: TrainState, shardings: TrainState, placed: placement.Placeme
     big = {shd.key_path(p) for p, x in jax.tree_util.tree_flatten_with_path(shapes.params)[0]
            if math.prod(x.shape) >= min_size}
     guessed = mesh.shape.get("fsdp", 1) > 1 and any(
-        s == "auto fsdp" or (s == "replicated" and p in big) for p, s in placed.sources.items())
+        s.endswith("auto fsdp") or (s == "replicated" and p in big) for p, s in placed.sources.items())
     if report or (report is None and guessed):
         with_sharding = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
         tree = jax.tree.map(with_sharding, (shapes.params, shapes.opt_state), (shardings.params, shardings.opt_state))
@@ -224,13 +224,15 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
         state equals ``to_layout(model-order state)`` exactly. The identity (``layout=None``) for one chunk.
       param_rules: ``jp.sharding.path_rules([(regex, names | PartitionSpec), ...])`` (or its list): params named
         by key path, over the model's own names.
-      auto_fsdp: with ``fsdp > 1``, shard each param nothing names (of at least ``auto_fsdp_min_size``
-        elements) over ``fsdp`` along its largest divisible dimension (:mod:`jaxpar.placement`); False keeps
-        them replicated.
+      auto_fsdp: with ``fsdp > 1``, shard over ``fsdp``, along its largest divisible dimension, each param of at
+        least ``auto_fsdp_min_size`` elements that nothing names (source ``auto fsdp``), or whose logical names
+        map to other mesh axes only (source ``rules + auto fsdp``: on a dimension named None or by a name no rule
+        knows; a dimension a rule maps to None stays whole; mesh-axis names and path rules are kept as written)
+        (:mod:`jaxpar.placement`). False: such params stay as their names say (replicated over ``fsdp``).
       report: print the layout summary (``state.report()``, with how each param was placed): True always,
-        False never, None (default) when, on a mesh with ``fsdp > 1``, a param was placed by automatic FSDP or
-        one of at least ``auto_fsdp_min_size`` elements was left replicated. Logical names no rule knows and
-        path rules matching nothing are warned of always.
+        False never, None (default) when, on a mesh with ``fsdp > 1``, automatic FSDP placed a param (alone or
+        beside its names) or one of at least ``auto_fsdp_min_size`` elements was left replicated. Logical names no
+        rule knows and path rules matching nothing are warned of always.
 
     Raises:
       ValueError: rules naming an axis the mesh lacks; a sharded parameter dimension not divisible by its
@@ -420,7 +422,8 @@ class Step:
 
 def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, *, mesh: Mesh,
                     rules: shd.Rules = shd.DEFAULT_RULES, grad_accum_steps: int = 1, donate: bool = True,
-                    check_batch: Callable[[Any], None] | str | None = "auto", batch_axis: str | None = None) -> Step:
+                    check_batch: Callable[[Any], None] | str | None = "auto", batch_axis: str | None = None,
+                    gather_weights: bool | None = None) -> Step:
     """Builds ``step(state, batch) -> (state, metrics)``, jitted with the state's shardings.
 
     Args:
@@ -449,6 +452,18 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         has one (``model.loss``; a ``Pipeline`` of ``model.embed``, ...: the model protocol,
         :mod:`jaxpar.models.protocol`), else none. None: no check. Protocol models read host (numpy) leaves
         only, so a batch already on the devices costs nothing.
+      gather_weights: on a mesh with ``fsdp > 1``, gather each param sharded over ``fsdp`` whole over it where the
+        loss starts (inside the differentiated function, after the policy's cast: compute-dtype bytes; the
+        gradient comes back reduce-scattered), :func:`jaxpar.grads.gather_weights`. None (default): unless the
+        model declares ``shards_activations`` (a ``model.loss`` whose model has the attribute, a loss function
+        carrying it, an NNX module class; the built-in GPT, Llama and MLP do: :mod:`jaxpar.models.protocol`).
+        Why: XLA's partitioner (jax 0.10.2) can give wrong gradients for a model whose activations carry no
+        sharding constraints, params on ``fsdp`` and ``tensor``, batch on ``(data, fsdp)``
+        (:func:`jaxpar._compat.fsdp_gather_spec`). Cost: the gathered weights live for the whole step (ZeRO-2-like
+        param memory; gradients and optimizer state stay sharded). False: never (a model that constrains its
+        batch axis, its ``model.loss`` wrapped in a lambda); True: always. For a ``loss_fn`` or
+        ``jp.grads.value_and_grad`` (with accumulation); a ``jp.pipeline.Pipeline`` places its own weights
+        (True raises ValueError).
 
     The precision policy is the state's (``state.policy``, given to :func:`init_state`): params are cast to its
     compute dtype inside the differentiated function and the batch's floating leaves before it (integer leaves
@@ -476,12 +491,14 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
     tx = shd.check_transformation(tx)
     grad_fn = gr.accumulate(_as_grad_fn(grad_fn), grad_accum_steps)
     _check_pipe(grad_fn, mesh)
+    gather_weights = gr.check_gather_weights(gather_weights, grad_fn)
 
     def _step(shardings: tuple, state: TrainState, batch: Any):
         scale = precision.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        ctx = _context(mesh, rules, state, param_specs(fp8.merge(shardings[0].params, shardings[0].fp8)))
+        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
+            shardings[0].params, shardings[0].fp8))), gather_weights, grad_fn)
         params = fp8.merge(state.params, state.fp8)   # the fp8 meta state's "gradient" is its new value
         with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
             out = grad_fn(params, _cast_inputs(state.policy, batch), rng, scale, ctx)
@@ -506,7 +523,8 @@ def _context(mesh: Mesh, rules: shd.Rules, state: TrainState, specs: Any) -> gr.
 
 
 def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
-                   check_batch: Callable[[Any], None] | str | None = "auto", batch_axis: str | None = None) -> Step:
+                   check_batch: Callable[[Any], None] | str | None = "auto", batch_axis: str | None = None,
+                   gather_weights: bool | None = None) -> Step:
     """Builds ``eval_step(state, batch) -> metrics`` (``loss`` and ``aux`` entries), no update.
 
     Args:
@@ -514,7 +532,8 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         function with an ``eval_loss(params, batch, rng, ctx)`` method): the batch then runs through the
         pipeline's forward-only table over the mesh's ``pipe`` axis (``Pipeline.eval_loss``), and the
         pipeline's checks (schedule against the mesh, params and batch shapes) run as in the train step.
-      mesh, rules, check_batch, batch_axis: as for :func:`make_train_step`.
+      mesh, rules, check_batch, batch_axis, gather_weights: as for :func:`make_train_step` (the gather after the
+        policy's cast, before the loss; none for a Pipeline).
 
     The loss's form follows the state as in :func:`make_train_step`; with a model state the loss reads it (a
     Linen loss returns ``(loss, aux)`` or ``(loss, aux, new_model_state)``, the new state dropped) and an NNX
@@ -545,16 +564,19 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
         loss_fn = lambda params, batch, rng, ctx: gr.call_loss(plain, params, batch, rng, ctx, train=False)[:2]
     else:
         raise TypeError(f"make_eval_step needs a loss_fn(params, batch, rng) -> (loss, aux), got {loss_fn!r}")
+    gather_weights = gr.check_gather_weights(gather_weights, grad_fn)
 
-    def _eval(state: TrainState, batch: Any):
+    def _eval(shardings: tuple, state: TrainState, batch: Any):
         params = fp8.merge(state.params, state.fp8)
         params = params if state.policy is None else state.policy.cast_to_compute(params)
+        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
+            shardings[0].params, shardings[0].fp8))), gather_weights, plain, grad_fn)
         with placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
-            loss, aux = gr.check_loss_output(loss_fn(params, _cast_inputs(state.policy, batch), jax.random.fold_in(
-                state.rng, state.step), _context(mesh, rules, state, None)))
+            loss, aux = gr.check_loss_output(loss_fn(gr.gather_weights(params, ctx), _cast_inputs(
+                state.policy, batch), jax.random.fold_in(state.rng, state.step), ctx))
         return {"loss": loss.astype(jnp.float32), **aux}
 
-    jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh))
+    jitted = MeshJit(_eval, mesh, rules, lambda s, b: shd.replicated(mesh), pass_shardings=True)
     return Step(jitted, Batches(mesh, rules), grad_fn, check, loss_fn=plain)
 
 

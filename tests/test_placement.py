@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar as jp
@@ -395,3 +396,157 @@ def test_mixed_bf16_on_an_unannotated_cnn(mesh_factory):
 def test_a_path_rule_naming_an_axis_twice_is_refused(target):
     with pytest.raises(ValueError, match=r"path rule 'w1': target .* names an axis twice"):
         jp.sharding.path_rules([("w1", target)])
+
+
+# ----------------------------------------------------- the Flax docs' NNX MiniGPT: names on tensor alone
+
+MINI = dict(maxlen=32, vocab=256, d=64, heads=4, ff=256, blocks=2)
+MODEL_RULES = jp.sharding.DEFAULT_RULES + (("model", "tensor"),)
+
+
+def _on_model(init, names):
+    return nnx.with_partitioning(init, names)
+
+
+class MiniBlock(nnx.Module):
+    """The Flax docs' MiniGPT block: ``nnx.MultiHeadAttention`` (query/key/value/out projections), post-norm
+    LayerNorms and a ReLU MLP, every variable named ``(None, 'model')`` or ``('model',)``."""
+
+    def __init__(self, d, heads, ff, *, rngs):
+        xavier, zeros = nnx.initializers.xavier_uniform(), nnx.initializers.zeros_init()
+        ones = nnx.initializers.ones_init()
+        kernel, vector = _on_model(xavier, (None, "model")), lambda init: _on_model(init, ("model",))
+        self.mha = nnx.MultiHeadAttention(num_heads=heads, in_features=d, kernel_init=kernel,
+                                          bias_init=vector(zeros), decode=False, rngs=rngs)
+        self.norm1, self.norm2 = (nnx.LayerNorm(d, epsilon=1e-6, scale_init=vector(ones), bias_init=vector(zeros),
+                                                rngs=rngs) for _ in range(2))
+        self.up = nnx.Linear(d, ff, kernel_init=kernel, bias_init=vector(zeros), rngs=rngs)
+        self.down = nnx.Linear(ff, d, kernel_init=kernel, bias_init=vector(zeros), rngs=rngs)
+
+    def __call__(self, x_BLD):
+        mask = nnx.make_causal_mask(x_BLD[..., 0])
+        x_BLD = self.norm1(x_BLD + self.mha(x_BLD, mask=mask, decode=False))
+        return self.norm2(x_BLD + self.down(jax.nn.relu(self.up(x_BLD))))
+
+
+class MiniGPT(nnx.Module):
+    """Token and position embeddings, the blocks, an LM head: the Flax docs' NNX MiniGPT, small."""
+
+    def __init__(self, rngs: nnx.Rngs, maxlen=MINI["maxlen"], vocab=MINI["vocab"], d=MINI["d"],
+                 heads=MINI["heads"], ff=MINI["ff"], blocks=MINI["blocks"]):
+        normal, xavier = nnx.initializers.normal(0.02), nnx.initializers.xavier_uniform()
+        self.tok = nnx.Embed(vocab, d, embedding_init=_on_model(normal, ("model", None)), rngs=rngs)
+        self.pos = nnx.Embed(maxlen, d, embedding_init=_on_model(normal, (None, "model")), rngs=rngs)
+        self.blocks = nnx.List([MiniBlock(d, heads, ff, rngs=rngs) for _ in range(blocks)])
+        self.head = nnx.Linear(d, vocab, kernel_init=_on_model(xavier, (None, "model")),
+                               bias_init=_on_model(nnx.initializers.zeros_init(), ("model",)), rngs=rngs)
+
+    def __call__(self, tokens_BL):
+        x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(tokens_BL.shape[1]))[None]
+        for block in self.blocks:
+            x_BLD = block(x_BLD)
+        return self.head(x_BLD)
+
+
+def mini_loss(model, batch, rng):
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(), {}
+
+
+def _mini_expected(shapes, min_size=4096):
+    """Worked out from the names alone on data=2 x fsdp=2 x tensor=2: every leaf has one ``model`` dimension
+    (tensor, 2 ways); one of at least ``min_size`` elements (automatic FSDP's default threshold) also has an
+    unnamed even dimension (fsdp, 2 more); data holds copies.
+
+    Returns:
+      (per-device / global param bytes, the share of param bytes split over fsdp).
+    """
+    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)]
+    big = sum(n for n in sizes if n >= min_size)
+    return (big / 4 + (sum(sizes) - big) / 2) / sum(sizes), big / sum(sizes)
+
+
+def test_a_minigpt_named_on_tensor_alone_also_gets_fsdp_and_the_report_says_per_axis(mesh_factory):
+    """The MiniGPT's names map to tensor only: automatic FSDP adds fsdp on a free dimension of every leaf large
+    enough, and the report gives each mesh axis its own share (without automatic FSDP: fsdp 0%, not 'sharded')."""
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    abstract = lambda **kw: jp.train.abstract_state(MiniGPT, ADAMW, mesh=mesh, rules=MODEL_RULES, **kw)
+    state, off = abstract(), abstract(auto_fsdp=False)
+    ratio, on_fsdp = _mini_expected(state.params)
+    report, off_report = state.report(), off.report()
+    print(f"NNX MiniGPT on 2x2x2, ('model', 'tensor'): per device / global {off_report.ratio:.3f} without automatic "
+          f"FSDP, {report.ratio:.3f} with it (worked out {ratio:.3f}; data=2 holds copies, so 0.25 is the floor)")
+    block = state.params["blocks"][0]
+    assert block["mha"]["query"]["kernel"].sharding.spec == P("fsdp", "tensor", None)
+    assert block["up"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    assert state.params["tok"]["embedding"].sharding.spec == P("tensor", "fsdp")
+    assert state.params["pos"]["embedding"].sharding.spec == P(None, "tensor")     # 2048 elements: too small
+    assert block["up"]["bias"].sharding.spec == P("tensor")
+    assert report.ratio == pytest.approx(ratio, abs=1e-3) and report.ratio <= 0.26
+    assert report.fraction_over("fsdp") == pytest.approx(on_fsdp)
+    assert f"params data 0.0%, fsdp {100 * on_fsdp:.1f}%, tensor 100.0%" in str(report)
+    assert off_report.ratio == pytest.approx(0.5, abs=1e-3)
+    assert "params data 0.0%, fsdp 0.0%, tensor 100.0%; optimizer state data 0.0%, fsdp 0.0%" in str(off_report)
+    assert "of param bytes sharded" not in str(off_report)
+
+
+@pytest.mark.slow   # an 8-device compile of the MiniGPT's step; the placement itself is checked in the fast set
+def test_the_minigpt_with_fsdp_added_matches_one_device(mesh_factory):
+    """Its activations carry no constraints, so the step gathers its FSDP weights (without: the second loss is
+    5.80796 against 5.80332, jaxpar._compat.fsdp_gather_spec)."""
+    from tests.models.test_nnx_bridge import check, reference
+    rng = np.random.default_rng(7)
+    batches = [{k: rng.integers(0, MINI["vocab"], (8, 16)).astype(np.int32) for k in ("inputs", "targets")}
+               for _ in range(2)]
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    state = jp.train.init_state(MiniGPT, SGD, 0, mesh=mesh, rules=MODEL_RULES, report=False)
+    step = jp.train.make_train_step(mini_loss, SGD, mesh=mesh, rules=MODEL_RULES)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    ref_losses, ref_params, ref_state = reference(MiniGPT, mini_loss, SGD, batches)
+    got = jax.device_get(state.params)
+    # the key bias adds one constant to each query's attention logits, to which softmax is blind: its gradient
+    # is 0 in exact arithmetic and both sides hold rounding noise (~1e-10), which no relative error can compare
+    for params in (got, ref_params):
+        for block in params["blocks"].values():
+            assert np.abs(block["mha"]["key"]["bias"]).max() < 1e-8
+            block["mha"]["key"]["bias"] = np.zeros_like(block["mha"]["key"]["bias"])
+    worst = check(losses, state.replace(params=got), (ref_losses, ref_params, ref_state))
+    assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    print(f"NNX MiniGPT on 2x2x2 with fsdp added: worst param error {worst:.2e} after 2 steps")
+
+
+# the param specs of the built-in GPT and Llama on data=2 x fsdp=2 x tensor=2 under DEFAULT_RULES, recorded
+# before automatic FSDP completed logical names: their names never leave a dimension free, so they must hold.
+# At these sizes blocks/up_bias ([layers, mlp], 4096 elements) is large enough that an fsdp on its "layers"
+# dimension would be a change.
+BUILT_IN_SPECS = {
+    "gpt": {"blocks/down_bias": P(None, "fsdp"), "blocks/down_kernel": P(None, "tensor", "fsdp"),
+            "blocks/ln1_bias": P(None, "fsdp"), "blocks/ln1_scale": P(None, "fsdp"),
+            "blocks/ln2_bias": P(None, "fsdp"), "blocks/ln2_scale": P(None, "fsdp"),
+            "blocks/out_bias": P(None, "fsdp"), "blocks/out_kernel": P(None, "tensor", None, "fsdp"),
+            "blocks/qkv_kernel": P(None, "fsdp", "tensor", None, None), "blocks/up_bias": P(None, "tensor"),
+            "blocks/up_kernel": P(None, "fsdp", "tensor"), "embed/embedding": P("tensor", "fsdp"),
+            "embed/pos_embedding": P(None, "fsdp"), "head/ln_bias": P("fsdp"), "head/ln_scale": P("fsdp")},
+    "llama": {"blocks/attn_norm_scale": P(None, "fsdp"), "blocks/down_kernel": P(None, "tensor", "fsdp"),
+              "blocks/gate_kernel": P(None, "fsdp", "tensor"), "blocks/k_kernel": P(None, "fsdp", None, None),
+              "blocks/mlp_norm_scale": P(None, "fsdp"), "blocks/out_kernel": P(None, "tensor", None, "fsdp"),
+              "blocks/q_kernel": P(None, "fsdp", "tensor", None), "blocks/up_kernel": P(None, "fsdp", "tensor"),
+              "blocks/v_kernel": P(None, "fsdp", None, None), "embed/embedding": P("tensor", "fsdp"),
+              "head/kernel": P("fsdp", "tensor"), "head/norm_scale": P("fsdp")},
+}
+
+
+@pytest.mark.slow   # a regression guard (two abstract inits); test_sharding and test_train check smaller GPTs' specs fast
+def test_the_built_in_models_placements_are_unchanged(mesh_factory):
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    models = {"gpt": jp.models.GPT(jp.models.GPTConfig(vocab_size=512, num_layers=4, num_heads=4, d_model=256,
+                                                       max_seq_len=256)),
+              "llama": jp.models.Llama(jp.models.LlamaConfig(vocab_size=512, num_layers=4, num_heads=8,
+                                                             num_kv_heads=2, d_model=256))}
+    for name, model in models.items():
+        state = jp.train.abstract_state(model.init, SGD, mesh=mesh)
+        got = {path: spec for path, _, spec in state.report()}
+        assert got == {k: str(v) for k, v in BUILT_IN_SPECS[name].items()}, name

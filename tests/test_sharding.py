@@ -435,6 +435,31 @@ def test_per_device_bytes(mesh_factory, name):
     assert per_device <= total / 8 + whole, (per_device, total / 8, whole)
 
 
+def test_the_report_gives_each_mesh_axis_its_own_share(mesh_factory):
+    """Per mesh axis of size > 1, the share of bytes split over it: a leaf on tensor alone counts for tensor, not
+    fsdp; an axis of size 1 in a spec (pipe, context) splits nothing and is not listed; data holds copies."""
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    rng = np.random.default_rng(11)
+    rows = [int(4 * rng.integers(4, 32)) for _ in range(4)]
+    specs = {"tp": P(None, "tensor"), "fsdp_tp": P("fsdp", "tensor"), "pipe": P("pipe", None),
+             "both": P(("data", "fsdp"))}
+    tree = {k: jax.ShapeDtypeStruct((n, 4) if k != "both" else (n,), jnp.float32, sharding=NamedSharding(mesh, spec))
+            for (k, spec), n in zip(specs.items(), rows)}
+    report = jp.sharding.describe_params(tree, {"mu": tree})
+    nbytes = {k: 4 * math.prod(x.shape) for k, x in tree.items()}
+    total = sum(nbytes.values())
+    want = {"data": nbytes["both"] / total, "fsdp": (nbytes["fsdp_tp"] + nbytes["both"]) / total,
+            "tensor": (nbytes["tp"] + nbytes["fsdp_tp"]) / total}
+    assert report.mesh_axes == (("data", 2), ("fsdp", 2), ("tensor", 2))
+    for axis, share in want.items():
+        assert report.fraction_over(axis) == pytest.approx(share)
+        assert report.fraction_over(axis, opt_state=True) == pytest.approx(share)
+    assert report.fraction_over("pipe") == 0.0
+    line = ", ".join(f"{a} {100 * want[a]:.1f}%" for a in ("data", "fsdp", "tensor"))
+    assert f"bytes split over each mesh axis: params {line}; optimizer state {line}" in str(report)
+    assert "pipe" not in str(report).splitlines()[1]
+
+
 @functools.cache
 def _batches(n):
     rng = np.random.default_rng(5)

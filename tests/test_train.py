@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import (SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, gpt_parts, max_rel_err, mlp_batch,
-                     mlp_parts)
+from helpers import (SMALL_GPT, SMALL_LLAMA, assert_scalar_close, assert_tree_close, gpt_batch, gpt_parts, max_rel_err,
+                     mlp_batch, mlp_parts)
+from jax.sharding import PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
+from jaxpar.plan import hlo as plan_hlo
 
 
 # ------------------------------------------------------------------------------- init_state, abstract_state
@@ -398,3 +402,120 @@ def test_step_phases_are_named_in_the_compiled_program(mesh_factory):
     text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, CHECK_CFG)).compile().as_text()
     scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
     assert {"forward_backward", "optimizer_update", "accumulation"} <= scopes, sorted(scopes)[:40]
+
+
+# --------------------------------- FSDP weights gathered for a model whose activations carry no constraints
+
+def unconstrained_model(rng, d=64, v=256):
+    """``(params, init_fn)`` of a plain pytree model whose activations carry no sharding constraints:
+    ``h = x + tanh(x @ up)``, loss ``mean(sin(h @ W))`` (:func:`unconstrained_loss`). ``W`` is named
+    ``('embed', 'vocab')``, ``up`` ``(None, 'mlp')`` (automatic FSDP adds fsdp on its rows): on
+    data=2 x fsdp=2 x tensor=2 both are ``P('fsdp', 'tensor')``, the layout XLA's partitioner got wrong."""
+    params = {"up": (rng.normal(size=(d, d)) / 8).astype(np.float32),
+              "W": (rng.normal(size=(d, v)) / 8).astype(np.float32)}
+    names = {"up": (None, "mlp"), "W": ("embed", "vocab")}
+    return params, lambda key: {k: nn.LogicallyPartitioned(jnp.asarray(p), names[k]) for k, p in params.items()}
+
+
+def unconstrained_loss(params, batch, rng):
+    h = batch["x"] + jnp.tanh(batch["x"] @ params["up"])
+    return jnp.mean(jnp.sin(h @ params["W"])), {}
+
+
+def unconstrained_reference(params, x):
+    """The loss and gradients of :func:`unconstrained_loss`, written out in float64 numpy."""
+    up, w, x = (np.asarray(a, np.float64) for a in (params["up"], params["W"], x))
+    a = np.tanh(x @ up)
+    z = (x + a) @ w
+    dz = np.cos(z) / z.size
+    return np.sin(z).mean(), {"up": x.T @ ((dz @ w.T) * (1 - a ** 2)), "W": (x + a).T @ dz}
+
+
+# an optimizer whose state is the last gradient and whose update is zero: the step's exact gradients
+KEEP_GRADS = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                          lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+def test_a_model_without_activation_constraints_gets_exact_gradients_on_fsdp_and_tensor(mesh_factory, capsys):
+    """The step gathers the FSDP weights of a model that declares no ``shards_activations``; the layout automatic
+    FSDP completed is printed (``report=None``)."""
+    rng = np.random.default_rng(40)
+    params, init = unconstrained_model(rng)
+    x = rng.normal(size=(16, 64)).astype(np.float32)
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    state = jp.train.init_state(init, KEEP_GRADS, 0, mesh=mesh)
+    out = capsys.readouterr().out
+    assert "jaxpar: the state's layout" in out and "rules + auto fsdp" in out, out
+    assert {k: v.sharding.spec for k, v in state.params.items()} == {k: P("fsdp", "tensor") for k in ("up", "W")}
+    new, metrics = jp.train.make_train_step(unconstrained_loss, KEEP_GRADS, mesh=mesh)(state, {"x": x})
+    loss, grads = unconstrained_reference(params, x)
+    assert_scalar_close(metrics["loss"], loss, what="loss")
+    worst = assert_tree_close(new.opt_state, grads, what="gradients")
+    print(f"unconstrained model on 2x2x2, weights gathered: worst gradient error {worst:.1e}")
+
+
+@pytest.mark.slow   # two more 8-device compiles; the gathered step is checked in the fast set
+def test_without_the_gather_the_unconstrained_model_shows_the_partitioner_defect(mesh_factory):
+    """``gather_weights=False`` on the model above: the defect :func:`jaxpar._compat.fsdp_gather_spec` works
+    around. On the jax it was seen with (0.10.2) its gradients must be wrong (else the workaround may go); on
+    another jax the error is recorded as a warning, never a failure. The eval step's loss is exact either way."""
+    rng = np.random.default_rng(41)
+    params, init = unconstrained_model(rng)
+    x = rng.normal(size=(16, 64)).astype(np.float32)
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    state = jp.train.init_state(init, KEEP_GRADS, 0, mesh=mesh, report=False)
+    loss, grads = unconstrained_reference(params, x)
+    assert_scalar_close(jp.train.make_eval_step(unconstrained_loss, mesh=mesh)(state, {"x": x})["loss"], loss)
+    new, _ = jp.train.make_train_step(unconstrained_loss, KEEP_GRADS, mesh=mesh, gather_weights=False,
+                                      donate=False)(state, {"x": x})
+    errors = {k: max_rel_err(new.opt_state[k], grads[k]) for k in grads}
+    print(f"unconstrained model on 2x2x2, jax {jax.__version__}, no gather: gradient errors {errors}")
+    if jax.__version__ == "0.10.2":
+        assert errors["up"] > 0.1, errors
+    elif max(errors.values()) <= 1e-5:
+        warnings.warn(f"jax {jax.__version__} computes the unconstrained FSDP+TP model exactly without the weight "
+                      "gather: see jaxpar._compat.fsdp_gather_spec for retiring it")
+
+
+@pytest.mark.slow   # a lowering (no compile), kept out of the fast set's budget
+def test_the_weight_gather_comes_after_the_cast_to_the_compute_dtype(mesh_factory):
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    policy = jp.Policy.from_string("p=f32,c=bf16,o=f32")
+    state = jp.train.abstract_state(unconstrained_model(np.random.default_rng(0))[1], KEEP_GRADS, mesh=mesh,
+                                    policy=policy)
+    text = jp.train.make_train_step(unconstrained_loss, KEEP_GRADS, mesh=mesh).lower(
+        state, {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)}).as_text()
+    gathers = re.findall(r'sharding_constraint %\w+ <@mesh, \[\{\}, \{"tensor"\}\]> : tensor<(\d+x\d+)x(\w+)>', text)
+    # each weight gathered in the forward, its gradient reduce-scattered by the transpose in the backward
+    assert sorted(gathers) == [("64x256", "bf16")] * 2 + [("64x64", "bf16")] * 2, gathers
+
+
+@pytest.mark.slow   # five 8-device compiles of the GPT's and Llama's steps
+def test_models_that_declare_sharded_activations_compile_without_the_gather(mesh_factory):
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    tx = optax.sgd(0.1)
+
+    def program(model, **kw):   # each computation's instructions (opcode and shape), metadata left out
+        step = jp.train.make_train_step(model.loss, tx, mesh=mesh, **kw)
+        text = step.lower(jp.train.abstract_state(model.init, tx, mesh=mesh),
+                          gpt_batch(np.random.default_rng(2), 8, model.cfg)).compile().as_text()
+        return {name: [(i.opcode, i.shape) for i in instrs] for name, instrs in plan_hlo.parse_module(text)[0].items()}
+
+    programs = {}
+    for model in (GPT(CHECK_CFG), jp.models.Llama(SMALL_LLAMA)):
+        assert model.shards_activations
+        programs[type(model).__name__] = program(model)
+        assert programs[type(model).__name__] == program(model, gather_weights=False), type(model).__name__
+    assert program(GPT(CHECK_CFG), gather_weights=True) != programs["GPT"]
+
+
+@pytest.mark.parametrize("value, error, match", [
+    ("auto", TypeError, r"gather_weights must be None .*, True or False; got 'auto'"),
+    (True, ValueError, r"gather_weights=True applies to the GSPMD step .* not to a jp.pipeline.Pipeline")])
+def test_bad_gather_weights_are_refused_when_the_step_is_built(mesh_factory, value, error, match):
+    mesh, model = mesh_factory(pipe=2), GPT(CHECK_CFG)
+    pipeline = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 2))
+    for build in (lambda: jp.train.make_train_step(pipeline, optax.sgd(0.1), mesh=mesh, gather_weights=value),
+                  lambda: jp.train.make_eval_step(pipeline, mesh=mesh, gather_weights=value)):
+        with pytest.raises(error, match=match):
+            build()

@@ -352,6 +352,7 @@ class GPT:
     ``blocks`` leaves carry a leading ``layers`` axis of size ``num_layers``.
     """
     stage_key = "blocks"
+    shards_activations = True   # every layer constrains its activations by logical names: the step gathers nothing
     Embed, Block, Head = Embed, Block, Head   # the Linen modules (a subclass swaps its own in)
 
     def __init__(self, cfg: GPTConfig):

@@ -83,6 +83,7 @@ def classification_loss(model: MLP):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         acc = (logits.argmax(-1) == batch["y"]).mean()
         return loss, {"accuracy": acc, "weight": jnp.asarray(batch["y"].shape[0], jnp.float32)}
+    loss_fn.shards_activations = True   # the model protocol's declaration: each hidden layer constrains its batch
     return loss_fn
 
 
@@ -94,6 +95,7 @@ class MLPModel:
       mlp: the module (its config).
       features: the input width ``I``.
     """
+    shards_activations = True   # each hidden layer constrains its output's batch dimension (the model protocol)
 
     def __init__(self, mlp: MLP, features: int):
         self.mlp, self.features = mlp, features

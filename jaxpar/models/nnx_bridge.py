@@ -73,6 +73,13 @@ def abstract(make: Callable[[jax.Array], nnx.Module], key: jax.Array) -> tuple[A
     return graphdef, shapes(params), names(params), shapes(rest), names(rest)
 
 
+def module_class(graphdef: Any) -> type | None:
+    """The class of the model ``graphdef`` describes (its root node's type: where a model declares protocol
+    attributes such as ``shards_activations``), or None (no graph definition)."""
+    nodes = getattr(graphdef, "nodes", None)
+    return getattr(nodes[0], "type", None) if nodes else None
+
+
 def merge(graphdef: Any, params: Any, model_state: Any) -> nnx.Module:
     """The model of ``graphdef`` with these params and model state (pure dicts); traceable."""
     return nnx.merge(graphdef, params, model_state if model_state is not None else {})

@@ -14,6 +14,13 @@ Core (every training step):
   ``check_batch(batch) -> None`` (optional): raises ValueError for a host batch ``loss`` cannot take
   (out-of-range token ids, wrong keys or shapes). ``jp.train.make_train_step(model.loss, ...)`` runs it on
   every host batch unless told ``check_batch=None``; device (``jax.Array``) leaves are not pulled back.
+  ``shards_activations`` (attribute, optional, default False): True declares that the model's activations carry
+  logical sharding constraints (``jp.sharding.constrain(x, "batch", ...)`` at least on the batch dimension of
+  each layer's output), so GSPMD places the weight gathers per layer. Without it, on a mesh with ``fsdp > 1`` the
+  train and eval steps gather each FSDP-sharded param whole over ``fsdp`` where the loss starts
+  (``jp.train.make_train_step(..., gather_weights=)``): XLA's partitioner can give wrong gradients for a model
+  with none (:func:`jaxpar._compat.fsdp_gather_spec`). Read from the loss function itself or the object
+  whose bound method it is (``model.loss``); an NNX module class declares it for ``loss_fn(model, ...)``.
 
 Pipeline (``jp.pipeline.Pipeline.from_model``):
   ``stage_key`` (attribute, default ``"blocks"``): the params entry holding the stacked ``[layers, ...]`` leaves.
@@ -139,6 +146,25 @@ def size(model: Any, name: str, feature: str, why: str) -> int:
         raise TypeError(f"{feature} needs the model's {name} (an attribute, or cfg.{name}: {why}); "
                         f"{type(model).__name__} gives {value!r}")
     return value
+
+
+def shards_activations(*declarers: Any) -> bool:
+    """Whether one of ``declarers`` (a loss function, a gradient function, an NNX module class) declares
+    ``shards_activations = True``, on itself or on the object whose bound method it is (``model.loss``).
+
+    Raises:
+      TypeError: a declaration that is not a bool (naming its owner).
+    """
+    for declarer in declarers:
+        for owner in (declarer, getattr(declarer, "__self__", None)):
+            value = getattr(owner, "shards_activations", None)
+            if value is not None and not isinstance(value, bool):
+                name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+                raise TypeError(f"{name}.shards_activations={value!r} must be True (its activations "
+                                "carry logical sharding constraints) or False")
+            if value:
+                return True
+    return False
 
 
 def batch_checker(loss_fn: Any) -> Any:

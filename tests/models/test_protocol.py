@@ -256,3 +256,28 @@ def test_compaction_checks_what_replace_returns(replace, error, match):
     masks = {"blocks": {"mlp": keep}}        # group masks, as jp.pruning.group_masks gives them
     with pytest.raises(error, match=match):
         jp.pruning.compact(params, masks, model)
+
+
+def test_shards_activations_is_read_from_the_loss_its_model_or_an_nnx_class():
+    """Built-in models that constrain their activations declare it; a lambda hides it; a bad value is named."""
+    from flax import nnx
+
+    from jaxpar.models import nnx_bridge, protocol
+    mlp = jp.models.MLP(hidden=(8,))
+    declared = [jp.models.GPT(jp.models.GPTConfig(vocab_size=8, num_layers=1, num_heads=1, d_model=8)).loss,
+                jp.models.Llama(jp.models.LlamaConfig(vocab_size=8, num_layers=1, num_heads=1, d_model=8)).loss,
+                jp.models.MLPModel(mlp, 4).loss, jp.models.classification_loss(mlp)]
+    assert all(protocol.shards_activations(fn) for fn in declared)
+    assert not protocol.shards_activations(MODEL.loss, lambda p, b, r: declared[0](p, b, r), None)
+
+    class Declares(nnx.Module):
+        shards_activations = True
+
+        def __init__(self):
+            self.w = nnx.Param(np.zeros(2, np.float32))
+    graphdef = nnx.graphdef(Declares())
+    assert nnx_bridge.module_class(graphdef) is Declares and nnx_bridge.module_class(None) is None
+    assert protocol.shards_activations(MODEL.loss, nnx_bridge.module_class(graphdef))
+    bad = type("Bad", (), {"shards_activations": "yes", "loss": lambda self, params, batch, rng: None})()
+    with pytest.raises(TypeError, match=r"Bad.shards_activations='yes' must be True \(its activations .*\) or False"):
+        protocol.shards_activations(bad.loss)
