@@ -162,13 +162,17 @@ def _tokenizer_bytes(directory: Path, meta: dict | None) -> bytes | None:
     ``meta`` names.
 
     Raises:
-      ValueError: the file leaves the directory, or its sha256 is not meta.json's ``tokenizer_sha256``.
+      ValueError: the file leaves the directory, is missing although meta.json names its ``tokenizer_sha256``, or
+        its sha256 is not that one.
     """
     path = _member(directory, TOKENIZER, TOKENIZER)
+    want = (meta or {}).get("tokenizer_sha256")
     if not path.is_file():
+        if want is not None:   # the fields it defines could no longer be checked
+            raise ValueError(f"{str(path)!r} is missing, but {META} names its sha256: the directory is incomplete; "
+                             "copy it whole, or run prepare_tokens.py again")
         return None
     raw = path.read_bytes()
-    want = (meta or {}).get("tokenizer_sha256")
     if want is not None and hashlib.sha256(raw).hexdigest() != want:
         raise ValueError(f"{str(path)!r} is not the tokenizer {META} names (its sha256 differs): the directory "
                          "was prepared with another tokenizer; run prepare_tokens.py again")
@@ -221,6 +225,9 @@ def _check_against_tokenizer(meta: dict, meta_path: Path) -> None:
         raise ValueError(f"{str(meta_path)!r}: vocab_size {meta['vocab_size']} is not the vocabulary size "
                          f"{len(ids)} of the tokenizer {where}{again}")
     eod = meta.get("eod_token")
+    if eod is None and meta.get("eod_id") is not None:
+        raise ValueError(f"{str(meta_path)!r} has an eod_id ({meta['eod_id']}) but no eod_token, so the id cannot be "
+                         f"checked against the tokenizer {where}{again}")
     if eod is not None and ids.get(eod) != meta["eod_id"]:
         raise ValueError(f"{str(meta_path)!r}: eod_id {meta['eod_id']} is not the id ({ids.get(eod)}) of its eod_token "
                          f"{eod!r} in the tokenizer {where}{again}")

@@ -310,8 +310,6 @@ def prepare(inputs: Iterable[str | os.PathLike], out: str | os.PathLike, *, form
     _check_prepare_args(inputs, format, tokenizer, train_bpe_vocab, val_fraction, chunk_documents, seed, eod_token)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # meta.json goes first and comes back last: a directory interrupted in between is refused by TokenFile
-    (out / META).unlink(missing_ok=True)
     tok = (train_bpe(documents(inputs, format, field), train_bpe_vocab, eod_token) if train_bpe_vocab
            else load_tokenizer(tokenizer, eod_token))
     tokenizer_text = tok.to_str(pretty=True)
@@ -405,6 +403,9 @@ def _write_splits(out: Path, chunks, dtype: str, vocab_size: int, val_fraction: 
                 os.remove(f.name)
         if bar is not None:
             bar.close()
+    # meta.json goes before the first file is replaced and comes back last: a directory interrupted in between is
+    # refused by TokenFile, and a refused or failed run leaves the previous directory whole
+    (out / META).unlink(missing_ok=True)
     for s in SPLITS:
         os.replace(out / f"{s}.bin.tmp", out / f"{s}.bin")
     return counts

@@ -277,6 +277,14 @@ def test_meta_fields_are_checked_against_the_tokenizer(tmp_path):
         (d / "meta.json").write_text(json.dumps(edited))
         with pytest.raises(ValueError, match=r"meta.json': " + pattern):
             jp.data.TokenFile(d)
+    # the checks cannot be dodged by dropping what they read: the eod_token, or the tokenizer meta.json pins
+    (d / "meta.json").write_text(json.dumps({k: v for k, v in {**meta, "eod_id": 1}.items() if k != "eod_token"}))
+    with pytest.raises(ValueError, match=r"has an eod_id \(1\) but no eod_token"):
+        jp.data.TokenFile(d)
+    (d / "meta.json").write_text(json.dumps({**meta, "vocab_size": 50_000}))
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer.json' is missing, but meta.json names its sha256"):
+        jp.data.TokenFile(d)
 
 
 def user_tokenizers(docs: list[str]):

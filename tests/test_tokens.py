@@ -255,13 +255,14 @@ def test_entry_point_without_the_data_extra_names_it():
         "pip install 'jaxpar[data]' (from a checkout: pip install -e '.[data]')"), out.stderr[-2000:]
 
 
-def test_an_ordinary_token_as_eod_and_an_interrupted_rerun_are_refused(tmp_path):
-    """A given tokenizer's ordinary token as the eod token would end documents at every occurrence; a rerun that
-    fails halfway leaves no meta.json, so TokenFile refuses the directory instead of pairing old bins and a new
-    tokenizer."""
+def test_an_ordinary_token_as_eod_is_refused_and_a_failed_rerun_leaves_the_directory_whole(tmp_path):
+    """A given tokenizer's ordinary token as the eod token would end documents at every occurrence; a rerun into
+    an existing directory that fails halfway (bad input) or is refused (no documents) leaves the previous
+    directory whole: it opens with the same tokens and tokenizer, never old bins beside a new tokenizer."""
     (tmp_path / "a.txt").write_text("".join(f"line {i} of some text\n\n" for i in range(60)))
     tokens.prepare([tmp_path / "a.txt"], tmp_path / "out", train_bpe_vocab=300, val_fraction=0.2, workers=1,
                    progress=False)
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in ("meta.json", "tokenizer.json", "train.bin")}
     with pytest.raises(ValueError, match=r"'e' is an ordinary token"):
         tokens.prepare([tmp_path / "a.txt"], tmp_path / "other", tokenizer=tmp_path / "out" / "tokenizer.json",
                        eod_token="e", progress=False)
@@ -269,6 +270,9 @@ def test_an_ordinary_token_as_eod_and_an_interrupted_rerun_are_refused(tmp_path)
     with pytest.raises(ValueError, match="not UTF-8"):
         tokens.prepare([tmp_path / "a.txt", tmp_path / "bad.txt"], tmp_path / "out", train_bpe_vocab=280,
                        val_fraction=0.2, workers=1, progress=False)
-    assert not (tmp_path / "out" / "meta.json").exists()
-    with pytest.raises(ValueError, match="meta.json"):
-        jp.data.TokenCorpus(tmp_path / "out")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="the inputs hold no documents"):
+        tokens.prepare([tmp_path / "empty.txt"], tmp_path / "out", tokenizer=tmp_path / "out" / "tokenizer.json",
+                       val_fraction=0.2, workers=1, progress=False)
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+    assert len(jp.data.TokenFile(tmp_path / "out", "train")) == len(before["train.bin"]) // 2   # uint16 ids

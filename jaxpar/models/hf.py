@@ -353,8 +353,9 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     earlier checkpoint (a stale index or shard) survives next to the new one. A save killed on the way (``kill
     -9``) is recovered by the next ``save`` or :func:`load` of ``dir``: its temporary directory is removed and a
     previous checkpoint it left aside is renamed back, once the process that wrote them (``<owner>``: host,
-    process id and start time) no longer runs. Other files of an existing ``dir`` (a tokenizer's,
-    ``generation_config.json``) are kept, as are those of ``like``.
+    process id and start time) no longer runs. Other files and folders of an existing ``dir`` (a tokenizer's,
+    ``generation_config.json``, an export in a subfolder) are kept, as are those of ``like``. A ``dir`` that is a
+    link to a directory stays a link: the checkpoint is written to its target.
 
     Args:
       like: a Hugging Face checkpoint directory (e.g. the one fine-tuned): its ``bos_token_id``, ``eos_token_id``
@@ -372,6 +373,7 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     if isinstance(cfg, GPTConfig) and cfg.positions != "learned":
         raise ValueError("a GPT with positions='rotary' has no GPT-2 checkpoint (GPT-2 learns its positions); "
                          "save a GPTConfig(positions='learned') model")
+    dir = os.path.realpath(dir)   # a link to a checkpoint stays a link: the save goes to (and swaps) its target
     hf_files.recover(dir)
     if os.path.exists(dir) and not os.path.isdir(dir):
         raise ValueError(f"{dir!r} is a file; save writes a checkpoint directory there: pass a directory path")
@@ -399,7 +401,12 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
         for source in (like, dir):   # the tokenizer and other files of the source and of the old checkpoint
             if source is not None and os.path.isdir(source):
                 for f in os.listdir(source):
-                    if not _WEIGHTS.match(f) and os.path.isfile(os.path.join(source, f)):
+                    if _WEIGHTS.match(f):
+                        continue
+                    if os.path.isdir(os.path.join(source, f)):   # copied as it is: links stay links, none is read
+                        shutil.rmtree(os.path.join(tmp, f), ignore_errors=True)   # the later source's wins
+                        shutil.copytree(hf_files.inside(source, f, repr(source)), os.path.join(tmp, f), symlinks=True)
+                    elif os.path.isfile(os.path.join(source, f)):
                         shutil.copy2(hf_files.inside(source, f, repr(source)), os.path.join(tmp, f))
         for name, keys in zip(names, shards):
             save_file({k: np.ascontiguousarray(tensors[k]()) for k in keys}, os.path.join(tmp, name),

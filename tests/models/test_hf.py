@@ -36,15 +36,26 @@ def _checkpoint(tmp_path, name: str = "ck", seed: int = 0, **save_kwargs) -> str
 
 def test_save_replaces_a_checkpoint_whole_and_keeps_other_files(tmp_path):
     """A single-file save over a sharded checkpoint leaves no index or shard behind (either loader would pick the
-    stale one); a tokenizer file in the directory survives; no temporary directory is left."""
+    stale one); a tokenizer file and a subfolder (with a link in it, kept as a link) in the directory survive; no
+    temporary directory is left. A save through a link to the checkpoint writes the link's target and keeps the
+    link."""
     path = _checkpoint(tmp_path, seed=1, max_shard_bytes=20_000)
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     open(os.path.join(path, "tokenizer.json"), "w").write("{}")
+    os.makedirs(os.path.join(path, "onnx"))
+    open(os.path.join(path, "onnx", "model.onnx"), "w").write("exported")
+    os.symlink("/etc/hostname", os.path.join(path, "onnx", "link"))
     hf.save(Llama(CFG), _params(2), path)
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "onnx", "tokenizer.json"]
+    assert open(os.path.join(path, "onnx", "model.onnx")).read() == "exported"
+    assert os.readlink(os.path.join(path, "onnx", "link")) == "/etc/hostname"
     want = np.asarray(Llama(CFG).apply(_params(2), TOKENS))
     np.testing.assert_array_equal(_logits(path), want)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+    os.symlink(path, tmp_path / "link")
+    hf.save(Llama(CFG), _params(3), str(tmp_path / "link"))
+    assert os.path.islink(tmp_path / "link") and sorted(os.listdir(tmp_path)) == ["ck", "link"]
+    np.testing.assert_array_equal(_logits(path), np.asarray(Llama(CFG).apply(_params(3), TOKENS)))
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
