@@ -262,7 +262,9 @@ class GrainBatches:
 
 def _check_like(value: Any, template: Any, shard: str, field: str) -> None:
     """ValueError unless ``value`` has ``template``'s structure: the same dict keys, sequences of the same length,
-    leaves of the same type (an int is never a bool); the message names ``shard`` and the field."""
+    leaves of the same type (an int is never a bool), no int below -1; the message names ``shard`` and the field.
+    Values within those bounds are left to grain (a count far beyond the data makes its ``set_state`` replay that
+    many elements)."""
     def bad(what: str) -> ValueError:
         return ValueError(f"the restored data state's {shard} is not a shard state of this pipeline: {what}; pass "
                           "a state GrainBatches.get_state() returned for this pipeline")
@@ -285,6 +287,8 @@ def _check_like(value: Any, template: Any, shard: str, field: str) -> None:
             _check_like(v, t, shard, f"{field}[{i}]")
     elif isinstance(value, bool) != isinstance(template, bool) or not isinstance(value, type(template)):
         raise bad(f"{where} is {value!r:.80} of type {type(value).__name__}, expected type {type(template).__name__}")
+    elif isinstance(value, int) and not isinstance(value, bool) and value < -1:   # -1: grain's "none" marker
+        raise bad(f"{where} is {value}: grain's positions and counts are never below -1")
 
 
 def _tuples(state: Any) -> Any:

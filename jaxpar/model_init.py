@@ -82,7 +82,9 @@ def describe(init_fn: Any, rng: jax.Array, mesh: Mesh) -> ModelInit:
     make = nnx_bridge.module_fn(init_fn)
     if make is None:
         with shd.use_for_init(mesh), nnx.use_eager_sharding(False):
-            boxed = jax.eval_shape(init_fn, rng)
+            # a new function each time: jax caches eval_shape's trace by function, and what init_fn builds
+            # depends on the fp8 recipe in context (fp8 meta state under dot=fp8 only)
+            boxed = jax.eval_shape(lambda r: init_fn(r), rng)
         if nnx_bridge.is_module(boxed):        # a function of a key that builds an NNX model
             make = init_fn
     if make is not None:

@@ -559,3 +559,19 @@ def test_llama_fp8_on_data_and_fsdp_equals_one_device_when_xla_keeps_bf16_roundi
         for step, r in steps.items():
             assert r["meta_max_abs"] == (0.0 if name.startswith("fp8 ") else None), (name, step)
             assert r["worst_rel"] <= 2e-2, (name, step, r["worst_leaf"], r["worst_rel"])
+
+
+def test_one_init_function_builds_each_recipes_state(mesh_factory):
+    """The fp8 meta state an init function builds depends on the recipe in context (delayed scaling only), so
+    the same function (jax caches traces by function) described under dot=fp8 and under dot=fp8_current, in
+    either order, holds meta state and none (init_state builds the state from this description)."""
+    from jaxpar import model_init
+    x = np.random.default_rng().normal(size=(1, 8)).astype(np.float32)
+
+    def init(r):
+        return OneLayer().init(r, x)
+    for order in (("fp8", "fp8_current"), ("fp8_current", "fp8")):
+        for dot in order:
+            with fp8.using(jp.Policy.from_string(f"p=f32,c=bf16,o=f32,dot={dot}")):
+                meta = model_init.describe(init, jax.random.key(0), mesh_factory(data=2)).fp8_shapes
+            assert (meta is None) == (dot == "fp8_current"), (order, dot, jax.tree.structure(meta))

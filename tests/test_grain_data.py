@@ -290,6 +290,29 @@ def test_a_garbage_shard_state_is_refused_whole_naming_the_shard_and_field():
                                          r"\(the shard state has \['foo'\]"):
         b.set_state(state)
     assert b.step == 2
+    good = json.loads(json.dumps(b.get_state()))
+    paths = []
+
+    def ints(x, path):   # every int field of shard 1's state, by path
+        if isinstance(x, dict):
+            for k, v in x.items():
+                ints(v, (*path, k))
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                ints(v, (*path, i))
+        elif isinstance(x, int) and not isinstance(x, bool):
+            paths.append(path)
+    ints(good["shards"][1], ())
+    assert paths
+    for path in paths:   # a position or count below -1 (grain's marker) is refused, naming the field
+        bad = json.loads(json.dumps(good))
+        leaf = bad["shards"][1]
+        for k in path[:-1]:
+            leaf = leaf[k]
+        leaf[path[-1]] = -10 ** 6
+        with pytest.raises(ValueError, match=r"shard 1 is not a shard state of this pipeline: field .* is -1000000"):
+            b.set_state(bad)
+    assert b.step == 2
     got, want = b.local_batch(), twin.local_batch()
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
