@@ -511,7 +511,8 @@ def test_models_that_declare_sharded_activations_compile_without_the_gather(mesh
 
 @pytest.mark.parametrize("value, error, match", [
     ("auto", TypeError, r"gather_weights must be None .*, True or False; got 'auto'"),
-    (True, ValueError, r"gather_weights=True applies to the GSPMD step .* not to a jp.pipeline.Pipeline")])
+    (True, ValueError, r"gather_weights=True applies to the GSPMD step .* not to a jp.pipeline.Pipeline")],
+    ids=["not_a_bool", "true_with_a_pipeline"])
 def test_bad_gather_weights_are_refused_when_the_step_is_built(mesh_factory, value, error, match):
     mesh, model = mesh_factory(pipe=2), GPT(CHECK_CFG)
     pipeline = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 2))
