@@ -71,12 +71,14 @@ def fsdp_gather_spec(spec: Any) -> Any:
     When the oldest supported jax computes ``tests/test_train.py``'s unconstrained model exactly without it (its
     test records the unguarded error): make the steps' ``gather_weights`` default False, then delete it.
     """
+    from jaxpar.reports import entry_axes
+
     def without_fsdp(entry):   # None, an axis name, a tuple of them (or UNCONSTRAINED, kept)
         if not isinstance(entry, (str, tuple)):
             return entry
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != "fsdp")
+        kept = tuple(a for a in entry_axes(entry) if a != "fsdp")
         return kept[0] if len(kept) == 1 else kept or None
-    if spec is None or not any(e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e) for e in spec):
+    if spec is None or not any("fsdp" in entry_axes(e) for e in spec if isinstance(e, (str, tuple))):
         return None
     return type(spec)(*map(without_fsdp, spec))
 

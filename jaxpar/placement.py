@@ -41,6 +41,7 @@ from flax.linen import spmd as linen_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import sharding as shd
+from jaxpar.reports import entry_axes
 
 AUTO_FSDP_MIN_SIZE = 2**12
 """Elements below which automatic FSDP leaves a param replicated (a bias, a norm scale): gathering it would cost
@@ -70,7 +71,7 @@ def _auto_spec(shape: tuple[int, ...], mesh: Mesh, min_size: int, spec: P = P(),
     already split over ``fsdp``; None when nothing is added."""
     n = mesh.shape.get("fsdp", 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    taken = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    taken = {a for e in entries for a in entry_axes(e)}
     if n == 1 or "fsdp" in taken or math.prod(shape) < min_size:
         return None
     dims = [d for d in (range(len(shape)) if free is None else free) if entries[d] is None and shape[d] % n == 0]

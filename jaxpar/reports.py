@@ -37,12 +37,19 @@ class LeafReport:
     axes: tuple[str, ...] = ()
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry: None -> (), ``'fsdp'`` -> ('fsdp',), a tuple as it is."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _split_axes(sharding: Any) -> tuple[str, ...]:
     """The mesh axes of size > 1 a ``NamedSharding`` splits its array over (in spec order); () for any other."""
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if spec is None or mesh is None:
         return ()
-    axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    axes = [a for e in spec for a in entry_axes(e)]
     return tuple(a for a in axes if dict(mesh.shape).get(a, 1) > 1)
 
 
