@@ -35,7 +35,7 @@ import optax  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
 from jaxpar.models import GPT, GPTConfig  # noqa: E402
-from jaxpar.pruning.structure import make_plans  # noqa: E402
+from jaxpar.pruning.paths import make_plans  # noqa: E402
 
 
 def optimizer(args, names, pruning=None):

@@ -33,7 +33,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
-from jaxpar import tokens  # noqa: E402
+from jaxpar.data import prepare as tokens  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import build  # noqa: E402

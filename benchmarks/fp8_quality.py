@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxpar.metrics import read_jsonl  # noqa: E402
+from jaxpar.tools.metrics import read_jsonl  # noqa: E402
 
 PRECISIONS = ("bf16", "fp8", "fp8_current")
 

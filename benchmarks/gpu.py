@@ -13,7 +13,7 @@ vocabulary 50257 padded to 50304, sequence 1024): ``125M`` 12 layers x d=768 (12
   ``jax.nn.dot_product_attention``; ``"blocked"`` off GPU), ``scan_layers=True`` (compile time);
 * jaxpar fp8 (``--policies``, default all): the same step under ``"p=f32,c=bf16,o=f32,dot=fp8"`` (delayed scaling,
   ``jaxpar_fp8``) and ``dot=fp8_current`` (``jaxpar_fp8_current``): the attention projections and the MLP in
-  fp8 (``jaxpar.fp8``); the JSON gives each one's fp8 dots in the lowered step and its speed over bf16's;
+  fp8 (``jaxpar.precision.fp8``); the JSON gives each one's fp8 dots in the lowered step and its speed over bf16's;
 * PyTorch: ``benchmarks/torch_gpt.py``'s module (``scaled_dot_product_attention``, causal) under
   ``torch.autocast(bfloat16)``, ``torch.compile``d, ``torch.optim.AdamW(fused=True)`` on CUDA, the same
   clipping and schedule.

@@ -6,7 +6,7 @@ Prints one JSON object. For each mesh (``dpt``: data=2 x pipe=2 x tensor=2; ``dp
 each number of microbatches ``m`` and each communication path, the GPT train step
 (``jp.train.make_train_step(Pipeline(model.embed, model.stage, model.head_loss, one_f_one_b(2, m)), sgd)``,
 4 layers, d_model 64, microbatch of 8 rows x 16 tokens) is compiled and its optimized HLO read
-(:func:`collectives`, through :func:`jaxpar.plan.hlo.collective_sites`):
+(:func:`collectives`, through :func:`jaxpar._hlo.collective_sites`):
 
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), whether it runs
   inside the pipeline's tick loop (a ``while`` body, or a computation called from one) or outside, the mesh
@@ -41,7 +41,7 @@ import optax
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.plan.hlo import collective_sites
+from jaxpar._hlo import collective_sites
 
 CFG = GPTConfig(vocab_size=61, num_layers=4, num_heads=4, d_model=64, max_seq_len=16)
 MICROBATCH_ROWS = 8
@@ -50,7 +50,7 @@ PATHS = {"action": {"_comm": "action"}, "step": {"fsdp_gather": "step"}, "step-a
 
 
 def collectives(hlo: str, mesh) -> list[dict]:
-    """Every collective of a compiled module (:func:`jaxpar.plan.hlo.collective_sites`): op, where (``loop`` /
+    """Every collective of a compiled module (:func:`jaxpar._hlo.collective_sites`): op, where (``loop`` /
     ``outside``), mesh axes, replica groups, bytes, executed bytes per step, whether its result is a scalar."""
     return [{"op": c.kind, "where": "loop" if c.loop_depth else "outside", "axes": "+".join(c.axes),
              "groups": str(c.groups[:4]), "bytes": c.bytes, "executed_bytes": c.bytes * c.runs, "scalar": c.scalar}

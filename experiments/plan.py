@@ -153,7 +153,7 @@ def table(plans) -> str:
 
 
 def plot(plans, path):
-    from jaxpar.plot import _figure  # matplotlib, imported only here
+    from jaxpar.tools.plot import _figure  # matplotlib, imported only here
     fig, ax = _figure((max(6, len(plans) * 0.7), 4))
     names = [f"d{p.mesh['data']}p{p.mesh['pipe']}f{p.mesh['fsdp']}t{p.mesh['tensor']} {p.model['remat']}"
              + (f" {p.schedule}" if p.schedule else "") for p in plans]

@@ -1,7 +1,7 @@
 """Tokenizes a corpus of documents into a token directory that ``charlm.py --data-dir`` and ``jp.data.TokenFile``
 read: ``train.bin``, ``val.bin`` (flat uint16/uint32 token streams, nanoGPT's format, one end-of-document token
 after each document), ``tokenizer.json`` and ``meta.json`` (vocabulary, dtype, token/document/byte counts per split,
-sources, tokenizer hash). The logic is ``jaxpar.tokens.prepare``; see its docstring for what a document is.
+sources, tokenizer hash). The logic is ``jaxpar.data.prepare.prepare``; see its docstring for what a document is.
 
 Command (CPython's own documentation as the corpus, a byte-level BPE of 1024 ids trained here)::
 
@@ -25,7 +25,7 @@ experiment.require_extra("experiments/prepare_tokens.py")  # a core-only install
 experiment.require_extra("experiments/prepare_tokens.py", "data")
 import tyro  # noqa: E402  (after the checks above)
 
-from jaxpar import tokens  # noqa: E402
+from jaxpar.data import prepare as tokens  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,12 +66,12 @@ def fsdp_gather_spec(spec: Any) -> Any:
     compiled program swaps batch shards between devices 2 and 4, 3 and 5 by collective-permutes and never swaps
     them back. Other mesh shapes are exact, and so is the same program with the hidden activation's batch
     dimension constrained, or with every param gathered over ``fsdp`` first (this spec). The train and eval steps apply it
-    (:func:`jaxpar.grads.gather_weights`) unless the model declares ``shards_activations``.
+    (:func:`jaxpar.train.grads.gather_weights`) unless the model declares ``shards_activations``.
 
     When the oldest supported jax computes ``tests/test_train.py``'s unconstrained model exactly without it (its
     test records the unguarded error): make the steps' ``gather_weights`` default False, then delete it.
     """
-    from jaxpar.reports import entry_axes
+    from jaxpar.sharding.report import entry_axes
 
     def without_fsdp(entry):   # None, an axis name, a tuple of them (or UNCONSTRAINED, kept)
         if not isinstance(entry, (str, tuple)):

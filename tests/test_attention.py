@@ -1,4 +1,4 @@
-"""Context parallelism (:mod:`jaxpar.attention`): the zigzag layout, the ring and all-gather kernels against a
+"""Context parallelism (:mod:`jaxpar.layers.attention`): the zigzag layout, the ring and all-gather kernels against a
 dense softmax attention written here, each device's work, and the GPT (and a model written here) trained over a
 ``context`` mesh axis against the single-device float32 step.
 
@@ -21,9 +21,9 @@ from helpers import assert_scalar_close, assert_tree_close, gpt_pipeline
 from jax.sharding import AxisType
 
 import jaxpar as jp
-from jaxpar import attention as cp
+from jaxpar.layers import attention as cp
 from jaxpar.models import GPTConfig, LlamaConfig
-from jaxpar.plan.hlo import collective_sites
+from jaxpar._hlo import collective_sites
 
 SEED = 5
 

@@ -155,7 +155,7 @@ def test_kv_cache_script_tiny():
 def test_data_script_tiny(tmp_path):
     """benchmarks/data.py on a tiny job: TokenFile batches of both orders timed, the main-job step run through
     jp.loop.run with its data time measured inside, the ratio the issue asks for."""
-    from jaxpar import tokens
+    from jaxpar.data import prepare as tokens
     import data as data_benchmark
     (tmp_path / "a.txt").write_text("".join(f"paragraph {i}: " + "some words here " * (i % 9 + 1) + "\n\n"
                                             for i in range(400)))

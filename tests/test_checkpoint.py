@@ -1,4 +1,4 @@
-"""jaxpar/checkpoint.py: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
+"""jaxpar/train/checkpoint.py: resume parity after SIGKILL, reshard on restore, preemption, crashes mid-save, bad input.
 
 The training job is ``tests/ckpt_worker.py`` (small GPT on data=2 x fsdp=2 x tensor=2, mixed fp16 with
 dynamic loss scaling, magnitude pruning), run in this process or as a subprocess that a test kills.
@@ -411,9 +411,9 @@ def test_second_sigterm_exits_at_once(tmp_path):
     script = textwrap.dedent("""
         import os, sys
         sys.path.insert(0, "tests")
-        import jaxpar.loop
+        import jaxpar.train.loop
         from ckpt_worker import sigterm_pipe
-        handler = jaxpar.loop.PreemptionHandler()
+        handler = jaxpar.train.loop.PreemptionHandler()
         handled = sigterm_pipe()  # chained onto jaxpar's handler
         print("SYNC ready", flush=True)
         os.read(handled, 1)  # the first SIGTERM was handled

@@ -1,4 +1,4 @@
-"""jaxpar/data.py: step-indexed data (deterministic batches, shifted targets, the default corpus, digits, row
+"""jaxpar/data/corpora.py: step-indexed data (deterministic batches, shifted targets, the default corpus, digits, row
 slicing) and the text files it refuses, each with a clear error naming the file."""
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
 @pytest.fixture(scope="module")
 def token_dir(tmp_path_factory):
     """A slice of CPython's documentation as a token directory (byte-level BPE of 300 ids, 10% validation)."""
-    from jaxpar import tokens
+    from jaxpar.data import prepare as tokens
     tmp = tmp_path_factory.mktemp("tokens")
     text = jp.data.default_text()
     (tmp / "pydoc.txt").write_text(text[:text.index("\n\n", 120_000)])

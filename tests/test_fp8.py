@@ -1,4 +1,4 @@
-"""jaxpar.fp8: fp8 matmuls with per-tensor scaling, chosen by the policy (``dot=fp8`` / ``dot=fp8_current``).
+"""jaxpar.precision.fp8: fp8 matmuls with per-tensor scaling, chosen by the policy (``dot=fp8`` / ``dot=fp8_current``).
 
 References are independent of jaxpar: a numpy quantize (saturating, with the scale) -> exact product ->
 dequantize written here with ml_dtypes' fp8 casts; amax histories and scales computed by hand on one-layer
@@ -25,7 +25,7 @@ from flax import linen as nn
 from flax import nnx
 
 import jaxpar as jp
-from jaxpar import fp8
+from jaxpar.precision import fp8
 from jaxpar.models import GPT, GPTConfig, LlamaConfig
 
 from helpers import assert_scalar_close, assert_tree_close, gpt_batch
@@ -565,7 +565,7 @@ def test_one_init_function_builds_each_recipes_state(mesh_factory):
     """The fp8 meta state an init function builds depends on the recipe in context (delayed scaling only), so
     the same function (jax caches traces by function) described under dot=fp8 and under dot=fp8_current, in
     either order, holds meta state and none (init_state builds the state from this description)."""
-    from jaxpar import model_init
+    from jaxpar.train import model_init
     x = np.random.default_rng().normal(size=(1, 8)).astype(np.float32)
 
     def init(r):

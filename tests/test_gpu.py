@@ -15,7 +15,7 @@ import jax
 import pytest
 
 import jaxpar as jp
-from jaxpar import gpu
+from jaxpar.tools import gpu
 
 USER = "--xla_force_host_platform_device_count=8 --xla_gpu_all_gather_combine_threshold_bytes=1024"
 

@@ -1,4 +1,4 @@
-"""jaxpar/grads.py: gradient functions (``jp.grads.value_and_grad``, ``accumulate``), the ``loss_fn`` output and
+"""jaxpar/train/grads.py: gradient functions (``jp.grads.value_and_grad``, ``accumulate``), the ``loss_fn`` output and
 batch-size checks, and gradient accumulation (weighted means over strided microbatches).
 
 * a step built from ``jp.grads.value_and_grad(loss_fn)`` (and ``jp.grads.accumulate`` of it) gives results

@@ -1,4 +1,4 @@
-"""jp.data.grain_batches (jaxpar/grain_data.py): packing against a reference written here, process sharding,
+"""jp.data.grain_batches (jaxpar/data/grain_pipeline.py): packing against a reference written here, process sharding,
 exact resume through the checkpoint (also on another mesh and from 2 processes to 1), and clear errors.
 
 The packing reference re-implements first-fit and concat-then-split packing in plain Python over the document
@@ -20,8 +20,8 @@ import pytest
 import grain_worker as worker
 import jaxpar as jp
 from helpers import launch
-from jaxpar import tokens
-from jaxpar.grain_data import KEYS
+from jaxpar.data import prepare as tokens
+from jaxpar.data.grain_pipeline import KEYS
 
 L = 8
 

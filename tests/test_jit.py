@@ -1,4 +1,4 @@
-"""jaxpar/jit.py: a step compiled on a mesh follows its inputs' shardings and refuses arrays donated to an
+"""jaxpar/train/_jit.py: a step compiled on a mesh follows its inputs' shardings and refuses arrays donated to an
 earlier call (jaxlib 0.10's CPU client can segfault on them) with a clear error."""
 
 from __future__ import annotations

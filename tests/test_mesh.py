@@ -1,4 +1,4 @@
-"""jaxpar/mesh.py: ``jp.make_mesh`` (axis names and order, -1 fill, Auto axis types, device subsets, validation),
+"""jaxpar/sharding/mesh.py: ``jp.make_mesh`` (axis names and order, -1 fill, Auto axis types, device subsets, validation),
 its hybrid form (the 8 simulated CPU devices grouped into fake hosts, axes split within/across hosts), host
 groups, and ``jp.initialize_distributed`` on its own.
 
@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import jaxpar as jp
-from jaxpar.mesh import host_groups, make_hybrid_mesh, split_axes
+from jaxpar.sharding.mesh import host_groups, make_hybrid_mesh, split_axes
 
 
 AXES = ("data", "pipe", "fsdp", "context", "tensor")

@@ -1,4 +1,4 @@
-"""jaxpar/metrics.py: datasheet peak FLOPs, the matmul measurement, MFU and throughput."""
+"""jaxpar/tools/metrics.py: datasheet peak FLOPs, the matmul measurement, MFU and throughput."""
 
 from __future__ import annotations
 

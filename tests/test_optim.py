@@ -1,4 +1,4 @@
-"""jaxpar/optim.py: weight decay reaches every weight matrix, decided by what a leaf is (logical names), not its
+"""jaxpar/train/optim.py: weight decay reaches every weight matrix, decided by what a leaf is (logical names), not its
 leaf name; the learning-rate schedule; adamw's argument checks.
 
 The check is the AdamW update itself: with zero gradients optax's AdamW moves a decayed leaf by exactly

@@ -220,7 +220,7 @@ def test_readme_public_api_is_the_packages_all():
     assert api_mismatches(listed_api(readme), exported()) == []
     broken = readme.replace("* `jp.optim`: adamw, decay_mask", "* `jp.optim`: adamw")
     assert api_mismatches(listed_api(broken), exported()) == [
-        "jaxpar.optim: README ['adamw'] != __all__ ['adamw', 'decay_mask']"]
+        "jaxpar.train.optim: README ['adamw'] != __all__ ['adamw', 'decay_mask']"]
 
 
 def test_each_public_name_is_exported_once():
@@ -264,9 +264,9 @@ def code_map_mismatches(listed: list[str], package: Path) -> list[str]:
 def test_readme_code_map_names_every_module():
     readme = (ROOT / "README.md").read_text()
     assert code_map_mismatches(mapped_files(readme), PACKAGE) == []
-    broken = readme.replace("* `jaxpar/plan/hlo.py`:", "* `jaxpar/plan_hlo.py`:")
+    broken = readme.replace("* `jaxpar/_hlo.py`:", "* `jaxpar/plan_hlo.py`:")
     assert code_map_mismatches(mapped_files(broken), PACKAGE) == [
-        "Code map names jaxpar/plan_hlo.py, which does not exist", "Code map does not name jaxpar/plan/hlo.py"]
+        "Code map names jaxpar/plan_hlo.py, which does not exist", "Code map does not name jaxpar/_hlo.py"]
 
 
 @pytest.mark.parametrize("section", ["Public API", "Code map"])

@@ -1,4 +1,4 @@
-"""jaxpar/plot.py: every figure the notebooks draw, and the pipeline schedule's Gantt chart."""
+"""jaxpar/tools/plot.py: every figure the notebooks draw, and the pipeline schedule's Gantt chart."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""jaxpar/precision.py: mixed-precision policies and loss scaling, their argument checks, and their use in
+"""jaxpar/precision/policy.py: mixed-precision policies and loss scaling, their argument checks, and their use in
 the train step, numerically against plain JAX + optax.
 
 In the numeric section every reference is written in the test: ``jax.value_and_grad`` of the loss on one device
@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.precision import (DynamicLossScale, LossScaleState, NoOpLossScale, Policy, StaticLossScale,
-                              loss_scaling)
+from jaxpar import Policy
+from jaxpar.precision import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale, loss_scaling
 
 from helpers import SMALL_GPT, assert_scalar_close, assert_tree_close, gpt_batch, mlp_batch, mlp_parts
 

@@ -1,4 +1,4 @@
-"""jaxpar/sharding.py: logical rules -> PartitionSpecs, rule and divisibility validation, activation constraints,
+"""jaxpar/sharding/rules.py: logical rules -> PartitionSpecs, rule and divisibility validation, activation constraints,
 and optimizer-state shardings for the optimizers users pass (jaxpar issue #12 item 3).
 
 ``jp.sharding.opt_state_shardings`` gives every leaf of ``tx.init(params)`` a sharding from the parameter its

@@ -1,4 +1,4 @@
-"""jaxpar/token_file.py (``jp.data.TokenFile``, ``jp.data.TokenCorpus``): memory-mapped token streams as
+"""jaxpar/data/token_file.py (``jp.data.TokenFile``, ``jp.data.TokenCorpus``): memory-mapped token streams as
 step-indexed batches, checked on open; exact resume through a SIGTERM.
 
 Token files here are written by the test itself (numpy ``tofile`` and a hand-written meta.json in the format
@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import jaxpar as jp
-from jaxpar import tokens
+from jaxpar.data import prepare as tokens
 from helpers import launch
 
 BYTES_PER_TOKEN = 3

@@ -1,4 +1,4 @@
-"""jaxpar/tokens.py and experiments/prepare_tokens.py: documents (txt, JSON lines, parquet) into token files.
+"""jaxpar/data/prepare.py and experiments/prepare_tokens.py: documents (txt, JSON lines, parquet) into token files.
 
 The references are ``tokenizers``' own encoding of each document (from the saved tokenizer.json) plus one
 end-of-document id, documents split out of the text by a regular expression written here, and the inputs the
@@ -14,7 +14,7 @@ import pytest
 from helpers import load_script
 
 import jaxpar as jp
-from jaxpar import tokens
+from jaxpar.data import prepare as tokens
 
 tk = pytest.importorskip("tokenizers")
 pq = pytest.importorskip("pyarrow.parquet")

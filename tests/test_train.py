@@ -1,4 +1,4 @@
-"""jaxpar/train.py: the train state (``init_state`` / ``abstract_state``), ``make_train_step`` and
+"""jaxpar/train/step.py: the train state (``init_state`` / ``abstract_state``), ``make_train_step`` and
 ``make_eval_step``, what they check before tracing, lowering from shapes, and the rng a ``loss_fn`` gets.
 
 Evaluation and randomness are checked against losses computed here. The loss_fn is the suite's MLP classifier
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.plan import hlo as plan_hlo
+from jaxpar import _hlo as plan_hlo
 
 
 # ------------------------------------------------------------------------------- init_state, abstract_state

@@ -27,12 +27,13 @@ import jax
 import optax
 
 from jaxpar import pruning
-from jaxpar.loop import Hook
-from jaxpar.mesh import describe, make_mesh
-from jaxpar.metrics import MetricsWriter, Throughput
-from jaxpar.precision import DynamicLossScale, Policy, loss_scaling
+from jaxpar.train.loop import Hook
+from jaxpar.sharding.mesh import describe, make_mesh
+from jaxpar.tools.metrics import MetricsWriter, Throughput
+from jaxpar.precision.loss_scale import DynamicLossScale, loss_scaling
+from jaxpar.precision.policy import Policy
 from jaxpar._optional import require, require_extra
-from jaxpar.checks import positive_int
+from jaxpar._validate import positive_int
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
 
@@ -127,7 +128,7 @@ class PrecisionConfig:
     """Mixed precision: the policy, and dynamic loss scaling for float16."""
     precision: Literal["f32", "bf16", "fp16", "fp8", "fp8_current"] = "f32"
     """bf16: params f32, compute bf16; fp16: the same + dynamic loss scaling; fp8: bf16 with the dense matmuls in
-    fp8, delayed scaling (amax history); fp8_current: the same with current scaling (jaxpar.fp8)"""
+    fp8, delayed scaling (amax history); fp8_current: the same with current scaling (jaxpar.precision.fp8)"""
     matmul_precision: Literal["default", "tf32", "fp32", "bf16"] = "default"  # float32 matmuls, GPU only
                                    # (jp.gpu): tf32 (JAX's GPU default), fp32 (TF32 off), bf16
 

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from jaxpar.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxpar.sharding.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
 def free_port() -> int:

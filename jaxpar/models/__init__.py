@@ -1,12 +1,12 @@
-"""Models and the protocol every model provides (:mod:`jaxpar.models.protocol`): a Megatron-split MLP
+"""Models and the protocol every model provides (:mod:`jaxpar.protocol`): a Megatron-split MLP
 classifier, a decoder-only GPT and a Llama-family decoder (Hugging Face checkpoints in and out:
 :mod:`jaxpar.models.hf`), with logical axis names, and generation for any model of the protocol."""
-from jaxpar.models import hf  # noqa: F401 (jp.models.hf; safetensors loads only when a checkpoint is read)
+from jaxpar.models import hf  # safetensors loads only when a checkpoint is read
 from jaxpar.models.generation import generate
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.mlp import MLP, MLPModel, classification_loss
-from jaxpar.models.protocol import SHAPE_LEGEND, Model, as_model
+from jaxpar.protocol import SHAPE_LEGEND, Model, as_model
 
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPModel", "Model", "SHAPE_LEGEND", "as_model",
            "classification_loss", "generate", "hf"]

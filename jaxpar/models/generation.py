@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.models import protocol
+from jaxpar import protocol
 
 MIN_TEMPERATURE = 1e-8
 """The smallest sampling temperature (far smaller ones round to 0 in float32 or overflow ``logits / temperature``);
@@ -135,7 +135,7 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, te
     Args:
       model: provides ``init_cache``, ``decode_step``, ``max_seq_len`` and ``vocab_size`` (attributes or
         ``cfg.`` fields), and ``apply(params, tokens_BL) -> logits_BLV`` once the context outgrows the cache;
-        see :mod:`jaxpar.models.protocol`. Compiled programs are reused for an equal (hashable) model.
+        see :mod:`jaxpar.protocol`. Compiled programs are reused for an equal (hashable) model.
       params: the model's params in model order (``jp.train.to_model_order(state).params``); Flax-boxed
         leaves are unboxed.
       prompt: a non-empty list, tuple or 1-D array of int token ids in ``[0, vocab_size)``.

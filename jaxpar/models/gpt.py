@@ -33,15 +33,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import attention as cp
-from jaxpar import fp8
-from jaxpar.checks import nonnegative_int, positive_int
+from jaxpar.layers import attention as cp
+from jaxpar.precision import fp8
+from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.models import generation
-from jaxpar.models.layers import (  # noqa: F401 (public here too)
-    PACKED_KEYS, _nan_where_invalid, attention, causal_attention, check_packed_entries, check_packed_shapes,
-    check_token_ids, cross_entropy, gelu, layer_norm, rope, token_names, tokens)
-from jaxpar.precision import is_floating_dtype
-from jaxpar.sharding import constrain, has_explicit_axes
+from jaxpar.layers.tokens import PACKED_KEYS, check_packed_entries, check_packed_shapes, token_names, tokens
+from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
+from jaxpar.layers.attention import attend as attention, causal_attention
+from jaxpar.layers.norms import gelu, layer_norm
+from jaxpar.layers.rotary import rope
+from jaxpar.precision.policy import is_floating_dtype
+from jaxpar.sharding.rules import constrain, has_explicit_axes
 
 _REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -67,7 +69,7 @@ class GPTConfig:
                                    # ("cudnn": cuDNN flash attention, GPU only, float16/bfloat16 compute)
     attention_blocks: int = 2      # query blocks of "blocked" attention: the work is (n + 1) / (2 n) of full
     context_attention: str = "ring"  # with the sequence sharded over a context mesh axis: "ring" or "all_gather"
-                                   # (jaxpar.attention; the batch is put in the zigzag layout by loss and apply)
+                                   # (jaxpar.layers.attention; the batch is put in the zigzag layout by loss and apply)
     dtype: Any = None              # compute dtype; None: the dtype of the params given (the step casts them
                                    # to the state's policy's compute dtype), passed to every layer explicitly
     param_dtype: Any = None        # dtype params are created in; None: float32 (init_state casts to the policy's)
@@ -210,7 +212,7 @@ class Block(nn.Module):
         self.down_bias = _param(self, "down_bias", (D,), ("embed",), None)
         self.fp8_meta = fp8.declare(self, ("qkv", "out", "up", "down"))   # None unless the policy: dot=fp8
 
-    def _dot(self, name: str, x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:   # x_TD @ w_DF (fp8: jaxpar.fp8)
+    def _dot(self, name: str, x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:   # x_TD @ w_DF (fp8: jaxpar.precision.fp8)
         return fp8.matmul(x_TD, w_DF, None if self.fp8_meta is None else self.fp8_meta[name])
 
     def declare(self) -> None:
@@ -347,7 +349,7 @@ def _add_layers_axis(tree: Any) -> Any:
 
 class GPT:
     """The GPT as pure functions over a params tree ``{"embed", "blocks", "head"}``: every part of the model
-    protocol (:mod:`jaxpar.models.protocol`).
+    protocol (:mod:`jaxpar.protocol`).
 
     ``blocks`` leaves carry a leading ``layers`` axis of size ``num_layers``.
     """

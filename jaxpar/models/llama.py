@@ -31,14 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import fp8
-from jaxpar.checks import nonnegative_int, positive_int
+from jaxpar.precision import fp8
+from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.models import gpt
-from jaxpar.attention import STRATEGIES
+from jaxpar.layers.attention import STRATEGIES
 from jaxpar.models.gpt import _REMAT, ATTENTION, _param
-from jaxpar.models.layers import rms_norm, rope, silu, token_names, tokens
-from jaxpar.precision import is_floating_dtype
-from jaxpar.sharding import constrain
+from jaxpar.layers.norms import rms_norm, silu
+from jaxpar.layers.rotary import rope
+from jaxpar.layers.tokens import token_names, tokens
+from jaxpar.precision.policy import is_floating_dtype
+from jaxpar.sharding.rules import constrain
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

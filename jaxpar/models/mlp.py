@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.sharding import constrain
+from jaxpar.sharding.rules import constrain
 
 
 class MLP(nn.Module):
@@ -40,7 +40,7 @@ class MLP(nn.Module):
         return {"mlp": [(names[i], names[i + 1]) for i in range(0, len(self.hidden), 2)]}
 
     def as_model(self, params: Any = None) -> "MLPModel":
-        """The protocol model of this MLP (:mod:`jaxpar.models.protocol`); ``params`` (its params, boxed or not)
+        """The protocol model of this MLP (:mod:`jaxpar.protocol`); ``params`` (its params, boxed or not)
         give the input width ``I``, which the module itself does not hold.
 
         Raises:

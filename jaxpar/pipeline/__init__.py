@@ -4,25 +4,25 @@
   placement), validation and analysis.
 * :mod:`jaxpar.pipeline.builders`: ``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble`` (ZB-H1),
   ``zero_bubble_v`` (ZB-V) and ``dualpipe_v`` (DualPipeV, with fused ``FB`` actions) tables.
-* :mod:`jaxpar.pipeline.custom`: ``from_actions``, a user's own schedule as per-stage action lists (torch's
+* :mod:`jaxpar.pipeline.actions`: ``from_actions``, a user's own schedule as per-stage action lists (torch's
   CSV form too); :mod:`jaxpar.pipeline.analysis`: ``compare``, ``timing`` and ``lockstep_time``
   with per-action costs, ``compiled_temp_bytes``.
-* :mod:`jaxpar.pipeline.layout`: ``to_stage_layout`` / ``from_stage_layout`` of stacked stage parameters.
+* :mod:`jaxpar.pipeline.stage_layout`: ``to_stage_layout`` / ``from_stage_layout`` of stacked stage parameters.
 * :mod:`jaxpar.pipeline.table`: the control-table compiler (a schedule -> named ``[ticks, stages]`` arrays).
 * :mod:`jaxpar.pipeline.interpreter` (with :mod:`~jaxpar.pipeline.stash` and :mod:`~jaxpar.pipeline.split`, the
   B/W split of a backward): the ``shard_map`` body that executes any table, wrapped in its ``shard_map`` by
-  :mod:`jaxpar.pipeline.core`; :mod:`jaxpar.pipeline.checks`: argument checks before tracing.
-* :mod:`jaxpar.pipeline.runtime`: ``value_and_grad`` and ``apply`` run any valid table over the ``pipe`` axis.
-* :mod:`jaxpar.pipeline.model`: ``Pipeline``, a model as three parts: the gradient function of
+  :mod:`jaxpar.pipeline.shard_map`; :mod:`jaxpar.pipeline.checks`: argument checks before tracing.
+* :mod:`jaxpar.pipeline.functional`: ``value_and_grad`` and ``apply`` run any valid table over the ``pipe`` axis.
+* :mod:`jaxpar.pipeline.staged_model`: ``Pipeline``, a model as three parts: the gradient function of
   ``jp.train.make_train_step``.
 """
 
 from jaxpar.pipeline.analysis import compare, compiled_temp_bytes, lockstep_time, timing
 from jaxpar.pipeline.builders import dualpipe_v, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble, zero_bubble_v
-from jaxpar.pipeline.custom import from_actions
-from jaxpar.pipeline.layout import from_stage_layout, to_stage_layout
-from jaxpar.pipeline.model import Pipeline
-from jaxpar.pipeline.runtime import apply, value_and_grad
+from jaxpar.pipeline.actions import from_actions
+from jaxpar.pipeline.stage_layout import from_stage_layout, to_stage_layout
+from jaxpar.pipeline.staged_model import Pipeline
+from jaxpar.pipeline.functional import apply, value_and_grad
 from jaxpar.pipeline.schedules import FB, Action, B, F, Schedule, W, round_robin, v_shape, validate
 
 __all__ = ["Action", "B", "F", "FB", "Pipeline", "Schedule", "W", "apply", "compare", "compiled_temp_bytes",

@@ -148,7 +148,7 @@ def compiled_temp_bytes(schedule: Schedule, stage_fn: Callable, loss_fn: Callabl
         ``value_and_grad`` raises (a mesh whose ``pipe`` size is not ``num_stages``, ...).
     """
     check_schedule(schedule, "compiled_temp_bytes")
-    from jaxpar.pipeline.runtime import value_and_grad
+    from jaxpar.pipeline.functional import value_and_grad
     zeros = lambda t: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), t)
     f = value_and_grad(stage_fn, loss_fn, schedule, mesh=mesh, stash=stash)
     lowered = f.lower(_stage_params(layers, schedule), zeros(head), zeros(x), zeros(targets))
@@ -161,7 +161,7 @@ def compare(schedules: Sequence[Schedule], costs: Mapping[str, float] | None = N
     function and shapes, its compiled temporary memory per device.
 
     Args:
-      schedules: :class:`Schedule`\\ s (any builders', or :func:`jaxpar.pipeline.custom.from_actions`').
+      schedules: :class:`Schedule`\\ s (any builders', or :func:`jaxpar.pipeline.actions.from_actions`').
       costs: per-action costs for every schedule; default :func:`default_costs` of each (``B = 2`` where it
         includes ``W``, so fused and split tables compare on the same work).
       stage_fn: optional; with it, ``loss_fn``, ``layers``, ``head``, ``x``, ``targets`` and ``mesh`` (and

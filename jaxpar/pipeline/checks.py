@@ -1,7 +1,7 @@
 """The pipeline runtime's argument checks: run on the host, before tracing, so that a config mistake is a
 ValueError/TypeError naming the value and the fix, never an XLA error from inside ``shard_map``.
 
-Batch divisibility is :func:`jaxpar.grads.check_batch_size` (the one batch-size check of jaxpar); here only
+Batch divisibility is :func:`jaxpar.train.grads.check_batch_size` (the one batch-size check of jaxpar); here only
 what is particular to a pipeline: the mesh against the schedule, the stacked stage parameters, the stage
 function keeping the activation's shape, and the loss returning a scalar; and the plain-Python checks of the
 schedule API (builder sizes, a Schedule where one is needed, per-action costs, placements, and the entries of
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpar import grads
-from jaxpar import sharding as shd
-from jaxpar.checks import positive_int
+from jaxpar.train import grads
+from jaxpar.sharding import rules as shd
+from jaxpar._validate import positive_int
 from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
 from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule, check_table_size, is_index
 from jaxpar.pipeline.stash import STASH_MODES
@@ -199,7 +199,7 @@ def check_batch(x: Any, targets: Any, num_microbatches: int, mesh: Mesh, rules: 
     """Raises TypeError unless ``x`` is one array (a pytree of arrays is not: stages hand one activation to each
     other) and, with ``differentiable``, a floating one (its gradient is taken); ValueError unless ``x`` and
     ``targets`` share a leading batch axis that splits into ``num_microbatches`` microbatches that split over the
-    batch mesh axes of ``rules`` (:func:`jaxpar.grads.check_batch_size`)."""
+    batch mesh axes of ``rules`` (:func:`jaxpar.train.grads.check_batch_size`)."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"x must be one array [batch, ...] (the activation the stages hand to each other), got "
                         f"{type(x).__name__} {x!r:.60}; a pytree of inputs goes into the embedding before the "

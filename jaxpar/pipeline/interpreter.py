@@ -29,12 +29,12 @@ loop, so any order of ``F``\\ s, ``B``\\ s and ``W``\\ s runs: GPipe, a true 1F1
 microbatches in flight, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV. Buffers are sized from the table
 (:class:`~jaxpar.pipeline.table.BufferSizes`).
 
-Stage parameters come in the stage layout (:func:`jaxpar.pipeline.layout.to_stage_layout`): leading axis
+Stage parameters come in the stage layout (:func:`jaxpar.pipeline.stage_layout.to_stage_layout`): leading axis
 ``num_stages * num_chunks``, stage ``s``'s chunks ``s*v .. s*v + v - 1`` on its own devices; chunk ``c`` is
 row ``c`` of the stage's block. What a stage stashes for its backward, and how it rebuilds the pullback:
 :mod:`jaxpar.pipeline.stash`.
 
-Microbatches are strided, in :mod:`jaxpar.grads`' ``[B/m, m, ...]`` layout: microbatch ``j`` holds global rows
+Microbatches are strided, in :mod:`jaxpar.train.grads`' ``[B/m, m, ...]`` layout: microbatch ``j`` holds global rows
 ``j, j + m, j + 2m, ...``, so each stays spread over the batch mesh axes (as gradient accumulation does).
 
 Randomness (``takes_rng``): the step's key enters the ``shard_map`` replicated (as raw key data); each action
@@ -55,8 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import _compat, fp8
-from jaxpar.grads import microbatch
+from jaxpar import _compat
+from jaxpar.precision import fp8
+from jaxpar.train.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
@@ -98,7 +99,7 @@ def _chunk(tree: Any, chunk: jax.Array, num_chunks: int) -> Any:
 
 
 def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int) -> Any:
-    """``acc[chunk] += value`` for every leaf (in place; fp8 meta state: the maximum, :func:`jaxpar.fp8.add`)."""
+    """``acc[chunk] += value`` for every leaf (in place; fp8 meta state: the maximum, :func:`jaxpar.precision.fp8.add`)."""
     if num_chunks == 1:
         return jax.tree_util.tree_map_with_path(lambda p, a, g: fp8.add(p, a, g[None]), acc, value)
     def add(p, a, g):
@@ -176,7 +177,7 @@ class _Carry(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Interpreter:
-    """The shard_map body (internal: :mod:`jaxpar.pipeline.core` wraps it). Static: the functions, the schedule
+    """The shard_map body (internal: :mod:`jaxpar.pipeline.shard_map` wraps it). Static: the functions, the schedule
     and how to stash."""
     stage_fn: Callable
     loss_fn: Callable | None

@@ -52,7 +52,7 @@ import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jaxpar.checks import positive_int
+from jaxpar._validate import positive_int
 
 KINDS = ("F", "B", "W", "FB")
 Placement = tuple[tuple[int, ...], ...]
@@ -499,7 +499,7 @@ def place_in_order(name: str, num_microbatches: int, orders: Sequence[Sequence[A
     ``orders[s]`` is stage ``s``'s actions in the order it runs them; at every tick each stage runs its next
     action if every dependency ran at an earlier tick (else it idles). This is how the 1F1B and interleaved
     builders time their action orders, and how a user's per-stage action lists become a table
-    (:func:`jaxpar.pipeline.custom.from_actions`).
+    (:func:`jaxpar.pipeline.actions.from_actions`).
 
     Raises:
       ValueError: the orders deadlock (a stage's next action waits for one that never comes before it),

@@ -7,18 +7,19 @@ compilation).
 
 * :mod:`jaxpar.plan.planner`: :func:`plan`, :func:`estimate`, the :class:`Plan`, and the step they compile
   (:func:`build_step`, :func:`policy_of`, :func:`planning_mesh`); the planning subprocess.
-* :mod:`jaxpar.plan.layout`: mesh sizes (``mesh_sizes``), their split over hosts (:func:`host_split`), the
+* :mod:`jaxpar.plan.mesh_sizes`: mesh sizes (``mesh_sizes``), their split over hosts (:func:`host_split`), the
   checks a layout must pass (:func:`check_layout`) and the changes that make one fit (``suggestions``).
 * :mod:`jaxpar.plan.costs`: datasheet GPUs (:func:`gpu`, :class:`GPU`) and the step-time models
   (:func:`roofline` from the compiled program, :func:`analytic_time` from the model's sizes).
-* :mod:`jaxpar.plan.hlo`: reading a compiled program's HLO text (FLOPs with loops by trip count, bytes accessed,
+* :mod:`jaxpar._hlo`: reading a compiled program's HLO text (FLOPs with loops by trip count, bytes accessed,
   collectives by mesh axis).
 * :mod:`jaxpar.plan.memory`: the analytic per-device memory of the GPT train step.
 """
 
-from jaxpar.plan import hlo, memory
+from jaxpar import _hlo as hlo
+from jaxpar.plan import memory
 from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
-from jaxpar.plan.layout import check_layout, host_split
+from jaxpar.plan.mesh_sizes import check_layout, host_split
 from jaxpar.plan.planner import MAX_DEVICES, Plan, build_step, estimate, plan, planning_mesh, policy_of
 
 __all__ = ["GPU", "MAX_DEVICES", "Plan", "analytic_time", "build_step", "check_layout", "estimate", "gpu", "hlo",

@@ -1,15 +1,15 @@
 """The roofline cost model of a planned layout: datasheet GPUs, step times from HLO statistics or model sizes.
 
-:func:`roofline` reads a compiled program's statistics (:class:`jaxpar.plan.hlo.HloStats`); :func:`analytic_time`
+:func:`roofline` reads a compiled program's statistics (:class:`jaxpar._hlo.HloStats`); :func:`analytic_time`
 needs only the model's sizes (no compilation). Both take the GPU's figures from
-:data:`jaxpar.metrics.GPU_DATASHEETS` (:func:`gpu`).
+:data:`jaxpar.tools.metrics.GPU_DATASHEETS` (:func:`gpu`).
 
 :func:`roofline`: compute ``t_c = FLOPs / peak``, memory ``t_m = bytes accessed / HBM bandwidth``, communication
 ``t_x = sum over collectives of f * bytes / link`` with ring factors ``f`` (all-reduce ``2 (g - 1) / g``,
 all-gather / reduce-scatter / all-to-all ``(g - 1) / g``, permute 1; ``g`` the group size; ``f * bytes`` is what
 one device sends) and the link NVLink when the group lies inside one host, InfiniBand otherwise. The mesh is
 the one a run on hosts of ``gpus_per_host`` GPUs builds: ``jp.make_mesh(..., hosts=,
-devices_per_host=gpus_per_host)``, whose default split (:func:`jaxpar.mesh.split_axes`) keeps ``tensor`` and
+devices_per_host=gpus_per_host)``, whose default split (:func:`jaxpar.sharding.mesh.split_axes`) keeps ``tensor`` and
 as much of ``fsdp`` as fits inside a host and puts the rest (``pipe``, ``data``, a large ``fsdp``) across
 hosts; a collective whose mesh axes include one with an across-host part is an InfiniBand one.
 ``step_s = max(t_c, t_m) + t_x`` and ``step_overlap_s = max(t_c, t_m, t_x)``. The ranking uses ``step_s``, the
@@ -30,8 +30,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import metrics as _metrics
-from jaxpar.plan.hlo import HloStats
+from jaxpar.tools import metrics as _metrics
+from jaxpar._hlo import HloStats
 
 _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
          "reduce-scatter": lambda g: (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
@@ -40,7 +40,7 @@ _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1
 
 @dataclasses.dataclass(frozen=True)
 class GPU:
-    """Datasheet figures of one GPU (see :data:`jaxpar.metrics.GPU_DATASHEETS` for the sources)."""
+    """Datasheet figures of one GPU (see :data:`jaxpar.tools.metrics.GPU_DATASHEETS` for the sources)."""
     name: str
     memory_bytes: float
     peak_flops: float          # dense bf16 FLOP/s

@@ -21,7 +21,7 @@ the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its
   residual after attention, q, k, v and the attention output, the MLP pre-activation and GELU output, the
   float32 softmax probabilities over ``Lk`` visible keys on average and their cast; with a context axis of
   ``C > 1`` devices ``Lk = (2C + 1) L / (4C)``, the ``2C + 1`` blocks of ``(L / 2C)^2`` scores a device computes for
-  its ``L / C`` queries, :func:`jaxpar.attention.work_per_device`). By ``GPTConfig.remat``:
+  its ``L / C`` queries, :func:`jaxpar.layers.attention.work_per_device`). By ``GPTConfig.remat``:
 
   - ``"none"``: ``r_saved = r``, ``r_live = 0``;
   - ``"full"`` (``jax.checkpoint``, nothing saveable): ``r_saved = c D`` (the block input), ``r_live = r``

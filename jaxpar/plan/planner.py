@@ -10,13 +10,13 @@ that trains: ``step.lower(jp.train.abstract_state(...), batch).compile()``; a pi
   the analytic estimate of :mod:`jaxpar.plan.memory` (params, optimizer state, gradients, activations), and
   whether it fits the GPU (datasheet capacity times ``memory_fraction``);
 * FLOPs: ``cost_analysis()`` (which counts a loop body once) and the HLO's matmul FLOPs with every loop body
-  counted by its trip count (:mod:`jaxpar.plan.hlo`), beside the model's ``6 N`` per token;
+  counted by its trip count (:mod:`jaxpar._hlo`), beside the model's ``6 N`` per token;
 * collectives: payload bytes by kind (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute)
   and mesh axis, read from the HLO's replica groups;
 * a roofline step time (:mod:`jaxpar.plan.costs`: compute, HBM traffic and collectives over NVLink or
   InfiniBand by the GPU's datasheet) and the MFU it implies.
 
-The layout's checks, its split over hosts and the advice when it does not fit are :mod:`jaxpar.plan.layout`'s.
+The layout's checks, its split over hosts and the advice when it does not fit are :mod:`jaxpar.plan.mesh_sizes`'s.
 
 :func:`estimate` gives the analytic memory and step time of a layout without compiling (a sweep ranks and
 prunes its layouts by it before compiling the best).
@@ -52,10 +52,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.checks import positive_int
-from jaxpar.plan import hlo as plan_hlo
+from jaxpar._validate import positive_int
+from jaxpar import _hlo as plan_hlo
 from jaxpar.plan import memory as plan_memory
-from jaxpar.plan.layout import GiB, check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
+from jaxpar.plan.mesh_sizes import GiB, check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
 from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
 
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
@@ -152,14 +152,15 @@ def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> di
 def policy_of(cfg: Any):
     """The state's precision policy from the model config (its one source): params ``param_dtype`` (None:
     float32), compute ``dtype`` (None: float32), output float32."""
-    from jaxpar.precision import Policy
+    from jaxpar.precision.policy import Policy
     return Policy(cfg.param_dtype or jnp.float32, cfg.dtype or jnp.float32, jnp.float32)
 
 
 def build_step(cfg: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True):
     """``(model, tx, step, abstract_state)`` of the GPT train step on ``mesh``: the same step a run builds (a
     pipeline's state in its schedule's stage layout, as ``experiments/charlm.py`` trains it)."""
-    from jaxpar import optim, pipeline, train
+    from jaxpar.train import optim, step as train
+    from jaxpar import pipeline
     from jaxpar.models import GPT
     model = GPT(cfg)
     tx = optim.adamw(3e-4, total_steps=10_000, warmup_steps=100,
@@ -186,7 +187,7 @@ def planning_mesh(sizes: dict[str, int], gpus_per_host: int):
     """The mesh a run on hosts of ``gpus_per_host`` GPUs builds, over the first ``prod(sizes)`` CPU devices:
     ``jp.make_mesh(**sizes, hosts=, devices_per_host=gpus_per_host)`` (simulated hosts of consecutive devices),
     flat when it is one host. Raises ValueError when this process has fewer CPU devices."""
-    from jaxpar.mesh import make_mesh
+    from jaxpar.sharding.mesh import make_mesh
     n, devices = math.prod(sizes.values()), _cpu_devices()
     if len(devices) < n:
         raise ValueError(f"this process has {len(devices)} CPU devices, the mesh needs {n}: start it with "
@@ -333,7 +334,7 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         whole mesh's sizes (the host split follows from ``gpus_per_host``).
       global_batch, seq_len: sequences per step and tokens per sequence (positive ints).
       schedule: a ``jp.pipeline.Schedule`` with ``num_stages == pipe`` when ``pipe > 1``; None otherwise.
-      device: a key of :data:`jaxpar.metrics.GPU_DATASHEETS` (``"h100-80gb"``, ``"h200"``, ``"a100-80gb"``).
+      device: a key of :data:`jaxpar.tools.metrics.GPU_DATASHEETS` (``"h100-80gb"``, ``"h200"``, ``"a100-80gb"``).
       num_devices: if given, the mesh must multiply to it.
       grad_accum_steps: accumulation steps per update (``make_train_step``'s).
       gpus_per_host: GPUs per host (NVLink domain); ``tensor`` must divide it, and a mesh of more devices must

@@ -3,7 +3,7 @@
 :func:`compact` turns params plus group masks (from :func:`jaxpar.pruning.structured_pruning`) into the params of a
 smaller model and the config that runs it; :func:`compact_opt_state` gathers the optimizer state by the same
 indices; :func:`compact_state` does both for a ``jp.train.TrainState`` and places the result on a mesh, so training
-continues through ``jp.train.make_train_step``. Any model of the protocol (:mod:`jaxpar.models.protocol`:
+continues through ``jp.train.make_train_step``. Any model of the protocol (:mod:`jaxpar.protocol`:
 ``init``, ``replace``, optionally ``prune_groups``) is supported: the GPT (``GPTConfig``), the Llama (``LlamaConfig``), the MLP (an ``MLP``
 module instance), or a user's model.
 """
@@ -21,19 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpar import sharding as shd
-from jaxpar import train
-from jaxpar.checks import positive_int
-from jaxpar.models import protocol
+from jaxpar.sharding import rules as shd
+from jaxpar.train import step as train
+from jaxpar._validate import positive_int
+from jaxpar import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
-from jaxpar.pruning.structure import key_name, path_str
+from jaxpar.pruning.paths import key_name, path_str
 from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, carried_minimum, group_masks
 
 
 # ------------------------------------------------------------------------------------------------ model
 
 def _model(config: Any, params: Any) -> Any:
-    """The protocol model of ``config`` (:func:`jaxpar.models.protocol.as_model`) with compaction's parts."""
+    """The protocol model of ``config`` (:func:`jaxpar.protocol.as_model`) with compaction's parts."""
     return protocol.require(protocol.as_model(config, params), ("init", "replace"), "compaction",
                             "; jaxpar's own: a jp.models.GPTConfig or a jp.models.MLP instance")
 

@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pruning.structure import Path, checked_axis_names, key_name, path_str
-from jaxpar.sharding import STACKED_AXIS_NAMES
+from jaxpar.pruning.paths import Path, checked_axis_names, key_name, path_str
+from jaxpar.sharding.rules import STACKED_AXIS_NAMES
 
 PRUNABLE_AXES = ("mlp", "heads")   # logical axes whose entries can be removed; never "embed"
 Chains = Mapping[str, Sequence[Sequence[str]]]

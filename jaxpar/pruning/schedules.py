@@ -13,7 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxpar.checks import nonnegative_int, positive_int
+from jaxpar._validate import nonnegative_int, positive_int
 
 
 def _check_sparsity(name: str, value) -> None:

@@ -147,7 +147,7 @@ def top_n_in_groups(bits: jax.Array, reduction_axes: tuple[int, ...], n: int, m:
 def erk_raw(shape: Sequence[int]) -> float:
     """Erdos-Renyi-Kernel scale of a tensor: ``sum(shape) / prod(shape)`` (Evci et al. 2020, sec. 3).
 
-    Pass a dense layer as its 2-D ``(fan_in, fan_out)`` (:attr:`jaxpar.pruning.structure.LeafPlan.erk_shape`), a conv
+    Pass a dense layer as its 2-D ``(fan_in, fan_out)`` (:attr:`jaxpar.pruning.paths.LeafPlan.erk_shape`), a conv
     kernel as its full shape.
     """
     return float(sum(shape)) / float(math.prod(shape))
@@ -179,7 +179,7 @@ def erk_densities(shapes: Sequence[Sequence[int]], sparsity: float) -> np.ndarra
     """ERK densities (Evci et al. 2020, sec. 3) of tensors of ``shapes`` at overall ``sparsity``.
 
     Each shape is one layer, scaled by ``sum(shape) / prod(shape)``: give a dense layer as its 2-D
-    ``(fan_in, fan_out)`` (what ``magnitude_pruning`` uses: :attr:`jaxpar.pruning.structure.LeafPlan.erk_shape`), a conv
+    ``(fan_in, fan_out)`` (what ``magnitude_pruning`` uses: :attr:`jaxpar.pruning.paths.LeafPlan.erk_shape`), a conv
     kernel as its full shape. Returns a float64 numpy array of one density in (0, 1] per shape; tensors that would
     exceed density 1 are dense and the rest rescaled. Raises ValueError for a sparsity outside [0, 1) or an empty shape list.
     """

@@ -14,7 +14,7 @@ from jaxpar.pruning import select
 from jaxpar.pruning.groups import (PRUNABLE_AXES, Chains, GroupPlan, check_axes, expand, group_plans,
                                    group_sumsq, lookup, nest)
 from jaxpar.pruning.schedules import SparsitySchedule, as_schedule
-from jaxpar.pruning.structure import flat_update
+from jaxpar.pruning.paths import flat_update
 
 STRUCTURED_DISTRIBUTIONS = ("uniform", "global")
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpar.jit import check_live
+from jaxpar.train._jit import check_live
 from jaxpar.pruning import select
 from jaxpar.pruning.schedules import SparsitySchedule, as_schedule, constant_sparsity
-from jaxpar.pruning.structure import LeafPlan, Path, ReductionAxes, flat_update, key_name, make_plans, path_str
+from jaxpar.pruning.paths import LeafPlan, Path, ReductionAxes, flat_update, key_name, make_plans, path_str
 
 DISTRIBUTIONS = ("uniform", "global", "erk")
 

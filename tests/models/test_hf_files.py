@@ -1,4 +1,4 @@
-"""jaxpar/models/hf_files.py through ``hf.load`` / ``hf.save``: a checkpoint directory read from inside itself only
+"""jaxpar/models/hf/files.py through ``hf.load`` / ``hf.save``: a checkpoint directory read from inside itself only
 (an index or a link leading out is refused; a hub cache snapshot's links into its blobs are inside), stored dtypes
 checked, and what a killed save leaves recovered by the next load or save.
 
@@ -21,7 +21,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxpar.models import hf, hf_files
+from jaxpar.models import hf
+from jaxpar.models.hf import files as hf_files
 
 pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402

@@ -1,4 +1,4 @@
-"""jaxpar/models/hf.py with GPT-2: ``GPT2LMHeadModel`` checkpoints (Conv1D ``[in, out]`` weights, fused q|k|v with
+"""jaxpar/models/hf/checkpoint.py with GPT-2: ``GPT2LMHeadModel`` checkpoints (Conv1D ``[in, out]`` weights, fused q|k|v with
 its bias, learned positions, tied embeddings) load as jaxpar's GPT and save back, against ``transformers`` on a
 tiny random config built here (2 layers, d_model 64, 4 heads, vocab 256)."""
 

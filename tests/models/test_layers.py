@@ -1,4 +1,4 @@
-"""Packed documents in the shared layers (jaxpar/models/layers.py) and the GPT / Llama losses (the pipeline's
+"""Packed documents in the shared layers (jaxpar/layers/) and the GPT / Llama losses (the pipeline's
 refusal of packed batches: tests/pipeline/test_model.py).
 
 References are written here: each document run through the model alone (a batch of one, positions from 0, no
@@ -19,7 +19,7 @@ import pytest
 from helpers import SMALL_GPT, SMALL_GPT_VARIANT, SMALL_LLAMA, assert_scalar_close, assert_tree_close, gpt_batch
 
 import jaxpar as jp
-from jaxpar.models.layers import attention
+from jaxpar.layers.attention import attend as attention
 
 L = 16
 

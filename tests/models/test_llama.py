@@ -1,4 +1,4 @@
-"""jaxpar/models/llama.py and jaxpar/models/hf.py against Hugging Face ``transformers``' ``LlamaForCausalLM``.
+"""jaxpar/models/llama.py and jaxpar/models/hf/checkpoint.py against Hugging Face ``transformers``' ``LlamaForCausalLM``.
 
 The reference is built here on tiny random configs (2 layers, d_model 64, 4 heads, 2 KV heads, rope_theta 500000
 with Llama 3's frequency scaling, vocab 256): its logits, and the loss and gradient with respect to the token

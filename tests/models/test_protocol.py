@@ -262,7 +262,8 @@ def test_shards_activations_is_read_from_the_loss_its_model_or_an_nnx_class():
     """Built-in models that constrain their activations declare it; a lambda hides it; a bad value is named."""
     from flax import nnx
 
-    from jaxpar.models import nnx_bridge, protocol
+    from jaxpar.train import nnx_bridge
+    from jaxpar import protocol
     mlp = jp.models.MLP(hidden=(8,))
     declared = [jp.models.GPT(jp.models.GPTConfig(vocab_size=8, num_layers=1, num_heads=1, d_model=8)).loss,
                 jp.models.Llama(jp.models.LlamaConfig(vocab_size=8, num_layers=1, num_heads=1, d_model=8)).loss,

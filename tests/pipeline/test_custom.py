@@ -1,4 +1,4 @@
-"""jaxpar/pipeline/custom.py: a user's own schedule as per-stage action lists (``from_actions``), in jaxpar's
+"""jaxpar/pipeline/actions.py: a user's own schedule as per-stage action lists (``from_actions``), in jaxpar's
 action strings and in torch's, and the errors for lists that are not a schedule."""
 
 from __future__ import annotations

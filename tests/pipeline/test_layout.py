@@ -1,4 +1,4 @@
-"""jaxpar/pipeline/layout.py: the stage layout of stacked layers, and the training state in it: built by
+"""jaxpar/pipeline/stage_layout.py: the stage layout of stacked layers, and the training state in it: built by
 ``init_state(..., pipeline=)``, stepped without moving weights over ``pipe``, checkpointed in model order and
 restored under any schedule or ``pipe`` size.
 

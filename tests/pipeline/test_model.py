@@ -1,4 +1,4 @@
-"""jaxpar/pipeline/model.py: ``Pipeline`` in the train step, ``make_train_step(Pipeline(...), ...)`` with the GPT
+"""jaxpar/pipeline/staged_model.py: ``Pipeline`` in the train step, ``make_train_step(Pipeline(...), ...)`` with the GPT
 on data=2 x pipe=2 x tensor=2 under every schedule, and its errors.
 
 The GPT is given as its three parts (``Pipeline(model.embed, model.stage, model.head_loss, schedule)``); one step

@@ -1,4 +1,4 @@
-"""jaxpar/pipeline/runtime.py: ``jp.pipeline.value_and_grad`` and ``apply`` on a mesh: one stage without
+"""jaxpar/pipeline/functional.py: ``jp.pipeline.value_and_grad`` and ``apply`` on a mesh: one stage without
 shard_map, a bfloat16 model, and the errors they raise at the API boundary, before tracing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""jaxpar/plan/hlo.py: collectives read from compiled HLO, attributed to mesh axes, loops counted by trip count."""
+"""jaxpar/_hlo.py: collectives read from compiled HLO, attributed to mesh axes, loops counted by trip count."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.plan import hlo as plan_hlo
+from jaxpar import _hlo as plan_hlo
 
 
 def test_psum_over_one_axis_is_attributed_to_it(mesh_factory):

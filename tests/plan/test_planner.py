@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxpar as jp
-from jaxpar.plan import hlo as plan_hlo
+from jaxpar import _hlo as plan_hlo
 from jaxpar.models import GPTConfig
 
 

@@ -40,7 +40,7 @@ from helpers import mlp_parts
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.pruning.structure import make_plans
+from jaxpar.pruning.paths import make_plans
 
 from .test_transform import KERNELS, host_init, names, prune_once, random_tree
 

@@ -1,4 +1,4 @@
-"""jaxpar/pruning/structure.py: which leaves are pruned along which axes, from logical names; another model's
+"""jaxpar/pruning/paths.py: which leaves are pruned along which axes, from logical names; another model's
 state or names refused with a ValueError naming the leaf (never a raw JAX error, never a silent acceptance)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 import jaxpar as jp
 from jaxpar.models import GPT
-from jaxpar.pruning.structure import make_plans
+from jaxpar.pruning.paths import make_plans
 
 from .test_structured import TINY, gpt_names, random_params
 from .test_transform import KERNELS, names

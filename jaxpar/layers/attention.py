@@ -1,0 +1,453 @@
+"""Causal attention over a sequence sharded on a mesh axis: context parallelism (CP).
+
+The rules in context map the logical ``seq`` axis of activations to a mesh axis (``jp.sharding.DEFAULT_RULES``:
+``context``). Where that axis has more than one device, :func:`causal` runs inside ``jax.shard_map`` manual over
+it (the other axes stay automatic, so batch, heads and tensor parallelism compose): every device keeps its own
+queries and meets the keys and values of the whole sequence one block at a time, folding each block into
+running softmax statistics (the online softmax of Milakov & Gimelshein 2018, sec. 3). Two strategies:
+
+* ``"ring"``: the K/V blocks travel round the devices with ``ppermute``, ``context - 1`` hops, each sent
+  before the block in hand is computed so transfer and compute can overlap (Liu et al. 2023, "Ring Attention
+  with Blockwise Transformers", sec. 3);
+* ``"all_gather"``: one ``all_gather`` of K and V, then the same blocks (the context parallelism of the Llama 3
+  paper, Dubey et al. 2024, sec. 3.3.2).
+
+Causal load balance: with a ``"contiguous"`` layout device ``i`` holds chunk ``i`` and the last device does most of
+the work. The ``"zigzag"`` layout cuts the sequence into ``2 * context`` chunks and gives device ``i`` chunks ``i``
+and ``2 * context - 1 - i`` (Megatron-core's CP split; Brandon et al. 2023, "Striped Attention", sec. 3): every
+device then computes ``2 * context + 1`` blocks of ``(L / 2C)^2`` scores, and no block wholly above the diagonal
+is ever computed. :func:`to_zigzag` / :func:`from_zigzag` reorder per-token arrays (inputs, targets, positions,
+masks; outputs back); :func:`shard_sequence` reorders a batch, :func:`positions` gives the original positions
+of the slots; :func:`work_per_device` counts each device's blocks.
+
+With the ``seq`` axis unsharded (``context == 1``), :func:`causal` is the single-device block-skipping attention
+(:func:`causal_attention`, the models' attention), unchanged.
+
+Shape legend: B batch, L sequence (the whole one; ``n`` on one device), H query heads, G key/value heads (``H``
+a multiple of ``G``: grouped-query attention), K head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+
+STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
+LAYOUTS = ("zigzag", "contiguous")      # which chunks of the sequence a device holds
+_NEG = -1e30                            # a finite "minus infinity" for masked scores (no inf - inf = NaN)
+CONTEXT = "context"                     # the mesh axis a pipeline's stages are manual over (jaxpar.sharding.mesh.AXES)
+
+
+# ---------------------------------------------------------------------------------------------- the mesh axis
+
+def context_axis() -> tuple[str | None, int]:
+    """``(mesh axis, size)`` the logical ``seq`` axis maps to under the mesh and rules in context; ``(None, 1)``
+    where there is no mesh or rules in context, ``seq`` maps to nothing, or its axis has one device.
+
+    Raises:
+      ValueError: rules that map ``seq`` to several mesh axes (context parallelism runs over one).
+    """
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if _manual_context(mesh):   # inside a shard_map manual over it (a pipeline's stages): rules no longer name it
+        return CONTEXT, mesh.shape[CONTEXT]
+    if mesh.empty or not rules:
+        return None, 1
+    axis = nn.logical_to_mesh_axes(("seq",), rules)[0]
+    if isinstance(axis, (tuple, list)):
+        if len(axis) != 1:
+            raise ValueError(f"the rules map 'seq' to mesh axes {tuple(axis)}; context parallelism shards the sequence "
+                             "over one mesh axis: map 'seq' to 'context' (jp.sharding.DEFAULT_RULES)")
+        axis = axis[0]
+    if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
+        return None, 1
+    return axis, mesh.shape[axis]
+
+
+_traced = threading.local()
+
+
+@contextlib.contextmanager
+def pipeline_stages():
+    """Marks a trace as inside a pipeline's actions (:mod:`jaxpar.pipeline.interpreter`), where stages run different
+    actions at one tick: there :func:`causal` refuses the ring, whose ``ppermute`` would run inside a branch only
+    some devices take (XLA:CPU's collective-permute waits for every device of the program, so the ticks mix)."""
+    outer = getattr(_traced, "pipeline", False)
+    _traced.pipeline = True
+    try:
+        yield
+    finally:
+        _traced.pipeline = outer
+
+
+def _manual_context(mesh: Any) -> bool:
+    """Whether the trace is inside a ``shard_map`` manual over a ``context`` axis of size > 1."""
+    return (not mesh.empty and CONTEXT in mesh.axis_names and mesh.shape[CONTEXT] > 1
+            and mesh._name_to_type[CONTEXT] == AxisType.Manual)
+
+
+def _check(seq_len: int, context: int, layout: str, strategy: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; use one of {LAYOUTS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context_attention={strategy!r}; use one of {STRATEGIES}")
+    parts = 2 * context if layout == "zigzag" else context
+    if seq_len % parts:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {parts} (the {layout} layout cuts it into "
+            f"{'2 x ' if layout == 'zigzag' else ''}context={context} chunks); use a sequence length that is a "
+            f"multiple of {parts}, or a smaller context axis")
+
+
+# ----------------------------------------------------------------------------------------- the zigzag layout
+
+def zigzag_order(seq_len: int, context: int) -> np.ndarray:
+    """The original position of each slot of the zigzag layout (int ``[seq_len]``): device ``i`` holds chunks ``i``
+    and ``2 * context - 1 - i`` of ``seq_len / (2 * context)`` tokens each, in that order.
+
+    Raises:
+      ValueError: ``seq_len`` not divisible by ``2 * context``.
+    """
+    _check(seq_len, context, "zigzag", "ring")
+    c = seq_len // (2 * context)
+    chunks = [j for i in range(context) for j in (i, 2 * context - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def to_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
+    """Reorders ``x``'s sequence ``axis`` (length ``L``, divisible by ``2 * context``) into the zigzag layout:
+    ``to_zigzag(x)[..., s, ...] == x[..., zigzag_order(L, context)[s], ...]`` (reshapes and a reverse, no gather).
+    ``context == 1`` returns ``x``."""
+    if context == 1:
+        return x
+    axis = axis % x.ndim
+    L = x.shape[axis]
+    _check(L, context, "zigzag", "ring")
+    y = x.reshape(*x.shape[:axis], 2, context, L // (2 * context), *x.shape[axis + 1:])
+    first = jax.lax.index_in_dim(y, 0, axis, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(y, 1, axis, keepdims=False), axis)
+    return jnp.stack([first, second], axis + 1).reshape(x.shape)
+
+
+def from_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
+    """The inverse of :func:`to_zigzag`: a per-token output in the zigzag layout back in the original order."""
+    if context == 1:
+        return x
+    axis = axis % x.ndim
+    L = x.shape[axis]
+    _check(L, context, "zigzag", "ring")
+    y = x.reshape(*x.shape[:axis], context, 2, L // (2 * context), *x.shape[axis + 1:])
+    first = jax.lax.index_in_dim(y, 0, axis + 1, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(y, 1, axis + 1, keepdims=False), axis)
+    return jnp.stack([first, second], axis).reshape(x.shape)
+
+
+def shard_sequence(batch: dict, keys: tuple[str, ...] = ("inputs", "targets", "segment_ids", "positions",
+                                                         "loss_mask")) -> dict:
+    """A batch with its per-token entries in the zigzag layout for the context axis in context: every leaf of rank
+    >= 2 of the entries named in ``keys`` (``[B, L, ...]``) reordered along axis 1 (:func:`to_zigzag`), other
+    entries kept. Where the sequence is not sharded (:func:`context_axis` size 1) the batch itself is returned.
+    The model then takes each token's original position from :func:`positions` (or from a reordered
+    ``"positions"`` entry, packed documents).
+
+    Raises:
+      ValueError: a sequence length not divisible by ``2 * context``.
+    """
+    _, context = context_axis()
+    if context == 1:
+        return batch
+    move = lambda t: jax.tree.map(lambda a: to_zigzag(a, context) if jnp.ndim(a) >= 2 else a, t)
+    return {k: move(v) if k in keys else v for k, v in batch.items()}
+
+
+def positions(seq_len: int) -> np.ndarray | None:
+    """Each slot's original position (int32 ``[seq_len]``) when the sequence is sharded over a context axis (the
+    zigzag layout :func:`shard_sequence` gives); None where it is not. Models read it where they would use
+    ``arange(seq_len)``: learned position tables and rotary angles follow the original token order. Inside a
+    ``shard_map`` manual over the context axis (a pipeline stage), ``seq_len`` is the device's own length and the
+    result is its slots' positions (traced, from ``axis_index``).
+
+    Raises:
+      ValueError: ``seq_len`` not divisible by ``2 * context``.
+    """
+    _, context = context_axis()
+    if context == 1:
+        return None
+    if _manual_context(jax.sharding.get_abstract_mesh()):   # this device's two chunks of a longer sequence
+        c, i = seq_len // 2, jax.lax.axis_index(CONTEXT)
+        return jnp.concatenate([i * c + jnp.arange(c), (2 * context - 1 - i) * c + jnp.arange(c)]).astype(jnp.int32)
+    return zigzag_order(seq_len, context).astype(np.int32)
+
+
+def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarray]:
+    """The attention blocks :func:`causal` computes on each device, in units of one ``(L / 2C) x (L / 2C)`` block
+    of scores (``L / C`` query rows of the contiguous layout count as two such rows): ``"computed"`` (float
+    ``[context]``: every score the kernel evaluates, masked or not) and ``"unmasked"`` (the query-key pairs at or
+    below the diagonal among them; the useful FLOPs). The zigzag layout: ``2C + 1`` computed and ``2C`` unmasked on
+    every device; the contiguous one: device ``i`` computes ``4i + 4`` and ``4i + 2`` of them.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; use one of {LAYOUTS}")
+    if layout == "zigzag":   # step 0: two diagonal blocks and one full one; then two full blocks a step
+        computed = np.full(context, 3.0 + 2 * (context - 1))
+        return {"computed": computed, "unmasked": computed - 1.0}
+    i = np.arange(context, dtype=float)   # chunk i is 2 units long: its diagonal (4 computed, 2 unmasked), i full chunks
+    return {"computed": 4 * i + 4, "unmasked": 4 * i + 2}
+
+
+# -------------------------------------------------------------------------------- one device's attention
+
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
+                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
+
+    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
+    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
+    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
+    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
+    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
+    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
+    and heads) on any backend.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
+    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
+    padding (any id, e.g. 0) never gives an all-masked, NaN row.
+    """
+    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
+    n = max(1, min(num_blocks, L))
+    bounds = [round(i * L / n) for i in range(n + 1)]
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
+                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
+        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        if segment_ids_BL is not None:   # [B, 1, Q, S]: causal and within the query's own document
+            same_BQS = segment_ids_BL[:, start:end, None] == segment_ids_BL[:, None, :end]
+            visible_QS = (visible_QS[None] & same_BQS)[:, None]
+        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
+    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
+
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+
+def _block(q_BQGRK, k_BSGK, v_BSGK, visible):
+    """One block's unnormalised output, row max and row sum: ``(o [B,Q,G,R,K], m [B,Q,G,R], l [B,Q,G,R])``,
+    float32; ``visible`` a bool mask broadcastable to ``[B, Q, G, R, S]`` or None (all visible)."""
+    s = jnp.einsum("bqgrk,bsgk->bqgrs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(q_BQGRK.shape[-1]))
+    if visible is not None:
+        s = jnp.where(visible, s, _NEG)
+    m = jax.lax.stop_gradient(s.max(-1))    # the softmax does not depend on it: no gradient through the max
+    p = jnp.exp(s - m[..., None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)      # a row with nothing visible contributes nothing (l = 0)
+    o = jnp.einsum("bqgrs,bsgk->bqgrk", p.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32)
+    return o, m, p.sum(-1)
+
+
+def _empty(q_BQGRK):
+    shape = q_BQGRK.shape[:-1]
+    zero = q_BQGRK[..., 0].astype(jnp.float32) * 0.0      # derived from q: it varies over the manual axes as q does
+    return zero[..., None] * jnp.zeros(q_BQGRK.shape[-1:], jnp.float32), zero + _NEG, zero.reshape(shape)
+
+
+def _merge(acc, blk):
+    """Folds a block into running ``(o, m, l)`` (the online softmax: Milakov & Gimelshein 2018, alg. 3)."""
+    (o1, m1, l1), (o2, m2, l2) = acc, blk
+    m = jnp.maximum(m1, m2)
+    a, b = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return o1 * a[..., None] + o2 * b[..., None], m, l1 * a + l2 * b
+
+
+def _mask(seg_q_BQ, seg_k_BS, diagonal: bool, q_len: int, k_len: int):
+    """``[B or 1, Q, 1, 1, S]`` visibility: same segment (if given) and, on a diagonal block, key <= query."""
+    vis = None
+    if diagonal:
+        vis = (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])[None]
+    if seg_q_BQ is not None:
+        same = seg_q_BQ[:, :, None] == seg_k_BS[:, None, :]
+        vis = same if vis is None else vis & same
+    return None if vis is None else vis[:, :, None, None, :]
+
+
+def _rows(x, start, stop):
+    return None if x is None else x[:, start:stop]
+
+
+def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str, context: int, strategy: str, layout: str):
+    """The per-device body (inside a ``shard_map`` manual over ``axis``): local queries against every block."""
+    B, n, H, K = q_BnHK.shape
+    G = k_BnGK.shape[2]
+    q = q_BnHK.reshape(B, n, G, H // G, K)
+    kv = jnp.stack([k_BnGK, v_BnGK])          # one transfer of K and V per hop
+    me = jax.lax.axis_index(axis)
+    if strategy == "all_gather":
+        every_kv = jax.lax.all_gather(kv, axis)
+        every_seg = None if seg_Bn is None else jax.lax.all_gather(seg_Bn, axis)
+    zig = layout == "zigzag"
+    c = n // 2 if zig else n
+    # Step 0: the device's own keys. Zigzag: rows [0, c) are chunk me (its diagonal), rows [c, n) chunk 2C-1-me
+    # (chunk me wholly below it, then its diagonal).
+    accs = [_block(q[:, :c], kv[0][:, :c], kv[1][:, :c], _mask(_rows(seg_Bn, 0, c), _rows(seg_Bn, 0, c), True, c, c))]
+    if zig:
+        vis2 = _mask(_rows(seg_Bn, c, n), seg_Bn, False, c, n)
+        diag = jnp.concatenate([jnp.ones((c, c), bool), jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]], 1)
+        vis2 = diag[None, :, None, None, :] if vis2 is None else vis2 & diag[None, :, None, None, :]
+        accs.append(_block(q[:, c:], kv[0], kv[1], vis2))
+    hop = [(j, (j + 1) % context) for j in range(context)]
+    held_kv, held_seg = kv, seg_Bn
+    for step in range(1, context):
+        if strategy == "ring":   # the next block travels while this one is computed
+            held_kv = jax.lax.ppermute(held_kv, axis, hop)
+            held_seg = None if seg_Bn is None else jax.lax.ppermute(held_seg, axis, hop)
+        else:
+            src = (me - step) % context
+            held_kv = jax.lax.dynamic_index_in_dim(every_kv, src, 0, keepdims=False)
+            held_seg = None if seg_Bn is None else jax.lax.dynamic_index_in_dim(every_seg, src, 0, keepdims=False)
+        below = (me - step) % context < me    # the source device's first chunk lies below all of this one's rows
+        blks = jax.lax.cond(below, functools.partial(_below, zig=zig), functools.partial(_above, zig=zig), q, held_kv,
+                            seg_Bn, held_seg)
+        accs = [_merge(a, b) for a, b in zip(accs, blks)]
+    out = [o / l[..., None] for o, _, l in accs]
+    return jnp.concatenate(out, 1).reshape(B, n, H, K).astype(q_BnHK.dtype)
+
+
+def _below(q, kv, seg_q, seg_k, zig: bool):
+    """Source chunk(s) from a device before this one: every local row sees the source's first chunk (zigzag: its
+    second chunk lies above every local row); contiguous: the source's whole chunk."""
+    n = q.shape[1]
+    c = kv.shape[2] // 2 if zig else kv.shape[2]
+    o, m, l = _block(q, kv[0][:, :c], kv[1][:, :c], _mask(seg_q, _rows(seg_k, 0, c), False, n, c))
+    if not zig:
+        return [(o, m, l)]
+    h = n // 2
+    return [(o[:, :h], m[:, :h], l[:, :h]), (o[:, h:], m[:, h:], l[:, h:])]
+
+
+def _above(q, kv, seg_q, seg_k, zig: bool):
+    """Source chunk(s) from a device after this one: zigzag: only the local second chunk's rows see them, both
+    of them; contiguous: nothing is visible."""
+    if not zig:
+        return [_empty(q)]
+    h = q.shape[1] // 2
+    return [_empty(q[:, :h]), _block(q[:, h:], kv[0], kv[1], _mask(_rows(seg_q, h, 2 * h), seg_k, False, h, 2 * h))]
+
+
+def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_BL: jax.Array | None = None, *,
+           context_attention: str = "ring", layout: str = "contiguous", num_blocks: int = 2) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1) that shards
+    the sequence over the mesh axis the rules map ``seq`` to (:func:`context_axis`).
+
+    Args:
+      q_BLHK: queries ``[B, L, H, K]`` (any float dtype; logits and softmax are float32, the output has q's dtype).
+      k_BLGK, v_BLGK: keys and values ``[B, L, G, K]``, ``H`` a multiple of ``G`` (grouped-query attention:
+        query head ``h`` uses key head ``h // (H // G)``; the K/V heads travel, never repeated copies).
+      segment_ids_BL: int ``[B, L]`` or None: packed documents; a query attends only to keys of its own segment.
+      context_attention: ``"ring"`` or ``"all_gather"`` (see the module docstring).
+      layout: ``"contiguous"`` (the sequence in its own order: correct, but the last device does most of the
+        causal work) or ``"zigzag"`` (the sequence as :func:`to_zigzag` orders it: balanced; the caller
+        reorders inputs, positions and targets, e.g. with :func:`shard_sequence`).
+      num_blocks: the single-device path's query blocks (``context == 1``).
+
+    Returns:
+      ``[B, L, H, K]`` in q's dtype, in the layout of the inputs.
+
+    Raises:
+      ValueError: an unknown strategy or layout; ``L`` not divisible by ``2 * context`` (zigzag) or ``context``;
+        ``H`` not a multiple of ``G``; shapes that disagree (segment ids included).
+
+    The zigzag layout is a promise about the inputs: they must have been reordered by :func:`shard_sequence` (or
+    :func:`to_zigzag`) inside the traced loss, where the mesh is in context; inputs in their own order with
+    ``layout="zigzag"`` give wrong attention (nothing can detect it). The default ``"contiguous"`` is always
+    correct, only unbalanced.
+    """
+    if q_BLHK.ndim != 4 or k_BLGK.shape != v_BLGK.shape or k_BLGK.shape[:2] != q_BLHK.shape[:2] \
+            or k_BLGK.shape[3] != q_BLHK.shape[3] or q_BLHK.shape[2] % k_BLGK.shape[2]:
+        raise ValueError(f"causal attention takes q [B, L, H, K] and k, v [B, L, G, K] with H a multiple of G; got "
+                         f"q {tuple(q_BLHK.shape)}, k {tuple(k_BLGK.shape)}, v {tuple(v_BLGK.shape)}")
+    if segment_ids_BL is not None and tuple(segment_ids_BL.shape) != tuple(q_BLHK.shape[:2]):
+        raise ValueError(f"segment_ids {tuple(segment_ids_BL.shape)} must be [B, L] = {tuple(q_BLHK.shape[:2])}, the "
+                         "queries' batch and sequence")
+    axis, context = context_axis()
+    manual = _manual_context(jax.sharding.get_abstract_mesh())   # already inside a shard_map over it: local arrays
+    _check(q_BLHK.shape[1] * (context if manual else 1), context, layout, context_attention)
+    if context > 1 and context_attention == "ring" and getattr(_traced, "pipeline", False):
+        raise ValueError(
+            "context_attention='ring' inside pipeline stages (a mesh with pipe > 1 and context > 1): the ring's "
+            "ppermute would run inside the actions, which the stages take at different ticks, and XLA:CPU's "
+            "collective-permute waits for every device (the ticks would mix). Use context_attention='all_gather' "
+            "with a pipeline (GPTConfig/LlamaConfig.context_attention, or this function's argument); the ring "
+            "without one")
+    if context == 1:
+        reps = q_BLHK.shape[2] // k_BLGK.shape[2]
+        k, v = (jnp.repeat(t, reps, axis=2) if reps > 1 else t for t in (k_BLGK, v_BLGK))
+        return causal_attention(q_BLHK, k, v, num_blocks, segment_ids_BL)
+    body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=context_attention,
+                                      layout=layout)
+    if manual:
+        return body(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+    spec = P(None, axis)
+    if segment_ids_BL is None:
+        return jax.shard_map(lambda q, k, v: body(q, k, v, None), in_specs=(spec,) * 3, out_specs=spec,
+                             axis_names={axis})(q_BLHK, k_BLGK, v_BLGK)
+    return jax.shard_map(body, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis})(
+        q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+
+
+def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
+              segment_ids_BL: jax.Array | None = None, expand: Any = None) -> jax.Array:
+    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): attention stays within each segment (packed documents), on the
+    ``"blocked"`` and ``"xla"`` paths. ``expand``: the model's ``[B, L, G, K] -> [B, L, H, K]`` of keys and values
+    (grouped-query heads), applied here on one device's sequence; with the sequence sharded over a context axis
+    (:func:`jaxpar.layers.attention.context_axis`), the ``G`` heads go to :func:`jaxpar.layers.attention.causal` (zigzag layout,
+    ``cfg.context_attention``), which repeats them locally.
+
+    Raises:
+      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids or a context axis.
+    """
+    dtype = q_BLHK.dtype
+    if context_axis()[1] > 1:
+        if cfg.attention == "cudnn":
+            raise ValueError("attention='cudnn' cannot shard the sequence over the context axis (cuDNN's kernel sees "
+                             "one device's keys); set GPTConfig/LlamaConfig attention='blocked', which runs "
+                             f"context_attention={cfg.context_attention!r} over it, or use a mesh with context=1")
+        up = (lambda t: t.astype(jnp.float32)) if dtype == jnp.float16 else (lambda t: t)
+        return causal(up(q_BLHK), up(k_BLGK), up(v_BLGK), segment_ids_BL, context_attention=cfg.context_attention,
+                         layout="zigzag").astype(dtype)
+    k_BLHK, v_BLHK = (k_BLGK, v_BLGK) if expand is None else (expand(k_BLGK), expand(v_BLGK))
+    if segment_ids_BL is not None and cfg.attention == "cudnn":
+        raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
+                         "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")
+    platform = jax.devices()[0].platform
+    if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
+        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
+                         f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
+                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
+    if dtype == jnp.float16 and cfg.attention != "cudnn":
+        # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
+        # take attention in float32.
+        q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
+    if cfg.attention == "blocked":
+        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks, segment_ids_BL)
+    else:
+        mask = None if segment_ids_BL is None else (
+            segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])   # [B, 1, Q, S]: same document
+        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
+                                              implementation=cfg.attention)
+    return a_BLHK.astype(dtype)
+
+
+__all__ = ["LAYOUTS", "attend", "STRATEGIES", "causal", "context_axis", "from_zigzag", "positions", "shard_sequence",
+           "to_zigzag", "work_per_device", "zigzag_order"]

@@ -1,0 +1,12 @@
+"""Hugging Face checkpoints in and out: ``load(dir) -> (model, params)`` and ``save(dir, model, params)``.
+
+* :mod:`jaxpar.models.hf.checkpoint`: load and save, and the weight tables of each family.
+* :mod:`jaxpar.models.hf.config`: ``config.json`` to a model config and back, refusing fields that change
+  the computation.
+* :mod:`jaxpar.models.hf.files`: the checkpoint's files read as data (paths confined, dtypes checked) and
+  written whole.
+"""
+
+from jaxpar.models.hf.checkpoint import load, save, with_names
+
+__all__ = ["load", "save", "with_names"]

@@ -1,0 +1,175 @@
+"""What jaxpar needs from a model: the contract every model (ours or a user's) provides, written once.
+
+A model is an object with pure functions over one params pytree. jaxpar's features read only these methods,
+never the model's class, so a model defined anywhere (a test file, a research script) gets each feature whose
+part it provides, and a clear error naming the part it lacks (:func:`require`).
+
+Core (every training step):
+  ``init(rng) -> params``: the params tree; leaves may be Flax-boxed (``nn.LogicallyPartitioned``, as
+  ``nn.with_logical_partitioning`` makes) to carry logical axis names, which shard them
+  (``jp.train.init_state`` unboxes).
+  ``apply(params, inputs) -> outputs``: the forward pass (e.g. ``tokens_BL (int32) -> logits_BLV``).
+  ``loss(params, batch, rng) -> (loss, aux)``: a float scalar mean over the batch and a dict of scalars
+  (``aux["weight"]``, e.g. a token count, weights accumulation); the train step's ``loss_fn``.
+  ``check_batch(batch) -> None`` (optional): raises ValueError for a host batch ``loss`` cannot take
+  (out-of-range token ids, wrong keys or shapes). ``jp.train.make_train_step(model.loss, ...)`` runs it on
+  every host batch unless told ``check_batch=None``; device (``jax.Array``) leaves are not pulled back.
+  ``shards_activations`` (attribute, optional, default False): True declares that the model's activations carry
+  logical sharding constraints (``jp.sharding.constrain(x, "batch", ...)`` at least on the batch dimension of
+  each layer's output), so GSPMD places the weight gathers per layer. Without it, on a mesh with ``fsdp > 1`` the
+  train and eval steps gather each FSDP-sharded param whole over ``fsdp`` where the loss starts
+  (``jp.train.make_train_step(..., gather_weights=)``): XLA's partitioner can give wrong gradients for a model
+  with none (:func:`jaxpar._compat.fsdp_gather_spec`). Read from the loss function itself or the object
+  whose bound method it is (``model.loss``); an NNX module class declares it for ``loss_fn(model, ...)``.
+
+Pipeline (``jp.pipeline.Pipeline.from_model``):
+  ``stage_key`` (attribute, default ``"blocks"``): the params entry holding the stacked ``[layers, ...]`` leaves.
+  ``embed(params, inputs) -> x``, ``stage(stage_params, x) -> x`` over any ``[layers', ...]`` slice of
+  ``params[stage_key]`` (same shape and dtype out), ``head_loss(params, x, targets) -> (loss, aux)``.
+  ``loss`` must equal ``head_loss(params, stage(params[stage_key], embed(params, inputs)), targets)``.
+
+Structured pruning and compaction (``jp.pruning.compact`` / ``compact_state``):
+  ``prune_groups() -> {axis: [(module, next_module, ...), ...]} | None``: the chains coupling a hidden unit
+  across modules (``jp.pruning.structured_pruning(..., groups=)``), or None when the groups follow from the
+  logical names alone (one module holds each ``mlp`` / ``heads`` axis, e.g. the GPT's ``blocks``).
+  ``replace(sizes) -> config``: the smaller model's config after compaction; ``sizes`` maps each compacted
+  group (its key path, e.g. ``("blocks", "heads")`` or ``("dense_0", "mlp")``) to its kept count. It returns
+  the smaller model's config: anything :func:`as_model` turns into the smaller model (the GPT returns a
+  ``GPTConfig``, ``MLPModel`` an ``MLP``); compaction checks that it builds params of the compacted shapes.
+  (A flax.struct or chex dataclass model inherits a ``replace(**fields)``: give it ``as_model()`` instead.)
+  A config object that is not itself a model (the GPT's ``GPTConfig``; the MLP's Linen module, whose ``init``
+  needs an input) provides ``as_model(params=None) -> model``; :func:`as_model` resolves either.
+
+Generation (:func:`jaxpar.models.generate`):
+  ``init_cache(params, batch_size, max_len) -> cache``: a pytree of arrays holding what a one-token step reads
+  of the past (the GPT: keys and values ``[layers, B, max_len, heads, head_dim]``), zero-filled.
+  ``decode_step(params, tokens_B, cache, pos) -> (logits_BV, cache)``: the next-token logits (float32) after
+  the token ``tokens_B`` (int32) at position ``pos`` (an int32 scalar, the same for every row), writing that
+  position into the cache. It must equal ``apply(params, tokens)[:, pos]`` for the tokens written so far.
+  ``max_seq_len`` (attribute or ``cfg.max_seq_len``): the longest context the cache holds.
+
+Shape-suffix names (:data:`SHAPE_LEGEND`) are shared by every model in ``jaxpar/models/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+SHAPE_LEGEND: dict[str, tuple[str, str | None]] = {
+    "B": ("batch (rows of a batch)", "batch"),
+    "L": ("sequence positions", "seq"),
+    "T": ("tokens: batch and sequence flattened, B * L rows", "batch"),
+    "Q": ("query positions of one attention block (a slice of L)", "seq"),
+    "S": ("key / value positions attended to (a prefix of L, or the cache length)", None),
+    "D": ("model width d_model", "embed"),
+    "H": ("attention heads", "heads"),
+    "G": ("key / value heads of grouped-query attention (each serves H // G query heads)", "kv_heads"),
+    "K": ("head dimension", "kv"),
+    "F": ("MLP hidden width", "mlp"),
+    "V": ("vocabulary (padded)", "vocab"),
+    "N": ("stacked layers", "layers"),
+    "I": ("input features of a classifier", "embed"),
+    "C": ("classes of a classifier", None),
+}
+"""Suffix letter of an array name (``x_BLD``, ``logits_BLV``) -> (what the axis is, its logical axis name or None
+when it is never sharded by name). One legend for every model (nanodo's ``model.py`` convention)."""
+
+PARTS = {
+    "init": "init(rng) -> params",
+    "apply": "apply(params, inputs) -> outputs",
+    "loss": "loss(params, batch, rng) -> (loss, aux)",
+    "check_batch": "check_batch(batch) -> None (raises ValueError on a bad host batch)",
+    "embed": "embed(params, inputs) -> x",
+    "stage": "stage(stage_params, x) -> x over a [layers, ...] slice of params[stage_key]",
+    "head_loss": "head_loss(params, x, targets) -> (loss, aux)",
+    "prune_groups": "prune_groups() -> {axis: [(module, next_module), ...]} or None",
+    "replace": "replace(sizes) -> the smaller model's config",
+    "init_cache": "init_cache(params, batch_size, max_len) -> cache",
+    "decode_step": "decode_step(params, tokens_B, cache, pos) -> (logits_BV, cache)",
+}
+"""Every part of the protocol and its call form (used in error messages)."""
+
+
+@runtime_checkable
+class Model(Protocol):
+    """The core of the protocol (see the module docstring for every part): ``init``, ``apply``, ``loss``."""
+
+    def init(self, rng: jax.Array) -> Any: ...
+
+    def apply(self, params: Any, inputs: Any) -> Any: ...
+
+    def loss(self, params: Any, batch: Any, rng: jax.Array | None = None) -> tuple[jax.Array, dict]: ...
+
+
+def as_model(config: Any, params: Any = None) -> Any:
+    """The model a config stands for: ``config.as_model(params)`` when the config provides it (``GPTConfig``,
+    the ``MLP`` module), else ``config`` itself (a model)."""
+    resolve = getattr(config, "as_model", None)
+    return resolve(params) if callable(resolve) else config
+
+
+def require(model: Any, parts: tuple[str, ...] | str, feature: str, hint: str = "") -> Any:
+    """``model`` when it provides every one of ``parts`` (callable methods); TypeError otherwise.
+
+    Raises:
+      TypeError: naming the first missing part, its call form (:data:`PARTS`), the model and the feature
+        (e.g. "compaction") that needs it.
+    """
+    for part in (parts,) if isinstance(parts, str) else parts:
+        if not callable(getattr(model, part, None)):
+            raise TypeError(f"{feature} needs the model's {part!r} part, {PARTS.get(part, part)}; "
+                            f"{type(model).__name__} has none: add the method (the model protocol: "
+                            f"jaxpar.protocol){hint}")
+    return model
+
+
+def stage_key(model: Any) -> str:
+    """The params entry holding the model's stacked layers (``model.stage_key``, default ``"blocks"``)."""
+    key = getattr(model, "stage_key", "blocks")
+    if not isinstance(key, str):
+        raise TypeError(f"{type(model).__name__}.stage_key={key!r} must be a str: the params entry holding the "
+                        "stacked [layers, ...] leaves")
+    return key
+
+
+def size(model: Any, name: str, feature: str, why: str) -> int:
+    """A positive int the model declares, ``model.<name>`` or ``model.cfg.<name>`` (e.g. ``max_seq_len``: the
+    longest context its cache holds; ``vocab_size``).
+
+    Raises:
+      TypeError: neither is a positive int (naming the attribute, the feature and why it needs it).
+    """
+    value = getattr(model, name, getattr(getattr(model, "cfg", None), name, None))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TypeError(f"{feature} needs the model's {name} (an attribute, or cfg.{name}: {why}); "
+                        f"{type(model).__name__} gives {value!r}")
+    return value
+
+
+def shards_activations(*declarers: Any) -> bool:
+    """Whether one of ``declarers`` (a loss function, a gradient function, an NNX module class) declares
+    ``shards_activations = True``, on itself or on the object whose bound method it is (``model.loss``).
+
+    Raises:
+      TypeError: a declaration that is not a bool (naming its owner).
+    """
+    for declarer in declarers:
+        for owner in (declarer, getattr(declarer, "__self__", None)):
+            value = getattr(owner, "shards_activations", None)
+            if value is not None and not isinstance(value, bool):
+                name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+                raise TypeError(f"{name}.shards_activations={value!r} must be True (its activations "
+                                "carry logical sharding constraints) or False")
+            if value:
+                return True
+    return False
+
+
+def batch_checker(loss_fn: Any) -> Any:
+    """The ``check_batch`` of the model whose bound method ``loss_fn`` is (``model.loss``, ``model.embed``), or
+    None: what the step builders run on host batches by default."""
+    owner = getattr(loss_fn, "__self__", None)
+    check = getattr(owner, "check_batch", None)
+    return check if callable(check) else None
