@@ -143,6 +143,81 @@ def test_the_cycle_check_finds_cycles_at_any_level(tmp_path):
     assert cycles(import_graph(pkg)) == [["pkg", "pkg.a", "pkg.sub.b", "pkg.c", "pkg"]]
 
 
+# ------------------------------------------------------------------------------------------------ layering
+
+def room_order(readme: str) -> list[str]:
+    """The rooms, lowest first, from the Code map's line ``Rooms, lowest first: `a` < `b` < ...``."""
+    match = re.search(r"^Rooms, lowest first: (.*)$", readme_section(readme, "Code map"), re.M)
+    assert match, "the Code map has no 'Rooms, lowest first:' line"
+    return re.findall(r"`(\w+)`", match.group(1))
+
+
+def room_of(module: str) -> str | None:
+    """``jaxpar.train.grads`` -> ``train``; None for the package itself and its private ``_*`` modules (below
+    every room: anything may import them, and they import no room)."""
+    parts = module.split(".")
+    return None if len(parts) == 1 or parts[1].startswith("_") else parts[1]
+
+
+def layering_violations(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """Imports that break the room order: a room importing a later room, a private module importing a room, or a
+    module outside the listed rooms."""
+    rank = {room: i for i, room in enumerate(order)}
+    problems = []
+    for mod, targets in sorted(graph.items()):
+        if mod == "jaxpar":
+            continue
+        here = room_of(mod)
+        if here is not None and here not in rank:
+            problems.append(f"{mod} is in no listed room")
+            continue
+        for t in sorted(targets):
+            there = room_of(t)
+            if there is None or there == here:
+                continue
+            if here is None or there not in rank or rank[there] > rank[here]:
+                problems.append(f"{mod} imports {t}")
+    return problems
+
+
+def test_rooms_import_only_lower_rooms():
+    """The order the README's Code map writes: the training core never imports the pipeline, the model zoo or the
+    tools, the layers never import the zoo, the private modules import no room."""
+    order = room_order((ROOT / "README.md").read_text())
+    assert order.index("train") < order.index("pipeline") and order.index("layers") < order.index("models")
+    assert order.index("train") < order.index("tools") and order[-1] == "cli"
+    assert layering_violations(import_graph(PACKAGE), order) == []
+
+
+def test_the_layering_check_finds_upward_imports():
+    graph = {"jaxpar": {"jaxpar.train"}, "jaxpar._compat": set(), "jaxpar.train.step": {"jaxpar._compat",
+             "jaxpar.sharding.rules", "jaxpar.train.grads"}, "jaxpar.sharding.rules": set(), "jaxpar.train.grads": set()}
+    assert layering_violations(graph, ["sharding", "train"]) == []
+    graph["jaxpar.sharding.rules"] = {"jaxpar.train.step"}
+    graph["jaxpar._compat"] = {"jaxpar.sharding.rules"}
+    graph["jaxpar.extra.x"] = set()
+    assert layering_violations(graph, ["sharding", "train"]) == [
+        "jaxpar._compat imports jaxpar.sharding.rules", "jaxpar.extra.x is in no listed room",
+        "jaxpar.sharding.rules imports jaxpar.train.step"]
+
+
+def test_public_entries_are_the_rooms():
+    """``ls jaxpar/``: the rooms of the order (at most a dozen) and private ``_*.py`` modules, nothing else."""
+    order = room_order((ROOT / "README.md").read_text())
+    entries = {p.name.removesuffix(".py") for p in PACKAGE.iterdir()
+               if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert sorted(entries) == sorted(order) and len(entries) <= 12
+
+
+def test_moved_module_paths_are_the_same_module_objects():
+    """An old module path is the module that holds the code now (patching through it reaches the running code)."""
+    import jaxpar
+    for old, new in jaxpar.MOVED_MODULES.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    import jaxpar.tokens
+    assert jaxpar.tokens is jaxpar.data.prepare and jaxpar.fp8 is jaxpar.precision.fp8
+
+
 # ------------------------------------------------------------------------------------------------ size
 
 def long_modules(package: Path, limit: int = MAX_LINES) -> dict[str, int]:
@@ -196,10 +271,15 @@ def listed_api(text: str) -> dict[str, list[str]]:
 
 
 def public_namespaces() -> list[str]:
-    """``jaxpar``, the modules in ``jaxpar.__all__``, and the cli's modules."""
-    import jaxpar
-    mods = [f"jaxpar.{n}" for n in jaxpar.__all__ if isinstance(getattr(jaxpar, n), types.ModuleType)]
-    return ["jaxpar", *mods, *CLI]
+    """``jaxpar``, the modules its ``__all__`` lists and, recursively, the modules theirs list; the cli's modules."""
+    found, todo = [], ["jaxpar"]
+    while todo:
+        name = todo.pop(0)
+        found.append(name)
+        module = importlib.import_module(name)
+        todo += [f"{name}.{n}" for n in module.__all__ if isinstance(getattr(module, n), types.ModuleType)
+                 and f"{name}.{n}" not in found + todo]
+    return [*found, *CLI]
 
 
 def exported() -> dict[str, list[str]]:
@@ -218,7 +298,7 @@ def api_mismatches(listed: dict[str, list[str]], actual: dict[str, list[str]]) -
 def test_readme_public_api_is_the_packages_all():
     readme = (ROOT / "README.md").read_text()
     assert api_mismatches(listed_api(readme), exported()) == []
-    broken = readme.replace("* `jp.optim`: adamw, decay_mask", "* `jp.optim`: adamw")
+    broken = readme.replace("* `jp.train.optim`: adamw, decay_mask", "* `jp.train.optim`: adamw")
     assert api_mismatches(listed_api(broken), exported()) == [
         "jaxpar.train.optim: README ['adamw'] != __all__ ['adamw', 'decay_mask']"]
 
