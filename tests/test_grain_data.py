@@ -126,7 +126,7 @@ def test_two_processes_load_disjoint_rows_whose_union_is_the_global_batch(monkey
     want = [whole.local_batch() for _ in range(3)]
     halves = []
     for p in (0, 1):
-        monkeypatch.setattr(jp.sharding, "process_batch_rows", lambda n, mesh, rules, p=p: slice(p * n // 2,
+        monkeypatch.setattr(jp.sharding.rules, "process_batch_rows", lambda n, mesh, rules, p=p: slice(p * n // 2,
                                                                                                   (p + 1) * n // 2))
         b = jp.data.grain_batches(docs, **kwargs)
         assert list(b.shards) == [2 * p, 2 * p + 1]
@@ -400,7 +400,7 @@ def test_every_kind_of_bad_shard_state_is_refused_whole(monkeypatch, packing):
     saved = json.loads(json.dumps(whole.get_state()))
     for rows in (None, slice(2, 4)):                     # every shard here, or shards 2 and 3 of 4 (process 1 of 2)
         if rows is not None:
-            monkeypatch.setattr(jp.sharding, "process_batch_rows", lambda n, mesh, rules: rows)
+            monkeypatch.setattr(jp.sharding.rules, "process_batch_rows", lambda n, mesh, rules: rows)
         b, twin, resumed = make(), make(), make()
         for _ in range(3):
             b.local_batch(), twin.local_batch()

@@ -30,7 +30,7 @@ from jaxpar import pruning
 from jaxpar.train.loop import Hook
 from jaxpar.sharding.mesh import describe, make_mesh
 from jaxpar.tools.metrics import MetricsWriter, Throughput
-from jaxpar.precision.loss_scale import DynamicLossScale, loss_scaling
+from jaxpar.precision.scaling import DynamicLossScale, loss_scaling
 from jaxpar.precision.policy import Policy
 from jaxpar._optional import require, require_extra
 from jaxpar._validate import positive_int

@@ -37,7 +37,7 @@ from jaxpar.layers import attention as cp
 from jaxpar.precision import fp8
 from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.models import generation
-from jaxpar.layers.tokens import PACKED_KEYS, check_packed_entries, check_packed_shapes, token_names, tokens
+from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_packed_shapes, token_names, tokens
 from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
 from jaxpar.layers.attention import attend as attention, causal_attention
 from jaxpar.layers.norms import gelu, layer_norm

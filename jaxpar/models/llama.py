@@ -38,7 +38,7 @@ from jaxpar.layers.attention import STRATEGIES
 from jaxpar.models.gpt import _REMAT, ATTENTION, _param
 from jaxpar.layers.norms import rms_norm, silu
 from jaxpar.layers.rotary import rope
-from jaxpar.layers.tokens import token_names, tokens
+from jaxpar.layers.per_token import token_names, tokens
 from jaxpar.precision.policy import is_floating_dtype
 from jaxpar.sharding.rules import constrain
 

@@ -45,7 +45,7 @@ from jaxpar.train import grads as gr
 from jaxpar.sharding import rules as shd
 from jaxpar import protocol
 from jaxpar.layers.attention import shard_sequence
-from jaxpar.layers.tokens import PACKED_KEYS
+from jaxpar.layers.per_token import PACKED_KEYS
 from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, check_stage_fn, struct
 from jaxpar.pipeline.shard_map import apply_core, value_and_grad_core
 from jaxpar.pipeline.interpreter import AXIS

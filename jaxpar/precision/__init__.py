@@ -1,13 +1,13 @@
 """Precision: dtype policies (jmp's strings), loss scaling as an optax transform, and fp8 matmuls.
 
 * :mod:`jaxpar.precision.policy`: ``Policy`` (``jp.Policy.from_string("mixed_bf16")``), float32 optimizer state.
-* :mod:`jaxpar.precision.loss_scale`: static and dynamic loss scaling (``loss_scaling``) and its state.
+* :mod:`jaxpar.precision.scaling`: static and dynamic loss scaling (``loss_scaling``) and its state.
 * :mod:`jaxpar.precision.fp8`: fp8 dot_generals with delayed or current scaling, and their meta state.
 """
 
 from jaxpar.precision import fp8
-from jaxpar.precision.loss_scale import (DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale,
-                                         check_outermost, loss_scale, loss_scaling, skipped)
+from jaxpar.precision.scaling import (DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale,
+                                      check_outermost, loss_scale, loss_scaling, skipped)
 from jaxpar.precision.policy import f32_optimizer_state
 
 __all__ = ["DynamicLossScale", "LossScaleState", "NoOpLossScale", "StaticLossScale", "check_outermost",
