@@ -106,7 +106,7 @@ def backends_initialized() -> bool:
 
     JAX has no public probe; ``jax._src.xla_bridge.backends_are_initialized()`` (jax 0.10 and 0.11) is what
     ``jax.distributed.initialize`` itself checks. A JAX without it is reported as not initialized (the
-    caller's flags then simply may not take effect, as before this check existed).
+    caller's flags then may not take effect, and nothing warns).
 
     When JAX offers a public probe: use it and delete this function.
     """

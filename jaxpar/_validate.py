@@ -1,7 +1,7 @@
 """Argument checks shared across jaxpar's API boundary: one home, so each check and its message exist once.
 
 Every public function validates its arguments before tracing and raises ``ValueError`` / ``TypeError`` whose
-message names the value, the constraint and the fix (DESIGN.md, "Errors"). Checks used by more than one
+message names the value, the constraint and the fix (docs/architecture.md, "Features check themselves"). Checks used by more than one
 module live here; a check only one module needs stays beside it.
 """
 

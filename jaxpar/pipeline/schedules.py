@@ -74,7 +74,7 @@ class Action(NamedTuple):
         own = f"{'F' if self.kind == 'FB' else self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
         return own + (f"+{self.backward}" if self.kind == "FB" else "")
 
-    def __repr__(self) -> str:            # the three-field form unless it has a backward (as before FB)
+    def __repr__(self) -> str:            # the three-field form unless it has a backward (an FB)
         back = "" if self.backward is None else f", backward={self.backward!r}"
         return f"Action(kind={self.kind!r}, microbatch={self.microbatch!r}, chunk={self.chunk!r}{back})"
 

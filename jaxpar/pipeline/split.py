@@ -218,7 +218,7 @@ def _finish_g(ops: list[_Op], w_live: set[int], aliases: set[int], on_g: set[int
     runs once, on whole values. Otherwise (it also reads W's part, or a value B has only g's part of) it is
     *tail*, run by both phases with the other's part zero, which is exact only for an equation linear in the
     cotangents (:func:`_linear`: sums, layout changes; not a user's ``custom_vjp`` rule such as a clip).
-    ``None`` when a tail equation is not such an equation: then g is handed over as before."""
+    ``None`` when a tail equation is not such an equation: then g is handed over whole, unsplit."""
     whole, part, moved, tail = set(aliases), set(), set(), set()   # values B has whole / only g's part of
     zeros = _zeros_of(ops)
     for i in sorted(w_live):

@@ -30,9 +30,9 @@ class LossScaleState(NamedTuple):
     optax transforms keep theirs in closures and flax's ``DynamicScale`` on its dataclass. So a restored
     state follows the config it is given to, and two configs give states of the same tree.
 
-    Format changed (jaxpar issue #12): the state used to carry ``growth_interval``, ``growth_factor``,
-    ``backoff_factor``, ``min_scale`` and ``max_scale`` too; checkpoints of loss-scaled runs written before
-    that do not restore into this state (the trees differ). Runs without loss scaling are unaffected.
+    A checkpoint whose loss-scale state also holds the hyperparameters (jaxpar 0.0 wrote ``growth_interval``,
+    ``growth_factor``, ``backoff_factor``, ``min_scale`` and ``max_scale`` in it) does not restore into this
+    state: the trees differ.
 
     Attributes:
       scale: the current loss scale, a scalar in the config's ``dtype`` (float32 unless asked otherwise).

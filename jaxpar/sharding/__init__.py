@@ -10,6 +10,7 @@
 * :mod:`jaxpar.sharding.report`: where a state's bytes live, per leaf and per mesh axis.
 """
 
+from jaxpar.sharding import mesh
 from jaxpar.sharding.report import LeafReport, ShardingReport, describe_params
 from jaxpar.sharding.rules import (DEFAULT_RULES, NON_MATRIX_NAME_PARTS, STACKED_AXIS_NAMES, PathRules, Rules,
                                    batch_axes, batch_sharding, check_transformation, constrain, effective_rules,
@@ -19,6 +20,6 @@ from jaxpar.sharding.rules import (DEFAULT_RULES, NON_MATRIX_NAME_PARTS, STACKED
 
 __all__ = ["DEFAULT_RULES", "LeafReport", "NON_MATRIX_NAME_PARTS", "PathRules", "Rules", "STACKED_AXIS_NAMES",
            "ShardingReport", "batch_axes", "batch_sharding", "check_transformation", "constrain", "describe_params",
-           "effective_rules", "global_batch_rows", "leaf_axis_names", "logical_specs", "named_shardings",
+           "effective_rules", "global_batch_rows", "leaf_axis_names", "logical_specs", "mesh", "named_shardings",
            "opt_state_shardings", "path_rules", "process_batch_rows", "replicated", "resolve_names", "use",
            "use_for_init", "validate_rules", "without_absent_context"]

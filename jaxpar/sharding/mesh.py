@@ -3,18 +3,18 @@
 The mesh axes are ``('data', 'pipe', 'fsdp', 'context', 'tensor')``: slow links outside (data and pipe
 tolerate inter-host links), fast links inside (fsdp gathers every layer; context passes keys and values inside
 every attention layer; tensor all-reduces inside every layer). ``context`` (default 1) shards the sequence:
-context parallelism (:mod:`jaxpar.layers.attention`); at size 1 every program is the four-axis one, device for device.
+context parallelism (:mod:`jaxpar.layers.attention`); at size 1 it changes no device and no program.
 
-Public API (signatures are stable; the planner ``jaxpar/plan.py`` builds on them)::
+Public API (signatures are stable; the planner ``jaxpar/plan/`` builds on them)::
 
     make_mesh(data=-1, pipe=1, fsdp=1, tensor=1, devices=None, axis_types=None, *, context=1,
               hosts=None, devices_per_host=None, across_hosts=None) -> Mesh
-        # flat form (hosts, devices_per_host and across_hosts all None): as before.
+        # flat form: hosts, devices_per_host and across_hosts all None.
         # hybrid form (any of them given): data/pipe/fsdp/tensor are still the WHOLE mesh's sizes;
         # the devices are grouped into hosts (by process_index; simulated CPU devices: consecutive
         # groups of devices_per_host = fake hosts) and each axis is split into a within-host part and
         # an across-host part (split_axes), like MaxText's ici_*/dcn_* parallelism.
-        # context is keyword-only, so positional calls of the four-axis form keep their meaning.
+        # context is keyword-only: positional sizes are data, pipe, fsdp, tensor.
     split_axes(sizes: Mapping[str, int], hosts: int, across_hosts: Mapping[str, int] | None = None)
         -> tuple[dict[str, int], dict[str, int]]      # (per_host, across_hosts), keys AXES, ints
     make_hybrid_mesh(per_host: Mapping[str, int], across_hosts: Mapping[str, int],
@@ -75,7 +75,7 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
 
 
 def _check_axis_types(axis_types: tuple[AxisType, ...] | None) -> tuple[AxisType, ...]:
-    """One type per axis of ``AXES``; the four-axis form (data, pipe, fsdp, tensor) gives context tensor's type."""
+    """One type per axis of ``AXES``; four types (data, pipe, fsdp, tensor) give context tensor's type."""
     if axis_types is None:
         return (AxisType.Auto,) * len(AXES)
     axis_types = tuple(axis_types)
@@ -115,7 +115,7 @@ def make_mesh(data: int = -1, pipe: int = 1, fsdp: int = 1, tensor: int = 1,
     Args:
       data, pipe, fsdp, tensor, context: axis sizes; at most one may be ``-1`` to take the remaining devices.
         ``context`` (keyword-only) shards the sequence (context parallelism, :mod:`jaxpar.layers.attention`); 1, the
-        default, gives the four-axis layout's devices and programs unchanged.
+        default, changes no device and no program.
       devices: the devices to use (default: all of ``jax.devices()``); a subset gives a smaller mesh.
       axis_types: one ``jax.sharding.AxisType`` per axis (or four, without context: it takes tensor's); default
         all ``Auto`` (``jax.make_mesh`` defaults to ``Explicit`` on jax 0.10, under which Flax tensor-parallel

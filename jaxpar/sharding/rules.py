@@ -261,7 +261,7 @@ def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
 def without_absent_context(rules: Rules, mesh: Any) -> Rules:
     """``rules`` with the ``context`` mesh axis dropped from every target when ``mesh`` has no such axis (a mesh
     built without jaxpar, e.g. ``jax.make_mesh(..., ('data', 'fsdp', 'tensor'))``): :data:`DEFAULT_RULES` map
-    ``seq`` to it, which on such a mesh means an unsharded sequence, as before context parallelism."""
+    ``seq`` to it, which on such a mesh means an unsharded sequence."""
     if "context" in tuple(getattr(mesh, "axis_names", ())):
         return rules
     def drop(t):
