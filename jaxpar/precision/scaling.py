@@ -30,8 +30,8 @@ class LossScaleState(NamedTuple):
     optax transforms keep theirs in closures and flax's ``DynamicScale`` on its dataclass. So a restored
     state follows the config it is given to, and two configs give states of the same tree.
 
-    A checkpoint whose loss-scale state also holds the hyperparameters (jaxpar 0.0 wrote ``growth_interval``,
-    ``growth_factor``, ``backoff_factor``, ``min_scale`` and ``max_scale`` in it) does not restore into this
+    A checkpoint whose loss-scale state also holds the hyperparameters (``growth_interval``,
+    ``growth_factor``, ``backoff_factor``, ``min_scale``, ``max_scale``) does not restore into this
     state: the trees differ.
 
     Attributes:
