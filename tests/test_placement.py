@@ -493,7 +493,7 @@ def test_a_minigpt_named_on_tensor_alone_also_gets_fsdp_and_the_report_says_per_
 @pytest.mark.slow   # an 8-device compile of the MiniGPT's step; the placement itself is checked in the fast set
 def test_the_minigpt_with_fsdp_added_matches_one_device(mesh_factory):
     """Its activations carry no constraints, so the step gathers its FSDP weights (without: the second loss is
-    5.80796 against 5.80332, jaxpar._compat.fsdp_gather_spec)."""
+    5.80796 against 5.80332, jaxpar._compat.gathers_fsdp_weights)."""
     from tests.models.test_nnx_bridge import check, reference
     rng = np.random.default_rng(7)
     batches = [{k: rng.integers(0, MINI["vocab"], (8, 16)).astype(np.int32) for k in ("inputs", "targets")}

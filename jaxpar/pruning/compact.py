@@ -409,10 +409,9 @@ def compact_opt_state(opt_state: Any, params: Any, masks_or_state: Any, config: 
 def _mesh_multiples(mesh, rules) -> dict[str, int]:
     """Per prunable axis, the product of the mesh axes the rules shard it over."""
     out = {}
-    for axis in ("mlp", "heads"):
-        target = nn.logical_to_mesh_axes((axis,), shd.effective_rules(rules, mesh))[0]
-        names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        out[axis] = math.prod(mesh.shape[a] for a in names if a in mesh.shape)
+    rules = shd.effective_rules(rules, mesh)
+    for axis in GROUP_AXES:
+        out[axis] = math.prod(mesh.shape[a] for a in rules.mesh_axes(axis, mesh))
     return out
 
 

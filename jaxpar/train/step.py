@@ -459,7 +459,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         carrying it, an NNX module class; the built-in GPT, Llama and MLP do: :mod:`jaxpar.protocol`).
         Why: XLA's partitioner (jax 0.10.2) can give wrong gradients for a model whose activations carry no
         sharding constraints, params on ``fsdp`` and ``tensor``, batch on ``(data, fsdp)``
-        (:func:`jaxpar._compat.fsdp_gather_spec`). Cost: the gathered weights live for the whole step (ZeRO-2-like
+        (:func:`jaxpar._compat.gathers_fsdp_weights`). Cost: the gathered weights live for the whole step (ZeRO-2-like
         param memory; gradients and optimizer state stay sharded). False: never (a model that constrains its
         batch axis, its ``model.loss`` wrapped in a lambda); True: always. For a ``loss_fn`` or
         ``jp.grads.value_and_grad`` (with accumulation); a ``jp.pipeline.Pipeline`` places its own weights
