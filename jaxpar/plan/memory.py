@@ -53,14 +53,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.sharding.names import entry_axes
+
 
 def spec_axes(spec: Any) -> list[str]:
     """The mesh axis names a ``PartitionSpec`` uses."""
-    out: list[str] = []
-    for entry in spec:
-        if entry is not None:
-            out.extend((entry,) if isinstance(entry, str) else entry)
-    return out
+    return [a for entry in spec for a in entry_axes(entry)]
 
 
 def sharded_bytes(tree: Any) -> float:
