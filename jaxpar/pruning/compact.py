@@ -28,6 +28,7 @@ from jaxpar import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
 from jaxpar.pruning.paths import key_name, path_str
 from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, carried_minimum, group_masks
+from jaxpar.sharding.names import HEADS, MLP
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -87,7 +88,7 @@ def _as_masks(masks_or_state: Any) -> dict:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), masks_or_state)
 
 
-GROUP_AXES = ("mlp", "heads")
+GROUP_AXES = (MLP, HEADS)
 """The logical axes whose groups compaction removes: the keys ``multiple_of`` may hold."""
 
 

@@ -148,7 +148,7 @@ def _is_names(x) -> bool:
     return x is None or isinstance(x, P) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
-STACKED_AXIS_NAMES = frozenset({"layers", "stage"})
+STACKED_AXIS_NAMES = frozenset({LAYERS, STAGE})
 """Logical names of stacked-layer axes (one copy of a layer per entry, e.g. the GPT's ``[layers, ...]`` blocks):
 never a matrix dimension. Weight decay, pruning and compaction treat each slice along them as its own tensor."""
 
