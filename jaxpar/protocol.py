@@ -19,7 +19,7 @@ Core (every training step):
   each layer's output), so GSPMD places the weight gathers per layer. Without it, on a mesh with ``fsdp > 1`` the
   train and eval steps gather each FSDP-sharded param whole over ``fsdp`` where the loss starts
   (``jp.train.make_train_step(..., gather_weights=)``): XLA's partitioner can give wrong gradients for a model
-  with none (:func:`jaxpar._compat.fsdp_gather_spec`). Read from the loss function itself or the object
+  with none (:func:`jaxpar._compat.gathers_fsdp_weights`). Read from the loss function itself or the object
   whose bound method it is (``model.loss``); an NNX module class declares it for ``loss_fn(model, ...)``.
 
 Pipeline (``jp.pipeline.Pipeline.from_model``):

@@ -171,6 +171,21 @@ def loaded_by(code: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+SPEC_ENTRY_IDIOM = re.compile(r"\(([\w\[\]]+),\) if isinstance\(\1, str\) else")
+"""The str-or-tuple normalisation of a PartitionSpec entry or rule target: ``(t,) if isinstance(t, str) else t``."""
+
+
+def test_spec_entries_are_normalised_in_one_place():
+    """A ``PartitionSpec`` entry (None, an axis name, a tuple of them) becomes a tuple of axes in one function,
+    ``jaxpar.sharding.names.entry_axes``; ``protocol.require`` normalises method names (and sits below
+    sharding), no spec entries."""
+    assert SPEC_ENTRY_IDIOM.search("axes = {a for s in spec for a in ((s,) if isinstance(s, str) else s)}")
+    assert SPEC_ENTRY_IDIOM.search("set((r[1],) if isinstance(r[1], str) else r[1])")
+    hits = sorted(str(f.relative_to(ROOT)) for f in PACKAGE.rglob("*.py")
+                  for line in f.read_text().splitlines() if SPEC_ENTRY_IDIOM.search(line))
+    assert hits == ["jaxpar/protocol.py", "jaxpar/sharding/names.py"]
+
+
 def test_import_jaxpar_loads_no_tooling():
     assert loaded_by("import jaxpar") == []
     assert "jaxpar.cli.experiment" in loaded_by("from jaxpar.cli import experiment")   # the check sees them

@@ -456,7 +456,7 @@ def test_a_model_without_activation_constraints_gets_exact_gradients_on_fsdp_and
 
 @pytest.mark.slow   # two more 8-device compiles; the gathered step is checked in the fast set
 def test_without_the_gather_the_unconstrained_model_shows_the_partitioner_defect(mesh_factory):
-    """``gather_weights=False`` on the model above: the defect :func:`jaxpar._compat.fsdp_gather_spec` works
+    """``gather_weights=False`` on the model above: the defect :func:`jaxpar._compat.gathers_fsdp_weights` works
     around. On the jax it was seen with (0.10.2) its gradients must be wrong (else the workaround may go); on
     another jax the error is recorded as a warning, never a failure. The eval step's loss is exact either way."""
     rng = np.random.default_rng(41)
@@ -474,7 +474,7 @@ def test_without_the_gather_the_unconstrained_model_shows_the_partitioner_defect
         assert errors["up"] > 0.1, errors
     elif max(errors.values()) <= 1e-5:
         warnings.warn(f"jax {jax.__version__} computes the unconstrained FSDP+TP model exactly without the weight "
-                      "gather: see jaxpar._compat.fsdp_gather_spec for retiring it")
+                      "gather: see jaxpar._compat.gathers_fsdp_weights for retiring it")
 
 
 @pytest.mark.slow   # a lowering (no compile), kept out of the fast set's budget

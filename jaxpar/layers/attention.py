@@ -41,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
+from jaxpar.sharding.names import CONTEXT, SEQ, Rules
+
 STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
 LAYOUTS = ("zigzag", "contiguous")      # which chunks of the sequence a device holds
 _NEG = -1e30                            # a finite "minus infinity" for masked scores (no inf - inf = NaN)
-CONTEXT = "context"                     # the mesh axis a pipeline's stages are manual over (jaxpar.sharding.mesh.AXES)
 
 
 # ---------------------------------------------------------------------------------------------- the mesh axis
@@ -61,15 +62,13 @@ def context_axis() -> tuple[str | None, int]:
         return CONTEXT, mesh.shape[CONTEXT]
     if mesh.empty or not rules:
         return None, 1
-    axis = nn.logical_to_mesh_axes(("seq",), rules)[0]
-    if isinstance(axis, (tuple, list)):
-        if len(axis) != 1:
-            raise ValueError(f"the rules map 'seq' to mesh axes {tuple(axis)}; context parallelism shards the sequence "
-                             "over one mesh axis: map 'seq' to 'context' (jp.sharding.DEFAULT_RULES)")
-        axis = axis[0]
-    if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
+    axes = Rules(rules).mesh_axes(SEQ)
+    if len(axes) > 1:
+        raise ValueError(f"the rules map 'seq' to mesh axes {axes}; context parallelism shards the sequence "
+                         "over one mesh axis: map 'seq' to 'context' (jp.sharding.DEFAULT_RULES)")
+    if not axes or axes[0] not in mesh.shape or mesh.shape[axes[0]] == 1:
         return None, 1
-    return axis, mesh.shape[axis]
+    return axes[0], mesh.shape[axes[0]]
 
 
 _traced = threading.local()
@@ -91,7 +90,7 @@ def pipeline_stages():
 def _manual_context(mesh: Any) -> bool:
     """Whether the trace is inside a ``shard_map`` manual over a ``context`` axis of size > 1."""
     return (not mesh.empty and CONTEXT in mesh.axis_names and mesh.shape[CONTEXT] > 1
-            and mesh._name_to_type[CONTEXT] == AxisType.Manual)
+            and dict(zip(mesh.axis_names, mesh.axis_types))[CONTEXT] == AxisType.Manual)
 
 
 def _check(seq_len: int, context: int, layout: str, strategy: str) -> None:

@@ -60,13 +60,13 @@ from jaxpar.precision import fp8
 from jaxpar.train.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
+from jaxpar.sharding.names import FSDP, PIPE
 from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
                                    pullback_from_stash, residual_plan, stashed_structs, write_stash)
 from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Actions, BufferSizes, ControlTable, Fused,
                                    Kind, control_table, switch_branches)
 
-AXIS = "pipe"
-FSDP = "fsdp"
+AXIS = PIPE   # the axis the interpreter's shard_map is manual over
 FSDP_GATHER = ("step", "action")
 
 

@@ -19,10 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.layers.attention import pipeline_stages
 from jaxpar.train.grads import merge_microbatches, split_microbatches
-from jaxpar.pipeline.interpreter import AXIS, FSDP, Interpreter
+from jaxpar.pipeline.interpreter import AXIS, Interpreter
 from jaxpar.pipeline.schedules import Schedule
-
-CONTEXT = "context"   # the sequence's mesh axis (context parallelism)
+from jaxpar.sharding.names import CONTEXT, FSDP, Rules
 
 
 # ----------------------------------------------------------------------------------- traceable cores
@@ -89,12 +88,7 @@ def _local_rules(manual: tuple[str, ...]):
     if not manual or not rules:
         yield
         return
-    def strip(t):
-        if t is None or isinstance(t, str):
-            return None if t in manual else t
-        kept = tuple(a for a in t if a not in manual)
-        return kept or None
-    with nn.logical_axis_rules(tuple((name, strip(t)) for name, t in rules)):
+    with nn.logical_axis_rules(Rules(rules).without_axes(manual)):
         yield
 
 

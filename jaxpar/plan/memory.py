@@ -53,14 +53,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.sharding.names import CONTEXT, DATA, FSDP, PIPE, TENSOR, entry_axes
+
 
 def spec_axes(spec: Any) -> list[str]:
     """The mesh axis names a ``PartitionSpec`` uses."""
-    out: list[str] = []
-    for entry in spec:
-        if entry is not None:
-            out.extend((entry,) if isinstance(entry, str) else entry)
-    return out
+    return [a for entry in spec for a in entry_axes(entry)]
 
 
 def sharded_bytes(tree: Any) -> float:
@@ -120,20 +118,20 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
     c = param_bytes if policy is None else np.dtype(policy.compute_dtype).itemsize
     if cfg.dtype is not None:
         c = np.dtype(cfg.dtype).itemsize
-    t, k, context = mesh.shape["tensor"], grad_accum_steps, dict(mesh.shape).get("context", 1)
+    t, k, context = mesh.shape[TENSOR], grad_accum_steps, dict(mesh.shape).get(CONTEXT, 1)
     r_saved, r_live = block_bytes_per_token(cfg, seq_len, c, t, context)
     h = c * cfg.d_model + 2 * 4 * cfg.padded_vocab / t
-    tokens = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * context * k)
+    tokens = global_batch * seq_len / (mesh.shape[DATA] * mesh.shape[FSDP] * context * k)
     stash, layers = 1, cfg.num_layers
     if schedule is not None:
         tokens /= schedule.num_microbatches
-        stash, layers = max(schedule.peak_stash), cfg.num_layers / (mesh.shape["pipe"] * schedule.num_chunks)
+        stash, layers = max(schedule.peak_stash), cfg.num_layers / (mesh.shape[PIPE] * schedule.num_chunks)
     pipeline = 0.0
-    if schedule is not None and mesh.shape["pipe"] > 1:
-        blocks, fsdp = sharded_bytes(state.params["blocks"]), mesh.shape["fsdp"]
+    if schedule is not None and mesh.shape[PIPE] > 1:
+        blocks, fsdp = sharded_bytes(state.params["blocks"]), mesh.shape[FSDP]
         grad = blocks * 4 / param_bytes * fsdp
         pipeline = grad + grad / schedule.num_chunks + (blocks * c / param_bytes * fsdp if fsdp > 1 else 0.0)
-        pipeline += global_batch * seq_len / (mesh.shape["data"] * fsdp) * c * cfg.d_model
+        pipeline += global_batch * seq_len / (mesh.shape[DATA] * fsdp) * c * cfg.d_model
     return {"params": P, "grads": P, "opt_state": sharded_bytes(state.opt_state),
             "grad_accumulator": P * 4 / param_bytes if k > 1 else 0.0,
             "compute_params": P * c / param_bytes if c < param_bytes else 0.0,

@@ -73,6 +73,7 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from jaxpar.precision.policy import OWG, Policy
+from jaxpar.sharding.names import PIPE
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = {"fp8": "delayed", "fp8_current": "current"}     # Policy.dot -> scaling recipe
@@ -188,7 +189,7 @@ def _amax_scale(x: jax.Array, q_dtype: Any) -> jax.Array:
     ``compute_scale`` (Transformer Engine's formula). Inside a ``shard_map`` (the pipeline) the amax is a
     ``pmax`` over the manual axes other than ``pipe`` (the batch shards), so every shard uses the global scale."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    manual = tuple(a for a in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) if a != "pipe")
+    manual = tuple(a for a in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) if a != PIPE)
     if manual:
         amax = lax.pmax(amax, manual)
     return fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(q_dtype, jnp.float32))

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import _compat
 from jaxpar.precision import fp8
 from jaxpar.sharding import rules as shd
+from jaxpar.sharding.names import FSDP, entry_axes, spec_without
 from jaxpar._validate import positive_int
 from jaxpar.train import nnx_bridge
 from jaxpar import protocol
@@ -359,14 +360,23 @@ def with_weight_gather(ctx: Context, gather_weights: bool | None, *declarers: An
     params' specs are known (``ctx.param_specs``), if ``gather_weights`` is True, or None and none of
     ``declarers`` (the step's loss or gradient function) nor the NNX module class of ``ctx.graphdef`` declares
     ``shards_activations`` (:func:`jaxpar.protocol.shards_activations`). Each leaf whose spec uses
-    ``fsdp`` gets that spec without it (:func:`jaxpar._compat.fsdp_gather_spec`: why); ``ctx`` unchanged
+    ``fsdp`` gets that spec without it (:func:`jaxpar._compat.gathers_fsdp_weights`: why); ``ctx`` unchanged
     otherwise."""
     if gather_weights is None:
-        gather_weights = not protocol.shards_activations(*declarers, nnx_bridge.module_class(ctx.graphdef))
-    if not gather_weights or ctx.mesh.shape.get("fsdp", 1) == 1 or ctx.param_specs is None:
+        gather_weights = _compat.gathers_fsdp_weights() and not protocol.shards_activations(
+            *declarers, nnx_bridge.module_class(ctx.graphdef))
+    if not gather_weights or ctx.mesh.shape.get(FSDP, 1) == 1 or ctx.param_specs is None:
         return ctx
-    return ctx._replace(gather_specs=jax.tree.map(_compat.fsdp_gather_spec, ctx.param_specs,
+    return ctx._replace(gather_specs=jax.tree.map(_gather_spec, ctx.param_specs,
                                                   is_leaf=lambda x: x is None or isinstance(x, P)))
+
+
+def _gather_spec(spec: P | None) -> P | None:
+    """The spec a param of mesh spec ``spec`` is gathered to: ``spec`` without ``fsdp``; None when ``spec`` (None
+    for no named sharding) does not use ``fsdp``."""
+    if spec is None or not any(FSDP in entry_axes(e) for e in spec if isinstance(e, (str, tuple))):
+        return None
+    return spec_without(spec, (FSDP,))
 
 
 def gather_weights(params: Any, ctx: Context) -> Any:

@@ -33,6 +33,7 @@ from jaxpar.train._jit import MeshJit
 from jaxpar import protocol
 from jaxpar.train.state_layout import StateLayout, permute_state, to_layout, to_model_order  # noqa: F401
 from jaxpar.precision.policy import Policy
+from jaxpar.sharding.names import FSDP, PIPE
 
 
 @flax.struct.dataclass
@@ -143,7 +144,7 @@ def _report(shapes: TrainState, shardings: TrainState, placed: placement.Placeme
         warnings.warn(note, stacklevel=3)
     big = {shd.key_path(p) for p, x in jax.tree_util.tree_flatten_with_path(shapes.params)[0]
            if math.prod(x.shape) >= min_size}
-    guessed = mesh.shape.get("fsdp", 1) > 1 and any(
+    guessed = mesh.shape.get(FSDP, 1) > 1 and any(
         s.endswith("auto fsdp") or (s == "replicated" and p in big) for p, s in placed.sources.items())
     if report or (report is None and guessed):
         with_sharding = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
@@ -279,7 +280,7 @@ def _as_grad_fn(fn: Any) -> GradFn:
 
 def _check_pipe(grad_fn: GradFn, mesh: Mesh) -> None:
     grad_fn.check_mesh(mesh)
-    if mesh.shape.get("pipe", 1) > 1 and not grad_fn.uses_pipe:
+    if mesh.shape.get(PIPE, 1) > 1 and not grad_fn.uses_pipe:
         raise ValueError(f"the mesh has pipe={mesh.shape['pipe']} but the step's gradient function does not "
                          "pipeline: pass jp.pipeline.Pipeline(embed_fn, stage_fn, head_loss_fn, schedule) (the "
                          "GPT: Pipeline(model.embed, model.stage, model.head_loss, schedule)), or build the mesh "
@@ -459,7 +460,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         carrying it, an NNX module class; the built-in GPT, Llama and MLP do: :mod:`jaxpar.protocol`).
         Why: XLA's partitioner (jax 0.10.2) can give wrong gradients for a model whose activations carry no
         sharding constraints, params on ``fsdp`` and ``tensor``, batch on ``(data, fsdp)``
-        (:func:`jaxpar._compat.fsdp_gather_spec`). Cost: the gathered weights live for the whole step (ZeRO-2-like
+        (:func:`jaxpar._compat.gathers_fsdp_weights`). Cost: the gathered weights live for the whole step (ZeRO-2-like
         param memory; gradients and optimizer state stay sharded). False: never (a model that constrains its
         batch axis, its ``model.loss`` wrapped in a lambda); True: always. For a ``loss_fn`` or
         ``jp.grads.value_and_grad`` (with accumulation); a ``jp.pipeline.Pipeline`` places its own weights
