@@ -535,7 +535,9 @@ def _run(name, mesh, steps):
 
 
 # Stepping parity of these runs in the slow set (fast-set time); their state placement is checked fast above.
-SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw", "lion", "adafactor")
+# adamw_pruning's stepping: fast sibling multisteps_adam (the same fsdp=8 vs one-device run); its placement is
+# test_per_device_bytes[adamw_pruning].
+SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw", "lion", "adafactor", "adamw_pruning")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_STEPS else []) for n in OPTIMIZERS])
