@@ -177,11 +177,8 @@ class Config:
 
     def pipeline_schedule(self) -> jp.pipeline.Schedule:
         """The --schedule table for --pipe stages and --microbatches (ValueError on sizes it cannot run)."""
-        p, m = self.pipe, self.microbatches
-        return {"gpipe": lambda: jp.pipeline.gpipe(p, m), "1f1b": lambda: jp.pipeline.one_f_one_b(p, m),
-                "interleaved": lambda: jp.pipeline.interleaved_1f1b(p, m, self.chunks),
-                "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m),
-                "dualpipev": lambda: jp.pipeline.dualpipe_v(p, m)}[self.schedule]()
+        options = {"num_chunks": self.chunks} if self.schedule == "interleaved" else {}
+        return jp.pipeline.build(self.schedule, self.pipe, self.microbatches, **options)
 
 
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and
