@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.layers.attention import pipeline_stages
 from jaxpar.train.grads import merge_microbatches, split_microbatches
 from jaxpar.pipeline.interpreter import AXIS, FSDP, Interpreter
 from jaxpar.pipeline.schedules import Schedule
@@ -156,7 +155,7 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
                               fsdp_gather, fsdp)
 
         def inner(stage_params, head_params, x_micro, t_micro, scale, data):
-            with _local_rules(manual), pipeline_stages():
+            with _local_rules(manual):
                 return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
 
         x_micro = split_microbatches(x, m, batch_axes)
@@ -187,7 +186,7 @@ def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: t
         data, unwrap = _key_data(rng, takes_rng)
 
         def inner(stage_params, x_micro, data):
-            with _local_rules(manual), pipeline_stages():
+            with _local_rules(manual):
                 return interp.apply(stage_params, x_micro, unwrap(data))
         rows = P(None, None, CONTEXT) if manual and x_micro.ndim >= 3 else P()
         body = _over_pipe(inner, schedule, mesh, in_specs=(P(AXIS), rows, P()), out_specs=rows, batch=manual)

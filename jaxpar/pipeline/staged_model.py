@@ -198,6 +198,28 @@ class Pipeline(gr.GradFn):
         check_mesh_and_schedule(self.schedule, mesh, self.stash)
 
     # ------------------------------------------------------------------------------------------- checks
+    def check_step(self, state: Any, grad_fn: Any, mesh: Any) -> None:
+        """Raises ValueError (the step calls it before tracing) for state the stages do not carry
+        (:meth:`check_carried` of what ``state`` holds)."""
+        self.check_carried(model_state=bool(jax.tree.leaves(state.model_state)), fp8_meta=state.fp8 is not None,
+                           staged=state.layout is not None)
+
+    @staticmethod
+    def check_carried(*, model_state: bool = False, fp8_meta: bool = False, staged: bool = False) -> None:
+        """Raises ValueError for state a pipeline's stages do not carry, described by what it holds (so an entry
+        point can check its flags before building anything): ``model_state``: non-param variables (batch
+        statistics); ``fp8_meta``: fp8 scales and amax histories (a ``dot=fp8`` policy); ``staged``: params in a
+        multi-chunk stage layout (``jp.train.init_state(..., pipeline=)`` with a schedule of several chunks per
+        stage). Refused: a model state; fp8 meta state with a multi-chunk stage layout."""
+        if model_state:
+            raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
+                             "the pipeline does not carry between stages yet: train it without pipe, or keep the "
+                             "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
+        if fp8_meta and staged:
+            raise ValueError("this state has fp8 meta state (a dot=fp8 policy) and a multi-chunk stage layout, which "
+                             "the pipeline does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or "
+                             "dot=fp8_current (no state)")
+
     def _params_staged(self, ctx: gr.Context) -> bool:
         """Whether ``params[stage_key]`` comes in the stage layout (``ctx.layout``, the state's); ValueError for
         a state in another schedule's layout or one ``params_layout`` refuses."""
