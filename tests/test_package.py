@@ -157,6 +157,21 @@ def test_no_module_over_600_lines(tmp_path):
     assert long_modules(tmp_path / "pkg") == {"pkg/big.py": MAX_LINES + 1}
 
 
+def thread_local_flags(package: Path, rooms: tuple[str, ...]) -> list[str]:
+    """The modules under ``package``'s ``rooms`` that keep state in a ``threading.local``."""
+    return sorted(str(f.relative_to(package.parent)) for room in rooms for f in (package / room).rglob("*.py")
+                  if re.search(r"threading\.local\b|from threading import [^\n]*\blocal\b", f.read_text()))
+
+
+def test_no_thread_local_flag_between_the_pipeline_and_the_layers(tmp_path):
+    """The layers (attention) read what the pipeline's stages mean from the mesh in context, never from a flag
+    the pipeline sets beside the trace."""
+    assert thread_local_flags(PACKAGE, ("layers", "pipeline")) == []
+    (tmp_path / "pkg" / "layers").mkdir(parents=True)
+    (tmp_path / "pkg" / "layers" / "a.py").write_text("import threading\n_flag = threading.local()\n")
+    assert thread_local_flags(tmp_path / "pkg", ("layers",)) == ["pkg/layers/a.py"]
+
+
 # ------------------------------------------------------------------------------------------------ core
 
 def loaded_by(code: str) -> list[str]:

@@ -162,6 +162,33 @@ class _Out(NamedTuple):
     send2: Any = None      # FB: its B's d input (the second channel); None in a table without FBs
 
 
+class _FusedBackward(NamedTuple):
+    """An ``FB`` action's full backward, beside its forward: its chunk's params, layer keys and stash slot."""
+    params: Any
+    keys: jax.Array | None
+    slot: jax.Array
+
+
+class _Operands(NamedTuple):
+    """What every action branch of a tick takes (``lax.switch``'s operand): one action's inputs."""
+    params: Any            # the action's chunk parameters (gathered over fsdp inside the branch when asked)
+    head: Any              # the head parameters (the last virtual stage's loss)
+    x: jax.Array           # the action's input activation: the microbatch, or the one received
+    g: jax.Array           # the cotangent received (a B's or W's output gradient)
+    tgt: Any               # the microbatch's targets
+    stashes: _Stashes      # the stash buffers (read-only in the branches)
+    slots: _Stashes        # the slots this action reads
+    keys: jax.Array | None  # the action's layer keys (None without takes_rng)
+    fused: _FusedBackward | None = None   # a table with FBs: the FB's backward (every branch takes it)
+
+
+class _ForwardOperands(NamedTuple):
+    """What every action branch of the forward-only table takes."""
+    params: Any            # the action's chunk parameters
+    x: jax.Array           # its input activation
+    keys: jax.Array | None  # its layer keys (None without takes_rng)
+
+
 class _Carry(NamedTuple):
     stashes: _Stashes      # per stashed leaf [slots, ...] (see _Stashes)
     act: jax.Array         # [activation slots, mb, ...] received activations
@@ -324,10 +351,10 @@ class Interpreter:
         return loss * scale, (loss, aux)
 
     def _branches(self, plan, split, zero: _Out, scale):
-        """The actions, ``(params, head, x, g, tgt, stashes, slots, keys) -> _Out`` (``stashes``, ``slots``:
-        :class:`_Stashes` of buffers and of the slots to read; ``keys``: the action's layer keys or None); the
-        stashes are read-only here (B and W read their slots inside their branches, so other ticks never touch
-        them). B and W rebuild a microbatch's pullback with the keys of its F, so a dropout mask is the same."""
+        """The actions, ``(op: _Operands) -> _Out`` (``op.stashes``, ``op.slots``: :class:`_Stashes` of buffers
+        and of the slots to read; ``op.keys``: the action's layer keys or None); the stashes are read-only here
+        (B and W read their slots inside their branches, so other ticks never touch them). B and W rebuild a
+        microbatch's pullback with the keys of its F, so a dropout mask is the same."""
         f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
         held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, zero.send)
         read = lambda bufs, slot: tuple(b[slot] for b in bufs)
@@ -338,56 +365,55 @@ class Interpreter:
             kept, freed = _part(held, res)
             return kept, shared.pack(freed, False)
 
-        def idle(params, head, x, g, tgt, st, sl, keys):
+        def idle(op: _Operands):
             return zero
 
-        def fwd(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
+        def fwd(op: _Operands):
+            params = self._gather(op.params)
+            y, res = forward_and_stash(self._bind(op.keys), self.stash, params, op.x, plan)
             return self._vary(zero._replace(send=y, res=slot(res)))
 
-        def fwd_last(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
+        def fwd_last(op: _Operands):
+            params = self._gather(op.params)
+            y, res = forward_and_stash(self._bind(op.keys), self.stash, params, op.x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
-                head, y, tgt, scale)
+                op.head, y, op.tgt, scale)
             return self._vary(zero._replace(send=dy, res=slot(res), dhead=f32(dhead), loss=loss, aux=aux))
 
-        def bwd(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            res = stashed(st, sl)
-            dparams, dx = pullback_from_stash(self._bind(keys), self.stash, params, x, res, plan)(g)
+        def bwd(op: _Operands):
+            params = self._gather(op.params)
+            res = stashed(op.stashes, op.slots)
+            dparams, dx = pullback_from_stash(self._bind(op.keys), self.stash, params, op.x, res, plan)(op.g)
             return zero._replace(send=dx, dparams=f32(dparams))
 
-        def bwd_input(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            res = leaves(self._bind(keys), params, x, stashed(st, sl))
-            dx, carry, dparams = split_lib.backward_input(split, params, x, res, g)
+        def bwd_input(op: _Operands):
+            params = self._gather(op.params)
+            res = leaves(self._bind(op.keys), params, op.x, stashed(op.stashes, op.slots))
+            dx, carry, dparams = split_lib.backward_input(split, params, op.x, res, op.g)
             return self._vary(zero._replace(send=dx, res=(zero.res[0], shared.pack(carry, True)),
                                             dparams=f32(dparams)))
 
-        def bwd_weight(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
+        def bwd_weight(op: _Operands):
+            params = self._gather(op.params)
             freed = tuple(jnp.zeros(r.shape, r.dtype) for r in shared.first)   # read by B only: dead code here
-            res = leaves(self._bind(keys), params, x, _merge(held, read(st.stash, sl.stash), freed))
-            carry = shared.unpack(read(st.bstash, sl.wstash), True)
-            dparams = split_lib.backward_weight(split, params, x, res, carry)
+            res = leaves(self._bind(op.keys), params, op.x, _merge(held, read(op.stashes.stash, op.slots.stash), freed))
+            carry = shared.unpack(read(op.stashes.bstash, op.slots.wstash), True)
+            dparams = split_lib.backward_weight(split, params, op.x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
         split_kinds = {Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight} if split is not None else {}
         kinds = {Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd, **split_kinds}
         if not self.fused:
             return switch_branches(kinds)
 
-        def fused(forward):   # FB: the F, and the full B of the fused operands (fb), in one branch
-            def run(params, head, x, g, tgt, st, sl, keys, fb):
-                b_params, b_keys, b_slot = fb
-                out = forward(params, head, x, g, tgt, st, sl, keys)
-                back = bwd(b_params, head, x, g, tgt, st, sl._replace(stash=b_slot, bstash=b_slot), b_keys)
+        def fused(forward):   # FB: the F, and the full B of the fused operands (op.fused), in one branch
+            def run(op: _Operands):
+                fb = op.fused
+                out = forward(op)
+                back = bwd(op._replace(params=fb.params, keys=fb.keys,
+                                       slots=op.slots._replace(stash=fb.slot, bstash=fb.slot)))
                 return out._replace(send2=back.send, dparams=back.dparams)
             return run
-        drop = lambda branch: lambda *args: branch(*args[:-1])        # the other kinds ignore the FB operands
-        return switch_branches({**{k: drop(b) for k, b in kinds.items()}, Kind.FWD_BWD: fused(fwd),
-                                Kind.FWD_LAST_BWD: fused(fwd_last)})
+        return switch_branches({**kinds, Kind.FWD_BWD: fused(fwd), Kind.FWD_LAST_BWD: fused(fwd_last)})
 
     # --- value and gradient ------------------------------------------------------------------------------
     def _shared(self, plan, split, x0) -> SharedSlots:
@@ -441,9 +467,11 @@ class Interpreter:
             tgt = jax.tree.map(lambda t: microbatch(t, mb), t_micro)
             st, sl = carry.stashes, _Stashes(c.stash_slot, c.bstash_slot, c.wstash_slot)
             keys = self._layer_keys(rng, mb, c.chunk, layers)
-            fb = () if f is None else ((_chunk(stage_params, f.chunk, self.v),
-                                        self._layer_keys(rng, f.microbatch, f.chunk, layers), f.stash_slot),)
-            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys, *fb)
+            fb = None if f is None else _FusedBackward(_chunk(stage_params, f.chunk, self.v),
+                                                       self._layer_keys(rng, f.microbatch, f.chunk, layers),
+                                                       f.stash_slot)
+            out = jax.lax.switch(kind, branches, _Operands(params, head, x_in, carry.cot[c.cot_read], tgt, st, sl,
+                                                           keys, fb))
             act, cot = _route(table.actions.arrive_buffer, c, carry.act, carry.cot, self._send(table, out.send))
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
             is_fwd, is_b_input = _is(kind, Kind.FWD, Kind.FWD_LAST, *fb_kinds), kind == Kind.BWD_INPUT
@@ -480,8 +508,8 @@ class Interpreter:
         x0 = x_micro[:, 0]
         zero = self._vary(jnp.zeros_like(x0))
         layers = _num_rows(_chunk(stage_params, 0, 1))
-        run = lambda params, x, keys: self._bind(keys)(params, x)
-        branches = switch_branches({Kind.IDLE: lambda params, x, keys: zero, Kind.FWD: run, Kind.FWD_LAST: run})
+        run = lambda op: self._bind(op.keys)(op.params, op.x)
+        branches = switch_branches({Kind.IDLE: lambda op: zero, Kind.FWD: run, Kind.FWD_LAST: run})
 
         def tick(carry, row: Actions):
             act, ys = carry
@@ -489,7 +517,7 @@ class Interpreter:
             kind, mb = c.kind, c.microbatch
             x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), act[c.act_read])
             keys = self._layer_keys(rng, mb, c.chunk, layers)
-            y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in, keys)
+            y = jax.lax.switch(kind, branches, _ForwardOperands(_chunk(stage_params, c.chunk, self.v), x_in, keys))
             act, _ = _route(table.actions.arrive_buffer, c, act, None, self._send(table, y))
             return (act, _put(ys, y, mb, kind == Kind.FWD_LAST, 1)), None
 

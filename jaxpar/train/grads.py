@@ -194,6 +194,29 @@ class GradFn(abc.ABC):
         ``batch`` is the global batch, with the policy's dtypes. The batch size has already been checked.
         """
 
+    def check_step(self, state: Any, grad_fn: "GradFn | None", mesh: Mesh) -> None:
+        """Raises (on the host, before tracing) for a training state this function cannot step: the step calls
+        the ``check_step`` of each of its parts that defines one (:func:`check_parts`).
+        ``grad_fn`` is the step's gradient function (this one, or what wraps it)."""
+
+
+def check_parts(state: Any, grad_fn: GradFn | None, mesh: Mesh) -> None:
+    """Calls ``check_step(state, grad_fn, mesh)`` of every part of a step that defines one: the gradient function,
+    then the static parts of the ``jp.train.TrainState`` (its policy, stage layout, graph definition), in order.
+
+    Each feature keeps its compatibility rules where it is defined (a pipeline refuses state it cannot carry
+    between stages, a stage layout a gradient function that would read it as model order), so the step checks
+    any combination of features without naming one. Runs on the host, before tracing.
+
+    Raises:
+      whatever a part's ``check_step`` raises (ValueError naming the conflict and the fix).
+    """
+    statics = [getattr(state, f.name) for f in dataclasses.fields(state) if not f.metadata.get("pytree_node", True)]
+    for part in (grad_fn, *statics):
+        check = getattr(part, "check_step", None)
+        if callable(check):
+            check(state, grad_fn, mesh)
+
 
 def check_loss_output(out: Any, what: str = "loss_fn") -> tuple[jax.Array, dict[str, jax.Array]]:
     """Validates ``loss_fn``'s return value (at trace time): ``(scalar float loss, dict of scalars or None)``.
@@ -410,6 +433,9 @@ class _Accumulate(GradFn):
 
     def model_check_batch(self):
         return self.inner.model_check_batch()
+
+    def check_step(self, state, grad_fn, mesh):
+        self.inner.check_step(state, grad_fn, mesh)
 
     def check(self, params, batch, ctx):
         struct = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // self.steps, *np.shape(a)[1:]),

@@ -376,19 +376,7 @@ class Step:
                 raise ValueError("the state's opt_state does not have the structure this step's tx gives "
                                  "(tx.init(params)): build the state with the same tx as the step "
                                  f"(state: {jax.tree.structure(state.opt_state)}; tx: {jax.tree.structure(expected)})")
-        if self._grad_fn is not None and self._grad_fn.uses_pipe and jax.tree.leaves(state.model_state):
-            raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
-                             "the pipeline does not carry between stages yet: train it without pipe, or keep the "
-                             "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
-        if self._grad_fn is not None and self._grad_fn.uses_pipe and state.fp8 is not None and state.layout is not None:
-            raise ValueError("this state has fp8 meta state (a dot=fp8 policy) and a multi-chunk stage layout, which "
-                             "the pipeline does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or "
-                             "dot=fp8_current (no state)")
-        if state.layout is not None and not (self._grad_fn is not None and self._grad_fn.uses_pipe):
-            raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
-                             f"{state.layout!r}), which this step would read as model order: step it with the "
-                             "jp.pipeline.Pipeline it was built for (make_train_step / make_eval_step(pipeline)), "
-                             "or convert it first with jp.train.to_model_order(state)")
+        gr.check_parts(state, self._grad_fn, self._batches.mesh)
 
     def _prepare(self, state: TrainState, batch: Any, concrete: bool) -> Any:
         b = self._batches
