@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import _compat
-from jaxpar.train import carried as carry
+from jaxpar.train import carried
 from jaxpar.train.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
@@ -102,7 +102,7 @@ def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int, mb: jax.
     """``acc[chunk] += value`` for every leaf (in place); a carried leaf's accumulator holds one row per
     microbatch (:func:`_per_microbatch`): ``acc[chunk, mb] += value``."""
     def add(p, a, g):
-        if carry.is_carried(p):
+        if carried.is_carried(p):
             c = chunk if num_chunks > 1 else 0
             block = jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False)
             return jax.lax.dynamic_update_index_in_dim(a, _add_at(block, g, mb), c, 0)
@@ -120,14 +120,15 @@ def _per_microbatch(tree: Any, m: int, axis: int) -> Any:
     """Accumulator shapes: a carried leaf gets ``m`` rows (one per microbatch) at ``axis``, so its new values
     combine by its declared rule after the tick loop (a split backward's B and W parts add up in their row);
     other leaves as given."""
-    grow = lambda p, a: jax.ShapeDtypeStruct((*a.shape[:axis], m, *a.shape[axis:]), a.dtype) if carry.is_carried(p) else a
+    def grow(path, a):
+        return jax.ShapeDtypeStruct((*a.shape[:axis], m, *a.shape[axis:]), a.dtype) if carried.is_carried(path) else a
     return jax.tree_util.tree_map_with_path(grow, tree)
 
 
 def _combine_microbatches(tree: Any, axis: int) -> Any:
     """The carried leaves' per-microbatch rows (:func:`_per_microbatch`) combined by their rules."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: carry.reduce_microbatches(p, a, axis) if carry.is_carried(p) else a, tree)
+        lambda p, a: carried.reduce_microbatches(p, a, axis) if carried.is_carried(p) else a, tree)
 
 
 def _route(kinds: np.ndarray, c: Actions | Fused, act, cot, messages: tuple) -> tuple:
@@ -316,8 +317,8 @@ class Interpreter:
         out = []
         for (path, g), d in zip(leaves, self.dims() or (None,) * len(leaves)):
             rest = self.batch
-            if carry.is_carried(path):   # carried state's new value: combined over the shards as declared
-                g, d, rest = carry.reduce_shards(path, g, self.batch), None, ()
+            if carried.is_carried(path):   # carried state's new value: combined over the shards as declared
+                g, d, rest = carried.reduce_shards(path, g, self.batch), None, ()
             if d is not None:
                 g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True)
                 rest = tuple(a for a in self.batch if a != FSDP)
@@ -329,10 +330,10 @@ class Interpreter:
         value summed over ``pipe`` (the last stage's alone is not zero) and combined over the batch shards as
         declared."""
         def one(path, g):
-            if not carry.is_carried(path):
+            if not carried.is_carried(path):
                 return self._psum(g, batch=True)
             g = self._psum(g)
-            return carry.reduce_shards(path, g, self.batch) if self.p > 1 else g
+            return carried.reduce_shards(path, g, self.batch) if self.p > 1 else g
         return jax.tree_util.tree_map_with_path(one, dhead)
 
     def _send(self, table: ControlTable, message: jax.Array) -> tuple:
@@ -445,7 +446,8 @@ class Interpreter:
         stashes = _Stashes(slots(sizes.stash, _part(held, res)[0]), shared.zeros(sizes.bstash), ())
         carry = _Carry(stashes=stashes,
                        act=buffers(sizes.activations), cot=buffers(sizes.cotangents),
-                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(_per_microbatch(full, self.m, 1), f32),
+                       gx=jnp.zeros(x_micro.shape, x_micro.dtype),
+                       dparams=_zeros(_per_microbatch(full, self.m, 1), f32),
                        dhead=_zeros(_per_microbatch(head, self.m, 0), f32),
                        loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
         return self._vary(carry), self._vary(zero)
@@ -493,7 +495,7 @@ class Interpreter:
                 stashes=stashes, act=act, cot=cot, gx=gx,
                 dparams=_add_chunk(carry.dparams, out.dparams, g_chunk, self.v, g_mb),
                 dhead=jax.tree_util.tree_map_with_path(   # a carried leaf's row: the F's microbatch
-                    lambda p, a, b: _add_at(a, b, mb) if carry.is_carried(p) else a + b, carry.dhead, out.dhead),
+                    lambda p, a, b: _add_at(a, b, mb) if carried.is_carried(p) else a + b, carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
                 aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, _is(kind, Kind.FWD_LAST, *fb_kinds[1:])), carry.aux,
                                  out.aux)), None

@@ -25,15 +25,15 @@ matmul with ``input_amax_history``, ``kernel_amax_history``, ``output_grad_amax_
 ``[amax_history]``) and ``input_scale``, ``kernel_scale``, ``output_grad_scale`` (float32 ``[1]``), flax's names
 and shapes. In a params tree it sits under the key :data:`OWG` at any depth (the GPT: ``blocks/OWG/{qkv, out,
 up, down}``, with the blocks' leading layers axis; a Linen model using :class:`DotGeneral`: the variables dict's
-``OWG`` collection beside ``params``). ``jp.train.init_state`` takes it out of the params into
-``TrainState.fp8`` (replicated on every device, checkpointed with the state); the train step puts it back
-(:func:`merge`), differentiates with respect to both, hands only the params' gradients to the optax chain and
-replaces the meta state by its "gradient", which the custom VJPs define as the new value (:func:`split`).
-Gradient accumulation combines the new values of the microbatches by a maximum (:func:`max_combine`): the
-scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches. The
-pipeline does the same (:func:`add` over its microbatches, a ``pmax`` over the manual batch axes where it
-sums the gradients), so delayed scaling through ``jp.pipeline`` equals one device (single-chunk
-schedules; a state in a multi-chunk stage layout is refused).
+``OWG`` collection beside ``params``). It is carried state (:data:`CARRIED`, :mod:`jaxpar.train.carried`):
+``jp.train.init_state`` takes it out of the params into the state's carried state, read as ``TrainState.fp8``
+(replicated on every device, checkpointed with the state); the train step puts it back, differentiates with
+respect to both, hands only the params' gradients to the optax chain and replaces the meta state by its
+"gradient", which the custom VJPs define as the new value. Gradient accumulation and the pipeline combine the
+new values of the microbatches by a maximum (the declared rule; a ``pmax`` over the manual batch axes): the
+scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches, so
+delayed scaling through ``jp.pipeline`` equals one device (single-chunk schedules; a state in a multi-chunk
+stage layout is refused).
 Over data/fsdp/tensor shards nothing is summed: under GSPMD ``jnp.max(|x|)`` of a sharded tensor is a global
 reduction (the partitioner inserts an all-reduce max, also inside the custom VJPs), so every shard records the
 global amax and the replicated meta state needs no further reduction. (A partitioned bf16 program may still

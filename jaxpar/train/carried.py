@@ -133,6 +133,26 @@ def by_attribute(name: str) -> Carried | None:
     return next((d for d in protocol.carried_declarations() if d.attribute == name), None)
 
 
+def read_attribute(held: Any, name: str, owner: str) -> Any:
+    """``owner.<name>``: the part of the carried tree ``held`` of the collection declaring that attribute.
+
+    Raises:
+      AttributeError: no collection declares ``name``.
+    """
+    declaration = by_attribute(name)
+    if declaration is None:
+        raise AttributeError(f"{owner} has no attribute {name!r}")
+    return part(held, declaration)
+
+
+def attribute_updates(held: Any, updates: dict) -> dict:
+    """``replace(**updates)``'s fields, a collection's attribute (``fp8=``) turned into the new ``carried``."""
+    updates = dict(updates)
+    for name in [n for n in updates if by_attribute(n) is not None]:
+        updates["carried"] = with_part(updates.get("carried", held), by_attribute(name), updates.pop(name))
+    return updates
+
+
 def declarations_in(held: Any) -> tuple[Carried, ...]:
     """The ``"gradient"`` collections a carried tree holds."""
     return tuple(d for d in protocol.carried_declarations() if part(held, d) is not None)
@@ -161,6 +181,6 @@ def check_checkpoint(saved: set[str], target: set[str], what: str) -> None:
             raise ValueError(f"{what} holds {d.what} that the target lacks: {d.fix}")
 
 
-__all__ = ["BATCH_STATS", "COMBINES", "Carried", "add", "apply", "by_attribute", "check_checkpoint",
-           "declarations_in", "declare_carried", "finish", "is_carried", "merge", "overwrite", "part", "reduce_microbatches",
-           "reduce_shards", "split", "start", "with_part"]
+__all__ = ["BATCH_STATS", "COMBINES", "Carried", "add", "apply", "attribute_updates", "by_attribute", "check_checkpoint",
+           "declarations_in", "declare_carried", "finish", "is_carried", "merge", "overwrite", "part",
+           "read_attribute", "reduce_microbatches", "reduce_shards", "split", "start", "with_part"]

@@ -55,6 +55,13 @@ class ModelInit:
     graphdef: Any = None
     carried_shapes: Any = None   # ``jax.ShapeDtypeStruct`` per carried leaf (None without carried state)
 
+    def __getattr__(self, name: str) -> Any:
+        """``<attribute>_shapes``: the part of :attr:`carried_shapes` of the collection declaring that
+        ``TrainState`` attribute (as ``TrainState.<attribute>`` reads the state's)."""
+        if not name.endswith("_shapes"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return carried.read_attribute(self.carried_shapes, name.removesuffix("_shapes"), type(self).__name__)
+
 
 def _collections(variables: Any) -> bool:
     """Whether an init output is a Linen variables dict with collections beside ``params``."""

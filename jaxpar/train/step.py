@@ -62,10 +62,11 @@ class TrainState:
       graphdef: a Flax NNX model's ``nnx.GraphDef`` (static), or None: the step merges it with ``params`` and
         ``model_state`` into the model its ``loss_fn(model, batch, rng)`` takes (:mod:`jaxpar.train.nnx_bridge`).
       carried: the carried state the params tree held under declared keys (scaled matmuls' scales and amax
-        histories, a user's counter), in the params' nesting, or None: taken out of the params at init, replicated, put back
-        by the step for the loss and replaced by the new values their cotangents give, combined as each
-        collection declares, never seen by the optimizer (:mod:`jaxpar.train.carried`); checkpointed. A
-        collection's part reads as the attribute it declares (``Carried.attribute``; ``replace`` takes it too).
+        histories, a user's counter), in the params' nesting, or None: taken out of the params at init,
+        replicated, put back by the step for the loss and replaced by the new values their cotangents give,
+        combined as each collection declares, never seen by the optimizer (:mod:`jaxpar.train.carried`);
+        checkpointed. A collection's part reads as the attribute it declares (``Carried.attribute``;
+        ``replace`` takes it too).
     """
     step: jax.Array
     params: Any
@@ -82,22 +83,12 @@ class TrainState:
         against global, the fraction sharded, the largest replicated leaves; ``print`` it for the summary."""
         return shd.describe_params(self.params, self.opt_state)
 
-    def __getattr__(self, name: str) -> Any:
-        declaration = carry.by_attribute(name)
-        if declaration is None:
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        return carry.part(self.carried, declaration)
+    def __getattr__(self, name: str) -> Any:   # a carried collection's declared attribute
+        return carry.read_attribute(self.carried, name, type(self).__name__)
 
 
-def _replace(self: TrainState, **updates: Any) -> TrainState:
-    """``dataclasses.replace``, where a carried collection's attribute (``Carried.attribute``) replaces its part."""
-    for name in [n for n in updates if carry.by_attribute(n) is not None]:
-        held = updates.get("carried", self.carried)
-        updates["carried"] = carry.with_part(held, carry.by_attribute(name), updates.pop(name))
-    return dataclasses.replace(self, **updates)
-
-
-TrainState.replace = _replace
+# ``dataclasses.replace``, where a carried collection's attribute replaces its part of ``carried``
+TrainState.replace = lambda self, **updates: dataclasses.replace(self, **carry.attribute_updates(self.carried, updates))
 
 
 def _as_key(rng: Any) -> jax.Array:
@@ -400,7 +391,8 @@ class Step:
             raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
                              "the pipeline does not carry between stages yet: train it without pipe, or keep the "
                              "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
-        if self._grad_fn is not None and self._grad_fn.uses_pipe and state.carried is not None and state.layout is not None:
+        if (self._grad_fn is not None and self._grad_fn.uses_pipe and state.carried is not None
+                and state.layout is not None):
             what = " and ".join(d.what for d in carry.declarations_in(state.carried))
             raise ValueError(f"this state carries {what} and has a multi-chunk stage layout, which the pipeline does "
                              "not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or train without that state")
