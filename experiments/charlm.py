@@ -158,8 +158,9 @@ class Config:
                 raise ValueError(f"--schedule {self.schedule} with --pipe {self.pipe} --microbatches {self.microbatches}"
                                  f"{f' --chunks {self.chunks}' if self.schedule == 'interleaved' else ''}: {e}") from e
             try:   # the state init_state(..., pipeline=) builds holds the stage layout of a multi-chunk schedule
-                jp.pipeline.Pipeline.check_carried(fp8_meta=self.precision.policy().dot == "fp8",
-                                                   staged=schedule.num_chunks > 1)
+                jp.pipeline.Pipeline.check_carried(
+                    carried="fp8 meta state" if self.precision.policy().dot == "fp8" else "",
+                    staged=schedule.num_chunks > 1)
             except ValueError as e:
                 raise ValueError(f"--precision {self.precision.precision} (delayed scaling) runs through one-chunk "
                                  f"pipeline schedules only; got --schedule {self.schedule}: use gpipe, 1f1b or zb, or "

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import _compat
-from jaxpar.precision import fp8
+from jaxpar.train import carried
 from jaxpar.train.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
@@ -98,14 +98,37 @@ def _chunk(tree: Any, chunk: jax.Array, num_chunks: int) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), tree)
 
 
-def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int) -> Any:
-    """``acc[chunk] += value`` for every leaf (in place; fp8 meta state: the maximum, :func:`jaxpar.precision.fp8.add`)."""
-    if num_chunks == 1:
-        return jax.tree_util.tree_map_with_path(lambda p, a, g: fp8.add(p, a, g[None]), acc, value)
+def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int, mb: jax.Array) -> Any:
+    """``acc[chunk] += value`` for every leaf (in place); a carried leaf's accumulator holds one row per
+    microbatch (:func:`_per_microbatch`): ``acc[chunk, mb] += value``."""
     def add(p, a, g):
-        row = jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(a, fp8.add(p, row, g), chunk, 0)
+        if carried.is_carried(p):
+            c = chunk if num_chunks > 1 else 0
+            block = jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(a, _add_at(block, g, mb), c, 0)
+        return a + g[None] if num_chunks == 1 else _add_at(a, g, chunk)
     return jax.tree_util.tree_map_with_path(add, acc, value)
+
+
+def _add_at(acc: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """``acc[index] += value`` along the leading axis (in place)."""
+    row = jax.lax.dynamic_index_in_dim(acc, index, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(acc, row + value, index, 0)
+
+
+def _per_microbatch(tree: Any, m: int, axis: int) -> Any:
+    """Accumulator shapes: a carried leaf gets ``m`` rows (one per microbatch) at ``axis``, so its new values
+    combine by its declared rule after the tick loop (a split backward's B and W parts add up in their row);
+    other leaves as given."""
+    def grow(path, a):
+        return jax.ShapeDtypeStruct((*a.shape[:axis], m, *a.shape[axis:]), a.dtype) if carried.is_carried(path) else a
+    return jax.tree_util.tree_map_with_path(grow, tree)
+
+
+def _combine_microbatches(tree: Any, axis: int) -> Any:
+    """The carried leaves' per-microbatch rows (:func:`_per_microbatch`) combined by their rules."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: carried.reduce_microbatches(p, a, axis) if carried.is_carried(p) else a, tree)
 
 
 def _route(kinds: np.ndarray, c: Actions | Fused, act, cot, messages: tuple) -> tuple:
@@ -321,13 +344,24 @@ class Interpreter:
         out = []
         for (path, g), d in zip(leaves, self.dims() or (None,) * len(leaves)):
             rest = self.batch
-            if fp8.is_meta(path):   # fp8 meta state's new value: the amax over all shards
-                g, d, rest = jax.lax.pmax(g, self.batch), None, ()
+            if carried.is_carried(path):   # carried state's new value: combined over the shards as declared
+                g, d, rest = carried.reduce_shards(path, g, self.batch), None, ()
             if d is not None:
                 g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True)
                 rest = tuple(a for a in self.batch if a != FSDP)
             out.append(jax.lax.psum(g, rest) if rest else g)
         return treedef.unflatten(out)
+
+    def _reduce_head(self, dhead: Any) -> Any:
+        """Once per step: the head gradient summed over ``pipe`` and the manual batch axes; a carried leaf's new
+        value summed over ``pipe`` (the last stage's alone is not zero) and combined over the batch shards as
+        declared."""
+        def one(path, g):
+            if not carried.is_carried(path):
+                return self._psum(g, batch=True)
+            g = self._psum(g)
+            return carried.reduce_shards(path, g, self.batch) if self.p > 1 else g
+        return jax.tree_util.tree_map_with_path(one, dhead)
 
     def _send(self, table: ControlTable, message: jax.Array) -> tuple:
         """``(from the previous stage, from the next stage, own)``: the message handed round over the pairs the
@@ -438,7 +472,9 @@ class Interpreter:
         stashes = _Stashes(slots(sizes.stash, _part(held, res)[0]), shared.zeros(sizes.bstash), ())
         carry = _Carry(stashes=stashes,
                        act=buffers(sizes.activations), cot=buffers(sizes.cotangents),
-                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(full, f32), dhead=zero.dhead,
+                       gx=jnp.zeros(x_micro.shape, x_micro.dtype),
+                       dparams=_zeros(_per_microbatch(full, self.m, 1), f32),
+                       dhead=_zeros(_per_microbatch(head, self.m, 0), f32),
                        loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
         return self._vary(carry), self._vary(zero)
 
@@ -473,27 +509,31 @@ class Interpreter:
             out = jax.lax.switch(kind, branches, _Operands(params, head, x_in, carry.cot[c.cot_read], tgt, st, sl,
                                                            keys, fb))
             act, cot = _route(table.actions.arrive_buffer, c, carry.act, carry.cot, self._send(table, out.send))
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)
             is_fwd, is_b_input = _is(kind, Kind.FWD, Kind.FWD_LAST, *fb_kinds), kind == Kind.BWD_INPUT
             stashes = _Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
                                write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | is_b_input), ())
             gx = _put(carry.gx, out.send, mb, (c.first == 1) & ((kind == Kind.BWD) | is_b_input), axis=1)
-            g_chunk = c.chunk
+            g_chunk, g_mb = c.chunk, mb
             if f is not None:       # the FB's B: its message on the second channel, its d input, its chunk
                 act, cot = _route(table.actions.fused.arrive_buffer, f, act, cot, self._send(table, out.send2))
                 gx = _put(gx, out.send2, f.microbatch, (f.first == 1) & _is(kind, *fb_kinds), axis=1)
                 g_chunk = jnp.where(_is(kind, *fb_kinds), f.chunk, c.chunk)
+                g_mb = jnp.where(_is(kind, *fb_kinds), f.microbatch, mb)
             return _Carry(
                 stashes=stashes, act=act, cot=cot, gx=gx,
-                dparams=_add_chunk(carry.dparams, out.dparams, g_chunk, self.v), dhead=add(carry.dhead, out.dhead),
+                dparams=_add_chunk(carry.dparams, out.dparams, g_chunk, self.v, g_mb),
+                dhead=jax.tree_util.tree_map_with_path(   # a carried leaf's row: the F's microbatch
+                    lambda p, a, b: _add_at(a, b, mb) if carried.is_carried(p) else a + b, carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
                 aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, _is(kind, Kind.FWD_LAST, *fb_kinds[1:])), carry.aux,
                                  out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
         # once per step: the gradients' (and the loss's) reductions over pipe and the manual batch axes
-        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_stage(carry.dparams), stage_params)
-        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._psum(carry.dhead, batch=True), head)
+        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_stage(
+            _combine_microbatches(carry.dparams, 1)), stage_params)
+        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_head(_combine_microbatches(carry.dhead, 0)),
+                              head)
         g_x = self._psum(carry.gx, from_one_stage=True)
         loss, aux = self._psum(carry.loss, batch=True), self._psum(carry.aux, from_one_stage=True, batch=True)
         return loss, (g_stage, g_head, g_x), aux

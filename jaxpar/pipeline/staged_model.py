@@ -50,6 +50,7 @@ from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, 
 from jaxpar.pipeline.shard_map import apply_core, value_and_grad_core
 from jaxpar.pipeline.interpreter import AXIS
 from jaxpar.pipeline.stage_layout import from_stage_layout, stage_order, to_stage_layout
+from jaxpar.train import carried as carry
 from jaxpar.train.state_layout import state_layout
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
@@ -201,24 +202,27 @@ class Pipeline(gr.GradFn):
     def check_step(self, state: Any, grad_fn: Any, mesh: Any) -> None:
         """Raises ValueError (the step calls it before tracing) for state the stages do not carry
         (:meth:`check_carried` of what ``state`` holds)."""
-        self.check_carried(model_state=bool(jax.tree.leaves(state.model_state)), fp8_meta=state.fp8 is not None,
-                           staged=state.layout is not None)
+        held = () if state.carried is None else carry.declarations_in(state.carried)
+        self.check_carried(model_state=bool(jax.tree.leaves(state.model_state)),
+                           carried=" and ".join(d.what for d in held), staged=state.layout is not None)
 
     @staticmethod
-    def check_carried(*, model_state: bool = False, fp8_meta: bool = False, staged: bool = False) -> None:
+    def check_carried(*, model_state: bool = False, carried: str = "", staged: bool = False) -> None:
         """Raises ValueError for state a pipeline's stages do not carry, described by what it holds (so an entry
         point can check its flags before building anything): ``model_state``: non-param variables (batch
-        statistics); ``fp8_meta``: fp8 scales and amax histories (a ``dot=fp8`` policy); ``staged``: params in a
-        multi-chunk stage layout (``jp.train.init_state(..., pipeline=)`` with a schedule of several chunks per
-        stage). Refused: a model state; fp8 meta state with a multi-chunk stage layout."""
+        statistics); ``carried``: what the state's carried collections are, e.g. ``"fp8 meta state"`` ("" for
+        none: :mod:`jaxpar.train.carried`); ``staged``: params in a multi-chunk stage layout
+        (``jp.train.init_state(..., pipeline=)`` with a schedule of several chunks per stage). Refused: a model
+        state; carried state with a multi-chunk stage layout (its leaves under the stage params would need the
+        stage layout's permutation too)."""
         if model_state:
             raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
                              "the pipeline does not carry between stages yet: train it without pipe, or keep the "
                              "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
-        if fp8_meta and staged:
-            raise ValueError("this state has fp8 meta state (a dot=fp8 policy) and a multi-chunk stage layout, which "
-                             "the pipeline does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or "
-                             "dot=fp8_current (no state)")
+        if carried and staged:
+            raise ValueError(f"this state carries {carried} and has a multi-chunk stage layout, which the pipeline "
+                             "does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or train without that "
+                             "state")
 
     def _params_staged(self, ctx: gr.Context) -> bool:
         """Whether ``params[stage_key]`` comes in the stage layout (``ctx.layout``, the state's); ValueError for

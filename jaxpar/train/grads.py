@@ -36,10 +36,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import _compat
-from jaxpar.precision import fp8
 from jaxpar.sharding import rules as shd
 from jaxpar.sharding.names import FSDP, entry_axes, spec_without
 from jaxpar._validate import positive_int
+from jaxpar.train import carried as carry
 from jaxpar.train import nnx_bridge
 from jaxpar import protocol
 from jaxpar.precision.policy import Policy
@@ -447,29 +447,32 @@ class _Accumulate(GradFn):
         take = lambda j: jax.tree.map(lambda x: microbatch(x, j), micro)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
 
-        carried = ctx.stateful and self.carries_model_state
-        plain, meta = fp8.split(params)   # fp8 meta state: its new values combine by a maximum, not a mean
+        threads = ctx.stateful and self.carries_model_state
+        plain, held = carry.split(params)   # carried state: new values combine as declared, not by a mean
 
-        def body(carry, j):     # the model state (batch statistics) passes from microbatch to microbatch
-            (grad_sum, new_meta), model_state = carry
+        def body(acc, j):     # the model state (batch statistics) passes from microbatch to microbatch
+            (grad_sum, new), model_state = acc
             out = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx._replace(model_state=model_state))
             loss, aux, grads = out[:3]
-            grads, meta_j = fp8.split(grads)
+            grads, new_j = carry.split(grads)
             w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
             # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
             wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
             grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
-            return ((grad_sum, fp8.max_combine(new_meta, meta_j)), out[3] if carried else model_state), (
+            new = None if new is None else carry.add(new, new_j)
+            return ((grad_sum, new), out[3] if threads else model_state), (
                 wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
 
         with jax.named_scope("accumulation"):
-            ((grad_sum, new_meta), model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
-                body, ((zeros(plain), zeros(meta)), ctx.model_state), jnp.arange(self.steps))
+            ((grad_sum, new), model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
+                body, ((zeros(plain), None if held is None else carry.start(held)), ctx.model_state),
+                jnp.arange(self.steps))
         w_sum = w_m.sum()
         aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
-        grads = fp8.merge(jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, plain), new_meta)
+        new = None if new is None else carry.finish(new, self.steps)
+        grads = carry.merge(jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, plain), new)
         out = weighted_mean(loss_m.sum(), w_sum), aux, grads
-        return (*out, model_state) if carried else out
+        return (*out, model_state) if threads else out
 
 
 def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
@@ -478,9 +481,10 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
     Microbatch ``j`` holds rows ``j, j+steps, ...`` and the key ``fold_in(rng, j)``; it is run in a
     ``lax.scan``, so memory stays that of one microbatch, and gradients are summed in float32. A microbatch's
     weight is ``aux["weight"]`` when present (e.g. its token count), else 1, so the result is the whole
-    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. fp8 meta state in the params
-    (:mod:`jaxpar.precision.fp8`) is not averaged: its new values are combined by a maximum (the amax over all microbatches). An all-empty batch (total
-    weight 0) gives zero loss and gradients, not NaN.
+    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. Carried state in the params
+    (:mod:`jaxpar.train.carried`) is not averaged: every microbatch reads its old value and their new values
+    combine as its collection declares; a model state passes from microbatch to microbatch in order. An
+    all-empty batch (total weight 0) gives zero loss and gradients, not NaN.
 
     Raises:
       TypeError: ``grad_fn`` is not a GradFn. ValueError: ``steps`` is not a positive int.

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.precision import fp8
+from jaxpar.train import carried as carry
 from jaxpar.train import grads as gr
 from jaxpar.train import model_init
 from jaxpar.sharding import params as placement
@@ -61,16 +61,19 @@ class TrainState:
         checkpointed with the rest, read by the eval step.
       graphdef: a Flax NNX model's ``nnx.GraphDef`` (static), or None: the step merges it with ``params`` and
         ``model_state`` into the model its ``loss_fn(model, batch, rng)`` takes (:mod:`jaxpar.train.nnx_bridge`).
-      fp8: the fp8 meta state (scales and amax histories of a ``dot=fp8`` policy's matmuls, float32), or None:
-        taken out of the params at init, replicated, put back by the step for the loss and replaced by the
-        new values the matmuls' VJPs give, never seen by the optimizer (:mod:`jaxpar.precision.fp8`); checkpointed.
+      carried: the carried state the params tree held under declared keys (scaled matmuls' scales and amax
+        histories, a user's counter), in the params' nesting, or None: taken out of the params at init,
+        replicated, put back by the step for the loss and replaced by the new values their cotangents give,
+        combined as each collection declares, never seen by the optimizer (:mod:`jaxpar.train.carried`);
+        checkpointed. A collection's part reads as the attribute it declares (``Carried.attribute``;
+        ``replace`` takes it too).
     """
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
     model_state: Any = None
-    fp8: Any = None
+    carried: Any = None
     policy: Policy | None = flax.struct.field(pytree_node=False, default=None)
     layout: StateLayout | None = flax.struct.field(pytree_node=False, default=None)
     graphdef: Any = flax.struct.field(pytree_node=False, default=None)
@@ -79,6 +82,13 @@ class TrainState:
         """Where the params' and optimizer state's bytes live (``jp.sharding.describe_params``): per device
         against global, the fraction sharded, the largest replicated leaves; ``print`` it for the summary."""
         return shd.describe_params(self.params, self.opt_state)
+
+    def __getattr__(self, name: str) -> Any:   # a carried collection's declared attribute
+        return carry.read_attribute(self.carried, name, type(self).__name__)
+
+
+# ``dataclasses.replace``, where a carried collection's attribute replaces its part of ``carried``
+TrainState.replace = lambda self, **updates: dataclasses.replace(self, **carry.attribute_updates(self.carried, updates))
 
 
 def _as_key(rng: Any) -> jax.Array:
@@ -127,10 +137,11 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Layout
     rep = NamedSharding(mesh, P())
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
                         rng=jax.eval_shape(lambda k: k, rng), model_state=model.state_shapes, policy=policy,
-                        layout=layout, graphdef=model.graphdef, fp8=model.fp8_shapes)
+                        layout=layout, graphdef=model.graphdef, carried=model.carried_shapes)
     # a stage layout permutes whole blocks of the layers axis: shapes, and so shardings, are those of model order
     shardings = TrainState(step=rep, params=placed.shardings, rng=rep, model_state=state_shardings, policy=policy,
-                           layout=layout, graphdef=model.graphdef, fp8=jax.tree.map(lambda _: rep, model.fp8_shapes),
+                           layout=layout, graphdef=model.graphdef,
+                           carried=jax.tree.map(lambda _: rep, model.carried_shapes),
                            opt_state=shd.opt_state_shardings(etx, param_shapes, placed.shardings, mesh))
     return shapes, shardings, model, placed
 
@@ -190,7 +201,7 @@ def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransf
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
-    with fp8.using(policy):
+    with precision.using(policy):
         shapes, shardings, _, _ = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline, how)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -247,12 +258,12 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
     tx = shd.check_transformation(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
-    with fp8.using(policy):
+    with precision.using(policy):
         shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
     _report(shapes, shardings, placed, mesh, report, how.auto_fsdp_min_size)
 
     def _init(init_rng, state_rng):
-        params, model_state, meta = model.init(init_rng)
+        params, model_state, held = model.init(init_rng)
         if policy is not None:
             params = policy.cast_to_param(params)
         opt_state = _effective_tx(tx, policy).init(params)
@@ -260,9 +271,9 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
             params, opt_state = permute_state(params, opt_state, shardings.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng,
                           model_state=model_state, policy=policy, layout=shardings.layout, graphdef=model.graphdef,
-                          fp8=meta)
+                          carried=held)
 
-    with shd.use_for_init(mesh, rules), fp8.using(policy):
+    with shd.use_for_init(mesh, rules), precision.using(policy):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
 
 
@@ -393,7 +404,7 @@ class Step:
         if first:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-                params = fp8.merge(state.params, state.fp8)
+                params = carry.merge(state.params, state.carried)
                 g.check(abstract(params), _cast_inputs(state.policy, abstract(batch)), _context(
                     b.mesh, b.rules, state, param_specs(params)))
             elif self._loss_fn is not None:
@@ -473,7 +484,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         positive int; a mesh with ``pipe > 1`` and no pipeline.
       ValueError (first call, before tracing): a state in a stage layout (``state.layout``) for a gradient
         function that is not a pipeline, or in another schedule's layout than the pipeline's. (First call or
-        lower, traced, before running): an fp8 policy and no fp8 matmul in the program (``jp.fp8.check_program``).
+        lower, traced, before running): a precision feature's own check of the traced program fails (:func:`jaxpar.precision.policy.check_program`).
     """
     _check_common(mesh, rules)
     rules = shd.with_batch_axis(rules, batch_axis)
@@ -486,16 +497,16 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = scaling.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
-            shardings[0].params, shardings[0].fp8))), gather_weights, grad_fn)
-        params = fp8.merge(state.params, state.fp8)   # the fp8 meta state's "gradient" is its new value
-        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
+        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(carry.merge(
+            shardings[0].params, shardings[0].carried))), gather_weights, grad_fn)
+        params = carry.merge(state.params, state.carried)   # carried state's "gradient" is its new value
+        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules), precision.using(state.policy):
             out = grad_fn(params, _cast_inputs(state.policy, batch), rng, scale, ctx)
         carried = ctx.stateful and grad_fn.carries_model_state
         loss, aux, grads, model_state = _check_grad_output(out, params, grad_fn, carried)
-        grads, new_fp8 = fp8.split(grads)
+        grads, new = carry.split(grads)
         with jax.named_scope("optimizer_update"):
-            state = _apply_update(tx, state, grads).replace(fp8=new_fp8)
+            state = _apply_update(tx, state, grads).replace(carried=carry.apply(state.carried, new))
         if carried:
             state = state.replace(model_state=model_state)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
@@ -503,7 +514,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
 
     jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)), pass_shardings=True,
                      donate_argnums=(0,) if donate else (), track=lambda out: out[1],  # metrics: state is donated
-                     check_program=lambda jaxpr, state, batch: fp8.check_program(jaxpr, state.policy))
+                     check_program=lambda jaxpr, state, batch: precision.check_program(jaxpr, state.policy))
     return Step(jitted, Batches(mesh, rules), grad_fn, _check_batch_fn(check_batch, grad_fn), tx)
 
 
@@ -556,11 +567,11 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
     gather_weights = gr.check_gather_weights(gather_weights, grad_fn)
 
     def _eval(shardings: tuple, state: TrainState, batch: Any):
-        params = fp8.merge(state.params, state.fp8)
+        params = carry.merge(state.params, state.carried)
         params = params if state.policy is None else state.policy.cast_to_compute(params)
-        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
-            shardings[0].params, shardings[0].fp8))), gather_weights, plain, grad_fn)
-        with placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
+        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(carry.merge(
+            shardings[0].params, shardings[0].carried))), gather_weights, plain, grad_fn)
+        with placement.audit_activation_names(mesh, rules), precision.using(state.policy):
             loss, aux = gr.check_loss_output(loss_fn(gr.gather_weights(params, ctx), _cast_inputs(
                 state.policy, batch), jax.random.fold_in(state.rng, state.step), ctx))
         return {"loss": loss.astype(jnp.float32), **aux}
