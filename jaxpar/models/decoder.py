@@ -306,16 +306,13 @@ class Decoder:
     def generate(self, params: dict, prompts: Any, max_new_tokens: int, rng: jax.Array,
                  temperature: float = 0.8, *, top_k: int | None = None, top_p: float | None = None,
                  eos_id: int | None = None) -> list:
-        """Samples ``max_new_tokens`` tokens after the prompts.
-
-        ``prompts`` a list of id lists (a batch, any lengths): :func:`jaxpar.models.generation.generate_batch`
-        (left-padded, one jitted prefill and decode loop over the KV cache, ``temperature=0`` greedy, ``top_k``,
-        ``top_p``, a stop at ``eos_id``); returns a list per prompt. One flat id list: :func:`jaxpar.models.generate`
-        (a window sliding past ``max_seq_len``; ``temperature`` only); returns one list. A flat prompt with ``top_k``,
-        ``top_p`` or ``eos_id`` runs as a batch of one (the cache: prompt plus new tokens within ``max_seq_len``).
+        """Samples up to ``max_new_tokens`` tokens after ``prompts``: one prompt (a list of ids; returns one list,
+        the window sliding past ``max_seq_len``) or a batch (a list of id lists of any lengths, left-padded; returns
+        a list per prompt). ``temperature=0`` is greedy decoding, through the KV cache; ``top_k``, ``top_p`` and a
+        stop at ``eos_id`` are options (:func:`jaxpar.models.generation.generate_any`).
 
         Raises:
-          ValueError: as those functions; an empty list of prompts.
+          ValueError: as :func:`jaxpar.models.generation.generate_any`; an empty list of prompts.
         """
         return generation.generate_any(self, params, prompts, max_new_tokens, rng, temperature, top_k=top_k,
                                        top_p=top_p, eos_id=eos_id)

@@ -37,7 +37,7 @@ from jaxpar.sharding import rules as shd
 # buffers some checkpoints carry that are not weights: rotary frequencies, GPT-2's causal mask
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
-ADAPTERS = {adapter.model_type: adapter for adapter in (gpt2.ADAPTER, llama.ADAPTER)}
+ADAPTERS = {adapter.model_type: adapter for adapter in (llama.ADAPTER, gpt2.ADAPTER)}
 """The weight adapter of each family, by ``config.json``'s ``model_type``."""
 
 
