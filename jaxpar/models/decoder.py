@@ -18,8 +18,8 @@ The config fields the base reads: ``architecture``, ``vocab_size``, ``padded_voc
 ``"rotary"``), ``tie_embeddings``, ``scan_layers``, ``remat``, ``attention``, ``attention_blocks``,
 ``context_attention``, ``dtype``, ``param_dtype``, ``output_dtype``, ``init_std``; with rotary positions
 ``rope_base`` and ``rotary_freq()`` (None: ``rope_base``'s frequencies); with ``"mha"`` ``qkv_bias``; with
-``"gqa"`` ``kv_heads``; with ``"rms"`` ``norm_eps``. A config also gives ``replace``'s field names through the
-family class (compaction).
+``"gqa"`` ``kv_heads``; with ``"rms"`` ``norm_eps``. Compaction's ``replace`` (the smaller config) is the
+family class's: it knows its config's field names.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jaxpar.layers import attention as cp
 from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
 from jaxpar.layers.tokens import PACKED_KEYS, check_packed_entries, check_packed_shapes
 from jaxpar.models import generation
-from jaxpar.models.blocks import Block, Embed, Head, compute_dtype, kv_heads
+from jaxpar.models.blocks import Block, Embed, Head, kv_heads
 from jaxpar.sharding.rules import constrain, has_explicit_axes
 
 REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
