@@ -18,10 +18,10 @@ each number of microbatches ``m`` and each communication path, the GPT train ste
   a loop, that is the per-microbatch gradient reductions the step-once path removes (scalar loss and
   metric reductions are left out: they may stay in the loop).
 
-Paths (the private ``_comm`` switch of :class:`jaxpar.pipeline.Pipeline`, the runtime's ``comm`` argument):
-``action`` is the old path (``shard_map`` manual over ``pipe`` only: GSPMD reduces the data-parallel
-gradient inside every backward action), ``step`` the new one with ``fsdp_gather='step'``, ``step-action``
-with ``fsdp_gather='action'``. ``--time`` also times each step side by side (:func:`time_side_by_side`: interleaved rounds, ratios to
+Paths (:class:`jaxpar.pipeline.Pipeline`'s ``grad_reduce`` and ``fsdp_gather`` options):
+``action`` is ``grad_reduce='action'`` (``shard_map`` manual over ``pipe`` only: GSPMD reduces the
+data-parallel gradient inside every backward action), ``step`` the default ``grad_reduce='step'`` with
+``fsdp_gather='step'``, ``step-action`` with ``fsdp_gather='action'``. ``--time`` also times each step side by side (:func:`time_side_by_side`: interleaved rounds, ratios to
 ``action`` per round).
 """
 
@@ -46,7 +46,7 @@ from jaxpar._hlo import collective_sites
 CFG = GPTConfig(vocab_size=61, num_layers=4, num_heads=4, d_model=64, max_seq_len=16)
 MICROBATCH_ROWS = 8
 MESHES = {"dpt": {"data": 2, "pipe": 2, "tensor": 2}, "dpf": {"data": 2, "pipe": 2, "fsdp": 2}}
-PATHS = {"action": {"_comm": "action"}, "step": {"fsdp_gather": "step"}, "step-action": {"fsdp_gather": "action"}}
+PATHS = {"action": {"grad_reduce": "action"}, "step": {"fsdp_gather": "step"}, "step-action": {"fsdp_gather": "action"}}
 
 
 def collectives(hlo: str, mesh) -> list[dict]:

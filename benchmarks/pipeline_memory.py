@@ -41,10 +41,7 @@ import numpy as np
 import jaxpar as jp
 
 MICROBATCH, SEQ, D, F, LAYERS_PER_STAGE, DATA = 8, 32, 64, 256, 2, 2
-SCHEDULES = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}
-ALL_SCHEDULES = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b,
-                 "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
-                 "zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v, "dualpipev": jp.pipeline.dualpipe_v}
+MEASURED = ("gpipe", "1f1b")   # the schedules whose memory is measured over microbatches and stash modes
 
 
 def stage_fn(params, x_BLD):
@@ -65,14 +62,14 @@ def compile_program(schedule: str, stages: int, microbatches: int, stash: str = 
     zeros = lambda *shape: np.zeros(shape, np.float32)
     stage_params = {"w1": zeros(p, LAYERS_PER_STAGE, D, F), "w2": zeros(p, LAYERS_PER_STAGE, F, D)}
     x = zeros(MICROBATCH * m, SEQ, D)
-    f = jp.pipeline.value_and_grad(stage_fn, loss_fn, SCHEDULES[schedule](p, m), mesh=mesh, stash=stash)
+    f = jp.pipeline.value_and_grad(stage_fn, loss_fn, jp.pipeline.build(schedule, p, m), mesh=mesh, stash=stash)
     return f.lower(stage_params, {"w": zeros(D, D)}, x, x).compile()
 
 
 def measure(schedule: str, stages: int, microbatches: int, stash: str = "residuals") -> dict:
     """Compiles one pipelined value-and-grad and returns its per-device memory figures (bytes)."""
     p, m = stages, microbatches
-    sched = SCHEDULES[schedule](p, m)
+    sched = jp.pipeline.build(schedule, p, m)
     temp = compile_program(schedule, p, m, stash).memory_analysis().temp_size_in_bytes
     act = MICROBATCH // DATA * SEQ * D * 4              # one microbatch activation on one device
     batch_bytes = m * act
@@ -107,11 +104,11 @@ def schedule_table(stages: int, microbatches: int) -> list[dict]:
     struct = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     layers = {"w1": struct(LAYERS_PER_STAGE * p, D, F), "w2": struct(LAYERS_PER_STAGE * p, F, D)}
     x = struct(MICROBATCH * m, SEQ, D)
-    schedules = [build(p, m) for build in ALL_SCHEDULES.values()]
+    schedules = [jp.pipeline.build(name, p, m) for name in jp.pipeline.SCHEDULES]
     rows = jp.pipeline.compare(schedules, stage_fn=stage_fn, loss_fn=loss_fn, layers=layers, head={"w": struct(D, D)},
                                x=x, targets=x, mesh=mesh)
     batch_bytes = m * (MICROBATCH // DATA * SEQ * D * 4)
-    for key, row, sched in zip(ALL_SCHEDULES, rows, schedules):
+    for key, row, sched in zip(jp.pipeline.SCHEDULES, rows, schedules):
         row.update(schedule=key, activation_bytes=row["temp_bytes"] - batch_bytes, stash_bytes=stash_bytes(sched))
     by = {r["schedule"]: r for r in rows}
     for r in rows:
@@ -128,7 +125,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--stash", nargs="+", default=["residuals", "inputs"])
     ap.add_argument("--table-microbatches", type=int, default=16, help="m of the every-schedule table")
     args = ap.parse_args(argv)
-    rows = [measure(s, args.stages, m, stash) for stash in args.stash for s in SCHEDULES for m in args.microbatches]
+    rows = [measure(s, args.stages, m, stash) for stash in args.stash for s in MEASURED for m in args.microbatches]
     ratio = {}
     for stash in args.stash:
         for m in args.microbatches:

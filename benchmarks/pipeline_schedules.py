@@ -39,9 +39,6 @@ from jaxpar.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=61, num_layers=4, num_heads=4, d_model=32, max_seq_len=16, head_dim=0)
 BATCH, SEED = 32, 41
-BUILDERS = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b,
-            "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
-            "zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v, "dualpipev": jp.pipeline.dualpipe_v}
 
 
 def batches(steps: int) -> list[dict]:
@@ -97,7 +94,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timed-steps", type=int, default=3)
-    ap.add_argument("--schedules", nargs="+", default=list(BUILDERS))
+    ap.add_argument("--schedules", nargs="+", default=list(jp.pipeline.SCHEDULES), choices=list(jp.pipeline.SCHEDULES))
     args = ap.parse_args(argv)
     p, m = args.pipe, args.microbatches
     model = GPT(CFG)
@@ -112,7 +109,7 @@ def main(argv=None) -> dict:
     runs, rows = {"pipe1_data8": run8}, {}
     mesh = jp.make_mesh(data=8 // p, pipe=p)
     for name in args.schedules:
-        schedule = BUILDERS[name](p, m)
+        schedule = jp.pipeline.build(name, p, m)
         pipeline = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule)
         losses, runs[name] = train(model, pipeline, mesh, data)
         rows[name] = {**drift(losses, ref), **table_figures(schedule)}

@@ -127,16 +127,17 @@ class Config:
         for name in ("eval_interval", "eval_batches", "num_layers", "num_heads", "d_model", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len % (2 * self.mesh.context):
-            raise ValueError(f"--seq-len {self.seq_len} must be a multiple of 2 x --context {self.mesh.context} (the "
-                             f"zigzag split cuts each sequence into 2 x context chunks): use --seq-len "
-                             f"{-(-self.seq_len // (2 * self.mesh.context)) * 2 * self.mesh.context}")
-        if self.precision.precision == "fp8" and self.pipe > 1 and self.schedule in ("interleaved", "zbv", "dualpipev"):
-            raise ValueError(f"--precision fp8 (delayed scaling) runs through one-chunk pipeline schedules only; got "
-                             f"--schedule {self.schedule}: use gpipe, 1f1b or zb, or --precision fp8_current")
-        if self.context_attention == "ring" and self.pipe > 1 and self.mesh.context > 1:
-            raise ValueError("--context-attention ring cannot run inside pipeline stages (--pipe > 1); use all_gather "
-                             "or auto")
+        try:   # the library's own checks, each answered in flags
+            jp.attention.zigzag_order(self.seq_len, self.mesh.context)
+        except ValueError as e:
+            parts = 2 * self.mesh.context
+            raise ValueError(f"--seq-len {self.seq_len} must be a multiple of 2 x --context {self.mesh.context} ({e}): "
+                             f"use --seq-len {-(-self.seq_len // parts) * parts}") from e
+        try:
+            jp.attention.check_in_stages(self.context_attention, self.mesh.context, self.pipe > 1)
+        except ValueError as e:
+            raise ValueError(f"--context-attention ring cannot run inside pipeline stages (--pipe > 1); use all_gather "
+                             f"or auto ({e})") from e
         if self.d_model % self.num_heads:   # each head is d_model / num_heads wide
             near = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
             lower = max(h for h in near if h < self.num_heads)
@@ -156,6 +157,14 @@ class Config:
             except ValueError as e:
                 raise ValueError(f"--schedule {self.schedule} with --pipe {self.pipe} --microbatches {self.microbatches}"
                                  f"{f' --chunks {self.chunks}' if self.schedule == 'interleaved' else ''}: {e}") from e
+            try:   # the state init_state(..., pipeline=) builds holds the stage layout of a multi-chunk schedule
+                jp.pipeline.Pipeline.check_carried(
+                    carried="fp8 meta state" if self.precision.policy().dot == "fp8" else "",
+                    staged=schedule.num_chunks > 1)
+            except ValueError as e:
+                raise ValueError(f"--precision {self.precision.precision} (delayed scaling) runs through one-chunk "
+                                 f"pipeline schedules only; got --schedule {self.schedule}: use gpipe, 1f1b or zb, or "
+                                 f"--precision fp8_current ({e})") from e
             stages = self.pipe * schedule.num_chunks
             if self.num_layers % stages:
                 raise ValueError(f"--num-layers {self.num_layers} is not divisible by the {stages} virtual stages of "
@@ -177,11 +186,8 @@ class Config:
 
     def pipeline_schedule(self) -> jp.pipeline.Schedule:
         """The --schedule table for --pipe stages and --microbatches (ValueError on sizes it cannot run)."""
-        p, m = self.pipe, self.microbatches
-        return {"gpipe": lambda: jp.pipeline.gpipe(p, m), "1f1b": lambda: jp.pipeline.one_f_one_b(p, m),
-                "interleaved": lambda: jp.pipeline.interleaved_1f1b(p, m, self.chunks),
-                "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m),
-                "dualpipev": lambda: jp.pipeline.dualpipe_v(p, m)}[self.schedule]()
+        options = {"num_chunks": self.chunks} if self.schedule == "interleaved" else {}
+        return jp.pipeline.build(self.schedule, self.pipe, self.microbatches, **options)
 
 
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and

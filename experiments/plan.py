@@ -33,7 +33,6 @@ MODELS = {   # GPT sizes (GELU MLP 4 d, rotary positions, 32k vocabulary; tiny: 
     "7b": dict(d_model=4096, num_layers=32, num_heads=32, vocab_size=32000),
     "65b": dict(d_model=8192, num_layers=80, num_heads=64, vocab_size=32000),
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 
 
 def parse(argv=None):
@@ -46,9 +45,10 @@ def parse(argv=None):
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--remat", nargs="+", default=["full"], choices=["none", "full", "dots"],
                     help="GPTConfig.remat choices to sweep: none, full (save each block's input), dots (save matmuls)")
-    ap.add_argument("--schedules", nargs="*", default=[], choices=SCHEDULES,
-                    help="pipeline schedules for layouts with pipe > 1 (none: pipe stays 1); interleaved uses "
-                         "--chunks, zbv 2 chunks; a schedule the pipe size, microbatches or layers cannot run is "
+    ap.add_argument("--schedules", nargs="*", default=[],
+                    help="pipeline schedules (names of jp.pipeline.SCHEDULES, checked once jax has started) for "
+                         "layouts with pipe > 1 (none: pipe stays 1); interleaved uses --chunks, zbv and dualpipev "
+                         "2 chunks; a schedule the pipe size, microbatches or layers cannot run is "
                          "skipped for that layout")
     ap.add_argument("--max-context", type=int, default=8,
                     help="largest context-parallel size to sweep (the sequence split over devices inside a host; "
@@ -93,9 +93,7 @@ def layouts(n: int, gpus_per_host: int, pipes: bool, max_context: int = 1) -> li
 
 def schedule(jp, name: str, p: int, m: int, chunks: int):
     """The ``name`` schedule for ``p`` stages and ``m`` microbatches (ValueError where the builder refuses)."""
-    return {"gpipe": lambda: jp.pipeline.gpipe(p, m), "1f1b": lambda: jp.pipeline.one_f_one_b(p, m),
-            "interleaved": lambda: jp.pipeline.interleaved_1f1b(p, m, chunks),
-            "zb": lambda: jp.pipeline.zero_bubble(p, m), "zbv": lambda: jp.pipeline.zero_bubble_v(p, m)}[name]()
+    return jp.pipeline.build(name, p, m, **({"num_chunks": chunks} if name == "interleaved" else {}))
 
 
 def candidates(args, jp, GPTConfig) -> tuple[list[tuple], dict[str, int]]:
@@ -185,6 +183,10 @@ def main(argv=None) -> list:
                  "process")
     import jaxpar as jp
     from jaxpar.models import GPTConfig
+    unknown = [s for s in args.schedules if s not in jp.pipeline.SCHEDULES]
+    if unknown:   # the registry needs jax, which starts only after the device count is set above
+        ap.error(f"argument --schedules: invalid choice: {unknown[0]!r} (choose from "
+                 f"{', '.join(map(repr, jp.pipeline.SCHEDULES))})")
     try:
         jp.plan.gpu(args.device)
     except ValueError as e:

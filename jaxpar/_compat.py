@@ -3,12 +3,17 @@
 jaxpar supports jax 0.10 (CPU machines) and 0.11 (the GPU machine) with orbax-checkpoint 0.12. Each
 function here names the version it works around and what to do once that version is no longer
 supported, so dropping a version is reading this file, not searching the code base. Nothing else in
-jaxpar reads ``jax._src`` or branches on a version.
+jaxpar reads ``jax._src`` or a private Flax function, or branches on a version. This module imports no part of
+jaxpar: the rooms build on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,10 +58,10 @@ def psum_16bit_safe(x: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.psum(x, axis_name)
 
 
-def fsdp_gather_spec(spec: Any) -> Any:
-    """The ``PartitionSpec`` a param of mesh spec ``spec`` is gathered to where a loss without activation
-    constraints starts: ``spec`` with ``fsdp`` removed (FSDP's weight all-gather; its transpose is the gradient
-    reduce-scatter), or None when ``spec`` (None for no named sharding) does not use ``fsdp``.
+def gathers_fsdp_weights() -> bool:
+    """Whether the train and eval steps gather FSDP-sharded weights (each param's spec without ``fsdp``: FSDP's
+    weight all-gather, whose transpose is the gradient reduce-scatter) where a loss starts that declares no
+    activation constraints: True while the oldest supported jax needs it.
 
     XLA's SPMD partitioner (jax and jaxlib 0.10.2, CPU; Shardy and GSPMD alike) computes wrong gradients for a
     model whose activations carry no sharding constraints when its params are sharded over ``fsdp`` and
@@ -65,22 +70,51 @@ def fsdp_gather_spec(spec: Any) -> Any:
     on ``P(('data', 'fsdp'))`` gives ``up``'s and ``x``'s gradients 50-90% off for normal random values: the
     compiled program swaps batch shards between devices 2 and 4, 3 and 5 by collective-permutes and never swaps
     them back. Other mesh shapes are exact, and so is the same program with the hidden activation's batch
-    dimension constrained, or with every param gathered over ``fsdp`` first (this spec). The train and eval steps apply it
-    (:func:`jaxpar.train.grads.gather_weights`) unless the model declares ``shards_activations``.
+    dimension constrained, or with every param gathered over ``fsdp`` first. The train and eval steps gather
+    (:func:`jaxpar.train.grads.with_weight_gather`) unless the model declares ``shards_activations``.
 
     When the oldest supported jax computes ``tests/test_train.py``'s unconstrained model exactly without it (its
-    test records the unguarded error): make the steps' ``gather_weights`` default False, then delete it.
+    test records the unguarded error): return False (the steps' ``gather_weights`` then defaults off), then
+    delete this function and the gather.
     """
-    from jaxpar.sharding.report import entry_axes
+    return True
 
-    def without_fsdp(entry):   # None, an axis name, a tuple of them (or UNCONSTRAINED, kept)
-        if not isinstance(entry, (str, tuple)):
-            return entry
-        kept = tuple(a for a in entry_axes(entry) if a != "fsdp")
-        return kept[0] if len(kept) == 1 else kept or None
-    if spec is None or not any("fsdp" in entry_axes(e) for e in spec if isinstance(e, (str, tuple))):
-        return None
-    return type(spec)(*map(without_fsdp, spec))
+
+@contextlib.contextmanager
+def flax_spmd_hooks(resolve: Callable, constrain: Callable):
+    """Inside, Flax's resolution of logical names and its logical constraint of one value go through hooks:
+    ``flax.linen.spmd._logical_to_mesh_axes(names, rules)`` (behind ``nn.logical_to_mesh_axes`` and every
+    logical constraint) calls ``resolve(original, names, rules)``, and
+    ``flax.linen.spmd._with_sharding_constraint_one_fallback(axis_resources, x, ...)`` calls
+    ``constrain(original, axis_resources, x, ...)``. Flax's functions are restored when the outermost such
+    context exits (in any thread); while one is open they are replaced for every thread, so the hooks must
+    delegate unchanged where their thread is not auditing. One pair of hooks at a time: a nested entry keeps
+    the outer pair.
+
+    Flax 0.12 (flax.linen.spmd) offers no public hook into logical-name resolution; jaxpar's activation audit
+    (:func:`jaxpar.sharding.params.record_unknown_names`) needs one. When Flax offers one (or the audit reads
+    names another way): use it and delete this function.
+    """
+    from flax.linen import spmd
+    global _flax_hook_depth
+    with _flax_hook_lock:
+        if _flax_hook_depth == 0:
+            _flax_originals[:] = [spmd._logical_to_mesh_axes, spmd._with_sharding_constraint_one_fallback]
+            spmd._logical_to_mesh_axes = functools.partial(resolve, _flax_originals[0])
+            spmd._with_sharding_constraint_one_fallback = functools.partial(constrain, _flax_originals[1])
+        _flax_hook_depth += 1
+    try:
+        yield
+    finally:
+        with _flax_hook_lock:
+            _flax_hook_depth -= 1
+            if _flax_hook_depth == 0:
+                spmd._logical_to_mesh_axes, spmd._with_sharding_constraint_one_fallback = _flax_originals
+
+
+_flax_hook_lock = threading.Lock()
+_flax_hook_depth = 0
+_flax_originals: list[Callable] = []
 
 
 def cluster_detected() -> bool:

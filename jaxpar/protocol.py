@@ -19,7 +19,7 @@ Core (every training step):
   each layer's output), so GSPMD places the weight gathers per layer. Without it, on a mesh with ``fsdp > 1`` the
   train and eval steps gather each FSDP-sharded param whole over ``fsdp`` where the loss starts
   (``jp.train.make_train_step(..., gather_weights=)``): XLA's partitioner can give wrong gradients for a model
-  with none (:func:`jaxpar._compat.fsdp_gather_spec`). Read from the loss function itself or the object
+  with none (:func:`jaxpar._compat.gathers_fsdp_weights`). Read from the loss function itself or the object
   whose bound method it is (``model.loss``); an NNX module class declares it for ``loss_fn(model, ...)``.
 
 Pipeline (``jp.pipeline.Pipeline.from_model``):
@@ -48,11 +48,19 @@ Generation (:func:`jaxpar.models.generate`):
   position into the cache. It must equal ``apply(params, tokens)[:, pos]`` for the tokens written so far.
   ``max_seq_len`` (attribute or ``cfg.max_seq_len``): the longest context the cache holds.
 
+Carried state (:func:`declare_carried`): state the train step carries that the optimizer does not update (fp8
+  scales and amax histories, batch statistics, a token counter, an EMA of the weights) is a collection under a
+  declared key, with a declared way its new values combine over microbatches and batch shards. The training
+  core, the pipeline and checkpoints apply the declaration (:mod:`jaxpar.train.carried`) and never name the
+  feature.
+
 Shape-suffix names (:data:`SHAPE_LEGEND`) are shared by every model in ``jaxpar/models/``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -173,3 +181,114 @@ def batch_checker(loss_fn: Any) -> Any:
     owner = getattr(loss_fn, "__self__", None)
     check = getattr(owner, "check_batch", None)
     return check if callable(check) else None
+
+
+# ------------------------------------------------------------------------------------------- carried state
+
+COMBINES = ("mean", "max", "sum", "last")
+"""How the new values of a carried collection combine over accumulation microbatches, pipeline microbatches
+and the batch shards of a manual region: the mean, the elementwise maximum, the old value plus the sum of the
+increments the microbatches give, the last microbatch's (batch shards: their mean)."""
+THROUGH = ("gradient", "loss")
+"""How a carried collection's new value reaches the step: as the cotangent of its leaves (``"gradient"``: the
+collection sits in the params tree, under its key at any depth, as fp8's overwrite-with-gradient state), or
+returned by the loss (``"loss"``: a Linen collection beside ``params`` or NNX variables, the state's
+``model_state``; microbatches read it in order, so it combines as ``"last"``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """A declared collection of carried state (:func:`declare_carried`).
+
+    Attributes:
+      key: the dict key that marks it: in a params tree at any depth (``through="gradient"``), or the Linen
+        collection name (``through="loss"``).
+      combine: one of :data:`COMBINES`.
+      what: what it holds, in words (error messages: "fp8 meta state (scales, amax histories)").
+      through: one of :data:`THROUGH`.
+      attribute: the ``TrainState`` attribute that reads this collection's part of the carried state (e.g.
+        ``"fp8"``), or None.
+      fix: how to build a state that holds it (said when a checkpoint and its target disagree).
+    """
+    key: str
+    combine: str
+    what: str
+    through: str = "gradient"
+    attribute: str | None = None
+    fix: str = ""
+
+
+_CARRIED: dict[str, Carried] = {}
+
+
+def declare_carried(key: str, combine: str, *, what: str | None = None, through: str = "gradient",
+                    attribute: str | None = None, fix: str = "") -> Carried:
+    """Declares the collection under ``key`` as carried state (see :class:`Carried` for the arguments).
+
+    A ``"gradient"`` collection's leaves are float arrays in the params tree; ``jp.train.init_state`` takes them
+    out into ``TrainState.carried`` (sharded by their logical names, replicated without), the step puts them
+    back for the loss, and the gradient function returns, as their cotangent, their new value (``"sum"``: the
+    increment; :func:`jaxpar.train.carried.overwrite` makes such a cotangent). Declaring a key again with the
+    same declaration is a no-op.
+
+    Raises:
+      ValueError: an unknown ``combine`` or ``through``; ``through="loss"`` with a combine other than ``"last"``;
+        ``key`` declared already with another declaration.
+    """
+    if combine not in COMBINES:
+        raise ValueError(f"combine={combine!r} for the carried collection {key!r}; use one of {COMBINES}")
+    if through not in THROUGH:
+        raise ValueError(f"through={through!r} for the carried collection {key!r}; use one of {THROUGH}")
+    if through == "loss" and combine != "last":
+        raise ValueError(f"the carried collection {key!r} comes back from the loss (through='loss'), which "
+                         f"microbatches read in order: its combine is 'last', not {combine!r}")
+    new = Carried(key, combine, what or f"carried state {key!r}", through, attribute, fix)
+    old = _CARRIED.setdefault(key, new)
+    if old != new:
+        raise ValueError(f"the carried collection {key!r} is declared already as {old}; a key has one declaration")
+    return new
+
+
+def carried_declarations(through: str = "gradient") -> tuple[Carried, ...]:
+    """The declared carried collections whose new value comes ``through`` the gradient or the loss."""
+    return tuple(d for d in _CARRIED.values() if d.through == through)
+
+
+def carried_of(path: tuple) -> Carried | None:
+    """The declaration of the ``"gradient"`` collection a key path (``jax.tree_util``'s) leads into, or None."""
+    for k in path:
+        d = _CARRIED.get(getattr(k, "key", None))
+        if d is not None and d.through == "gradient":
+            return d
+    return None
+
+
+def split_carried(tree: Any, keys: tuple[str, ...] | None = None) -> tuple[Any, Any]:
+    """``(tree without its carried entries, the carried entries)``: every subtree under one of ``keys`` (default:
+    every declared ``"gradient"`` collection) of a nested mapping, in a tree of the same nesting holding only
+    those (None when there is none). A mapping that held carried state only is dropped from the first;
+    :func:`merge_carried` restores it."""
+    keys = tuple(d.key for d in carried_declarations()) if keys is None else keys
+    if not isinstance(tree, Mapping):
+        return tree, None
+    rest, held = {}, {}
+    for k, v in tree.items():
+        if k in keys:
+            held[k] = v
+            continue
+        rest[k], h = split_carried(v, keys)
+        if h is not None:
+            held[k] = h
+            if not rest[k]:   # a module holding only carried state leaves no empty node
+                del rest[k]
+    return (rest, held) if held else (tree, None)   # a tree without carried state comes back as it is
+
+
+def merge_carried(params: Any, held: Any) -> Any:
+    """The inverse of :func:`split_carried`: ``held``'s entries put back into ``params`` (``params`` for None)."""
+    if held is None:
+        return params
+    out = dict(params)
+    for k, v in held.items():
+        out[k] = v if k in _CARRIED else merge_carried(params.get(k, {}), v)
+    return out

@@ -5,10 +5,11 @@
 # Tests marked slow are skipped unless asked for:  bash scripts/test.sh -m slow  (.ci/run runs both).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 # Two worker processes (pytest-xdist, one test file per worker at a time so module fixtures are built once): the
-# 2-core machine is otherwise only ~65% busy, as compiles are single-threaded. JAXPAR_TEST_WORKERS=0 runs in-process.
+# 2-core machine is otherwise only ~65% busy, as compiles are single-threaded. Files go out in collection order
+# (--no-loadscope-reorder): tests/conftest.py puts the long ones first. JAXPAR_TEST_WORKERS=0 runs in-process.
 # Test files or directories among the arguments (tests/test_mesh.py, tests/models, a::node id) replace the default tests/.
 where=tests
 for arg in "$@"; do
   if [ -e "${arg%%::*}" ]; then where=; break; fi
 done
-exec .venv/bin/python -m pytest $where -q --durations=10 -m "not slow" -n "${JAXPAR_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest $where -q --durations=10 -m "not slow" -n "${JAXPAR_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

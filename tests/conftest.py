@@ -31,9 +31,37 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 NUM_DEVICES = 8
 
 
+# Files whose few fast cases take long (notebook kernels, subprocesses, GPT steps): scripts/test.sh hands whole files
+# to two workers in collection order (--dist loadfile --no-loadscope-reorder), so these start first and the last
+# file a worker takes is a short one. Without this, xdist starts the files with the most tests first, and the
+# notebooks (3 tests, the longest file) ran alone at the end.
+LONG_FILES = ("test_notebooks.py", "test_readme.py", "pipeline/test_model.py", "test_train.py",
+              "pipeline/test_interpreter.py", "test_sharding.py", "test_prune_experiments.py")
+
+
+def _long_files_first(items) -> None:
+    """Sorts ``items`` in place: the LONG_FILES in their order, then the other files by number of tests (most
+    first, as xdist orders them by default); the order within a file is kept."""
+    tests_dir = pathlib.Path(__file__).resolve().parent
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    counts: dict = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+
+    def key(item):
+        try:
+            name = item.path.resolve().relative_to(tests_dir).as_posix()
+        except ValueError:          # a test file outside tests/ (given on the command line)
+            name = str(item.path)
+        return rank.get(name, len(rank)), -counts[item.path], name
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Fails loudly (once) unless there are 8 devices, instead of a confusing error (or a skip) in every test."""
-    del config, items
+    """Fails loudly (once) unless there are 8 devices, instead of a confusing error (or a skip) in every test;
+    orders the files for the two workers (:func:`_long_files_first`)."""
+    del config
+    _long_files_first(items)
     if jax.device_count() < NUM_DEVICES:
         raise pytest.UsageError(
             f"expected {NUM_DEVICES} devices, got {jax.device_count()} {jax.devices()[0].platform} device(s) "

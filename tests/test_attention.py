@@ -407,6 +407,38 @@ def test_ring_inside_pipeline_stages_is_refused():
         jp.train.make_train_step(pipe, tx, mesh=mesh)(state, _batch(cfg, 4, 64, np.random.default_rng(0)))
 
 
+def test_ring_refusal_reads_the_manual_pipe_axis_of_the_mesh_in_context():
+    """Inside any shard_map manual over ``pipe`` (what a pipeline's stages run in) the ring is refused, with no
+    pipeline involved and nothing set beside the trace; on the same mesh outside it, and with all_gather inside it,
+    attention traces."""
+    mesh = _mesh(2, pipe=2, data=2)
+    q = jax.ShapeDtypeStruct((2, 16, 2, 8), jnp.float32)
+    attend = lambda strategy: lambda q: cp.causal(q, q, q, context_attention=strategy)
+    in_stages = lambda strategy: jax.shard_map(attend(strategy), in_specs=jax.P(), out_specs=jax.P(),
+                                               axis_names={"pipe"}, check_vma=False)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(jp.sharding.DEFAULT_RULES):
+        with pytest.raises(ValueError, match=r"context_attention='ring' inside pipeline stages"):
+            jax.eval_shape(in_stages("ring"), q)
+        assert jax.eval_shape(in_stages("all_gather"), q).shape == q.shape
+        assert jax.eval_shape(attend("ring"), q).shape == q.shape
+
+
+@pytest.mark.slow   # ~15 s; test_ring_refusal_reads_the_manual_pipe_axis_of_the_mesh_in_context is the fast sibling
+def test_ring_in_a_one_stage_pipeline_matches_accumulation(mesh_factory):
+    """A one-stage pipeline runs no shard_map over pipe (every device takes the same branch each tick), so the ring
+    runs there: its loss is the accumulating step's over the same microbatches."""
+    cfg = dataclasses.replace(TINY, max_seq_len=32, context_attention="ring")
+    model, tx = cfg.as_model(), optax.sgd(0.1)
+    mesh = mesh_factory(data=4, context=2)
+    batch = _batch(cfg, 8, 32, np.random.default_rng(1))
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(1, 2))
+    losses = {}
+    for name, (fn, k) in {"pipeline": (pipe, 1), "accumulate": (model.loss, 2)}.items():
+        state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
+        losses[name] = float(jp.train.make_train_step(fn, tx, mesh=mesh, grad_accum_steps=k)(state, batch)[1]["loss"])
+    assert_scalar_close(losses["pipeline"], losses["accumulate"], what="one-stage pipeline loss")
+
+
 @pytest.mark.slow   # ~17 s; .ci/run runs it
 def test_fp8_matmuls_over_a_context_axis():
     """fp8 dots (delayed scaling) take the 3-D token operands a sharded sequence keeps: one step at context=2

@@ -34,3 +34,29 @@ def test_compat_varying_axes_and_16bit_psum(mesh_factory):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(x[2], np.float32))
     assert seen == {"in": frozenset({"pipe"}), "replicated": frozenset(), "cast": frozenset({"pipe"})}, seen
     assert _compat.varying_axes(jnp.ones(3)) == frozenset()
+
+
+def test_flax_hooks_act_only_inside_their_context():
+    """``_compat.flax_spmd_hooks`` routes Flax's logical-name resolution through a hook while some context is
+    open (nested contexts keep the outer hooks) and restores Flax's own functions on leaving; the activation
+    audit leaves Flax as it found it."""
+    import flax.linen as nn
+    from flax.linen import spmd
+    from jaxpar.sharding.params import record_unknown_names
+    flax_own = (spmd._logical_to_mesh_axes, spmd._with_sharding_constraint_one_fallback)
+    rules, seen = (("embed", "fsdp"), ("mlp", "tensor")), []
+
+    def resolve(original, names, rules=None):
+        seen.append(tuple(names))
+        return original(names, rules)
+    keep = lambda original, *args, **kwargs: original(*args, **kwargs)
+    with _compat.flax_spmd_hooks(resolve, keep):
+        with _compat.flax_spmd_hooks(resolve, keep):
+            assert nn.logical_to_mesh_axes(("embed",), rules) == P("fsdp")
+        assert nn.logical_to_mesh_axes(("mlp",), rules) == P("tensor")
+    assert (spmd._logical_to_mesh_axes, spmd._with_sharding_constraint_one_fallback) == flax_own
+    nn.logical_to_mesh_axes(("embed", "mlp"), rules)
+    assert seen == [("embed",), ("mlp",)]
+    with record_unknown_names():
+        assert spmd._logical_to_mesh_axes is not flax_own[0]
+    assert (spmd._logical_to_mesh_axes, spmd._with_sharding_constraint_one_fallback) == flax_own

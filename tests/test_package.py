@@ -232,6 +232,21 @@ def test_no_module_over_600_lines(tmp_path):
     assert long_modules(tmp_path / "pkg") == {"pkg/big.py": MAX_LINES + 1}
 
 
+def thread_local_flags(package: Path, rooms: tuple[str, ...]) -> list[str]:
+    """The modules under ``package``'s ``rooms`` that keep state in a ``threading.local``."""
+    return sorted(str(f.relative_to(package.parent)) for room in rooms for f in (package / room).rglob("*.py")
+                  if re.search(r"threading\.local\b|from threading import [^\n]*\blocal\b", f.read_text()))
+
+
+def test_no_thread_local_flag_between_the_pipeline_and_the_layers(tmp_path):
+    """The layers (attention) read what the pipeline's stages mean from the mesh in context, never from a flag
+    the pipeline sets beside the trace."""
+    assert thread_local_flags(PACKAGE, ("layers", "pipeline")) == []
+    (tmp_path / "pkg" / "layers").mkdir(parents=True)
+    (tmp_path / "pkg" / "layers" / "a.py").write_text("import threading\n_flag = threading.local()\n")
+    assert thread_local_flags(tmp_path / "pkg", ("layers",)) == ["pkg/layers/a.py"]
+
+
 # ------------------------------------------------------------------------------------------------ core
 
 def loaded_by(code: str) -> list[str]:
@@ -244,6 +259,21 @@ def loaded_by(code: str) -> list[str]:
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+SPEC_ENTRY_IDIOM = re.compile(r"\(([\w\[\]]+),\) if isinstance\(\1, str\) else")
+"""The str-or-tuple normalisation of a PartitionSpec entry or rule target: ``(t,) if isinstance(t, str) else t``."""
+
+
+def test_spec_entries_are_normalised_in_one_place():
+    """A ``PartitionSpec`` entry (None, an axis name, a tuple of them) becomes a tuple of axes in one function,
+    ``jaxpar.sharding.names.entry_axes``; ``protocol.require`` normalises method names (and sits below
+    sharding), no spec entries."""
+    assert SPEC_ENTRY_IDIOM.search("axes = {a for s in spec for a in ((s,) if isinstance(s, str) else s)}")
+    assert SPEC_ENTRY_IDIOM.search("set((r[1],) if isinstance(r[1], str) else r[1])")
+    hits = sorted(str(f.relative_to(ROOT)) for f in PACKAGE.rglob("*.py")
+                  for line in f.read_text().splitlines() if SPEC_ENTRY_IDIOM.search(line))
+    assert hits == ["jaxpar/protocol.py", "jaxpar/sharding/names.py"]
 
 
 def test_import_jaxpar_loads_no_tooling():

@@ -44,7 +44,7 @@ def test_no_gradient_reduction_inside_tick_loop(mesh_factory):
     """data=2 x pipe=2 x tensor=2: the old path (GSPMD inside each B) has batch-axis gradient all-reduces in the
     while body; the default path has none there (only a scalar loss-weight psum) and one after the loop."""
     mesh = mesh_factory(data=2, pipe=2, tensor=2)
-    old = _grad_reductions_in_loop(mesh, 4, _comm="action")
+    old = _grad_reductions_in_loop(mesh, 4, grad_reduce="action")
     new = _grad_reductions_in_loop(mesh, 4)
     assert old["grad_in_loop"] > 0, old["by_kind"]
     assert new["grad_in_loop"] == 0, new["by_kind"]
@@ -83,3 +83,12 @@ def test_fsdp_gather_bad_value():
     with pytest.raises(ValueError, match="fsdp_gather"):
         jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, jp.pipeline.one_f_one_b(2, 4),
                              fsdp_gather="once")
+
+
+def test_grad_reduce_is_a_validated_option():
+    """``Pipeline.grad_reduce`` takes 'step' or 'action' and refuses anything else, naming both."""
+    model = GPT(CFG)
+    make = lambda v: jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 4), grad_reduce=v)
+    assert make("action").grad_reduce == "action" and make("step").grad_reduce == "step"
+    with pytest.raises(ValueError, match=r"Pipeline.grad_reduce='once'; use 'step' .* or 'action'"):
+        make("once")

@@ -493,7 +493,7 @@ def test_a_minigpt_named_on_tensor_alone_also_gets_fsdp_and_the_report_says_per_
 @pytest.mark.slow   # an 8-device compile of the MiniGPT's step; the placement itself is checked in the fast set
 def test_the_minigpt_with_fsdp_added_matches_one_device(mesh_factory):
     """Its activations carry no constraints, so the step gathers its FSDP weights (without: the second loss is
-    5.80796 against 5.80332, jaxpar._compat.fsdp_gather_spec)."""
+    5.80796 against 5.80332, jaxpar._compat.gathers_fsdp_weights)."""
     from tests.models.test_nnx_bridge import check, reference
     rng = np.random.default_rng(7)
     batches = [{k: rng.integers(0, MINI["vocab"], (8, 16)).astype(np.int32) for k in ("inputs", "targets")}
@@ -550,3 +550,25 @@ def test_the_built_in_models_placements_are_unchanged(mesh_factory):
         state = jp.train.abstract_state(model.init, SGD, mesh=mesh)
         got = {path: spec for path, _, spec in state.report()}
         assert got == {k: str(v) for k, v in BUILT_IN_SPECS[name].items()}, name
+
+
+@pytest.mark.parametrize("seq_rules, refused", [
+    ((("seq", None), ("seq", "context")), True),    # the first seq rule leaves the sequence whole: context unused
+    ((("seq", "context"), ("seq", None)), False),   # the first maps it to context; the later None is ignored
+], ids=["first-whole", "first-context"])
+def test_activation_audit_reads_the_first_rule_of_a_name(mesh_factory, seq_rules, refused):
+    """The activation audit's check that some activation uses ``context`` reads the rules as Flax does (first
+    match wins), not through a dict (last wins)."""
+    from jaxpar.sharding.params import audit_activation_names
+    mesh = mesh_factory(data=4, context=2)
+    rules = seq_rules + tuple(r for r in jp.sharding.DEFAULT_RULES if r[0] != "seq")
+    x = jax.ShapeDtypeStruct((8, 4, 16), jnp.float32)
+
+    def trace():
+        with audit_activation_names(mesh, rules), jp.sharding.use(mesh, rules):
+            jax.eval_shape(lambda v: jp.sharding.constrain(v, "batch", "seq", "embed"), x)
+    if refused:
+        with pytest.raises(ValueError, match=r"context=2, but no activation of this step names a logical axis"):
+            trace()
+    else:
+        trace()

@@ -34,6 +34,9 @@ def own_model_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+@pytest.mark.slow  # ~20 s of compiles; fast siblings: test_readme_example_runs_and_trains (a README block run as
+# written), and each block's API: tests/test_model_init.py (Linen BatchNorm), tests/models/test_nnx_bridge.py (NNX),
+# tests/test_placement.py (path rules, automatic FSDP)
 def test_readme_your_own_model_blocks_run_in_order(tmp_path):
     """Linen with names, Linen without, a plain pytree, path rules, NNX, Linen BatchNorm: one script, the blocks in
     the README's order, as written; their printed specs and shapes are the ones the comments state."""
@@ -57,6 +60,8 @@ def hf_block() -> str:
     return textwrap.dedent(re.search(r"```python\n(.*?)```", section, re.S).group(1))
 
 
+@pytest.mark.slow  # ~11 s; fast siblings: tests/models/test_llama.py's test_load_onto_a_2x2x2_mesh_is_bitwise_the_
+# single_device_load and test_save_is_read_by_from_pretrained (the block's load, mesh and save against transformers)
 def test_readme_hugging_face_block_runs_as_written(tmp_path, monkeypatch):
     """The Hugging Face block, on a tiny random ``LlamaForCausalLM`` made here: load onto 2x2x2, one step, save; the
     saved directory gives ``transformers`` the trained params' logits (jaxpar's own apply on them)."""

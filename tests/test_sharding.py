@@ -186,6 +186,58 @@ def test_indivisible_multi_axis(mesh_factory):
         jp.sharding.named_shardings(tree, mesh, rules)
 
 
+def _data_fsdp_mesh() -> jax.sharding.Mesh:
+    """A mesh built without jaxpar over 4 devices with axes data=2 x fsdp=2 only: no pipe, context or tensor."""
+    return jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "fsdp"))
+
+
+def test_rules_drop_any_mesh_axis_the_mesh_lacks():
+    """``Rules.without_absent`` removes every mesh axis the mesh does not have (a target left empty is None, a tuple
+    keeps the axes the mesh has), and ``without_absent_context`` is the same operation."""
+    mesh = _data_fsdp_mesh()
+    rules = jp.sharding.Rules((("x", ("data", "tensor")), ("y", "pipe"), ("z", "fsdp"), ("w", ("context", "data"))))
+    assert rules.without_absent(mesh) == (("x", "data"), ("y", None), ("z", "fsdp"), ("w", "data"))
+    assert jp.sharding.without_absent_context(tuple(rules), mesh) == rules.without_absent(mesh)
+    default = jp.sharding.Rules(jp.sharding.DEFAULT_RULES).without_absent(mesh)
+    assert [default.mesh_axes(n) for n in ("batch", "seq", "embed", "mlp", "heads", "vocab", "stage")] == [
+        ("data", "fsdp"), (), ("fsdp",), (), (), (), ()]
+
+
+def test_rules_that_name_tensor_place_and_lower_on_a_mesh_without_tensor(np_rng):
+    """The default rules map ``mlp`` to ``tensor``; on a mesh with only data and fsdp the MLP's kernels are split
+    over fsdp alone, and its step lowers (the slow sibling below runs it)."""
+    init, loss_fn = mlp_parts()
+    mesh, tx = _data_fsdp_mesh(), optax.sgd(0.1)
+    state = jp.train.abstract_state(init, tx, mesh=mesh)
+    assert state.params["dense_0"]["kernel"].sharding.spec == P("fsdp", None)   # [embed, mlp]
+    assert state.params["dense_1"]["kernel"].sharding.spec == P(None, "fsdp")   # [mlp, embed]
+    jp.train.make_train_step(loss_fn, tx, mesh=mesh).lower(state, mlp_batch(np_rng, 8))
+
+
+@pytest.mark.slow   # two compiles and a placement (~5 s); the fast sibling above places and lowers
+def test_rules_that_name_tensor_step_on_a_mesh_without_tensor(mesh_factory, np_rng):
+    """One step of the MLP on the data x fsdp mesh gives the params one device computes."""
+    init, loss_fn = mlp_parts()
+    mesh, tx, batch = _data_fsdp_mesh(), optax.sgd(0.1), mlp_batch(np_rng, 8)
+    new, _ = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)(
+        jp.train.init_state(init, tx, 0, mesh=mesh, report=False), batch)
+    one = mesh_factory()
+    ref, _ = jp.train.make_train_step(loss_fn, tx, mesh=one, donate=False)(
+        jp.train.init_state(init, tx, 0, mesh=one, report=False), batch)
+    assert_tree_close(new.params, ref.params)
+
+
+def test_rules_read_the_first_rule_of_a_name(mesh_factory):
+    """First match wins (Flax's semantics) in every operation of ``Rules``: a later rule for the same name is
+    ignored, in a name's mesh axes, a names tuple's spec and the resolution of names under a mesh."""
+    rules = jp.sharding.Rules((("embed", "fsdp"), ("mlp", "tensor"), ("embed", "tensor")))
+    assert rules.mesh_axes("embed") == ("fsdp",)
+    assert rules.spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert rules.resolve(("mlp", "embed", "other"), mesh_factory(fsdp=2, tensor=2)) == (P("tensor", "fsdp", None),
+                                                                                        ["other"])
+    assert jp.sharding.batch_axes((("batch", "data"), ("batch", ("data", "fsdp"))), mesh_factory(data=2)) == ("data",)
+
+
 def test_batch_sharding(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     assert jp.sharding.batch_axes(jp.sharding.DEFAULT_RULES, mesh) == ("data", "fsdp")
@@ -483,7 +535,9 @@ def _run(name, mesh, steps):
 
 
 # Stepping parity of these runs in the slow set (fast-set time); their state placement is checked fast above.
-SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw", "lion", "adafactor")
+# adamw_pruning's stepping: fast sibling multisteps_adam (the same fsdp=8 vs one-device run); its placement is
+# test_per_device_bytes[adamw_pruning].
+SLOW_STEPS = ("clip_adamw", "loss_scaling_adamw", "lion", "adafactor", "adamw_pruning")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_STEPS else []) for n in OPTIMIZERS])

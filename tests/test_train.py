@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
 from jaxpar import _hlo as plan_hlo
+from jaxpar.train.grads import check_parts
 
 
 # ------------------------------------------------------------------------------- init_state, abstract_state
@@ -287,7 +288,9 @@ def test_state_rng_is_the_second_half_of_the_split_and_init_is_the_first():
     assert_tree_close(state.params, params, rtol=0.0, what="params from init_key")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The single-axis layouts run in the slow set (fast-set time): their fast sibling is d2f2t2, which has all three axes.
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name in ("data8", "fsdp8", "tensor8")
+                                                 else []) for name in LAYOUTS])
 def test_eval_step_matches_the_loss_computed_here(layout, mesh_factory):
     """The eval loss and aux at step 0 and step 3 equal the dropout loss with fold_in(state_rng, step)."""
     mesh = mesh_factory(**LAYOUTS[layout])
@@ -456,7 +459,7 @@ def test_a_model_without_activation_constraints_gets_exact_gradients_on_fsdp_and
 
 @pytest.mark.slow   # two more 8-device compiles; the gathered step is checked in the fast set
 def test_without_the_gather_the_unconstrained_model_shows_the_partitioner_defect(mesh_factory):
-    """``gather_weights=False`` on the model above: the defect :func:`jaxpar._compat.fsdp_gather_spec` works
+    """``gather_weights=False`` on the model above: the defect :func:`jaxpar._compat.gathers_fsdp_weights` works
     around. On the jax it was seen with (0.10.2) its gradients must be wrong (else the workaround may go); on
     another jax the error is recorded as a warning, never a failure. The eval step's loss is exact either way."""
     rng = np.random.default_rng(41)
@@ -474,7 +477,7 @@ def test_without_the_gather_the_unconstrained_model_shows_the_partitioner_defect
         assert errors["up"] > 0.1, errors
     elif max(errors.values()) <= 1e-5:
         warnings.warn(f"jax {jax.__version__} computes the unconstrained FSDP+TP model exactly without the weight "
-                      "gather: see jaxpar._compat.fsdp_gather_spec for retiring it")
+                      "gather: see jaxpar._compat.gathers_fsdp_weights for retiring it")
 
 
 @pytest.mark.slow   # a lowering (no compile), kept out of the fast set's budget
@@ -520,3 +523,56 @@ def test_bad_gather_weights_are_refused_when_the_step_is_built(mesh_factory, val
                   lambda: jp.train.make_eval_step(pipeline, mesh=mesh, gather_weights=value)):
         with pytest.raises(error, match=match):
             build()
+
+
+# ----------------------------------------------------------------------------------- features check themselves
+
+class _Refusing(jp.grads.GradFn):
+    """A user's gradient function whose own rule refuses a state whose step count is odd."""
+    def __init__(self, loss_fn):
+        self.inner, self.traced, self.checked = jp.grads.value_and_grad(loss_fn), 0, []
+
+    def check_step(self, state, grad_fn, mesh):
+        self.checked.append((grad_fn, mesh))
+        if int(state.step) % 2:
+            raise ValueError(f"_Refusing steps even states only, got step {int(state.step)}")
+
+    def __call__(self, params, batch, rng, scale, ctx):
+        self.traced += 1
+        return self.inner(params, batch, rng, scale, ctx)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_step_calls_a_gradient_functions_check_before_tracing(accum, mesh_factory):
+    """``make_train_step`` (and accumulation around it) calls the gradient function's ``check_step(state, grad_fn,
+    mesh)`` before tracing: its refusal comes out and nothing was traced; an accepted state is then traced."""
+    init_fn, loss_fn = mlp_parts()
+    mesh, tx = mesh_factory(data=2), optax.sgd(0.1)
+    grad_fn = _Refusing(loss_fn)
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
+    step = jp.train.make_train_step(grad_fn, tx, mesh=mesh, grad_accum_steps=accum, donate=False)
+    batch = mlp_batch(np.random.default_rng(3), 8)
+    with pytest.raises(ValueError, match=r"_Refusing steps even states only, got step 1"):
+        step(state.replace(step=state.step + 1), batch)
+    assert grad_fn.traced == 0 and grad_fn.checked[0][1] is mesh
+    step.lower(state, batch)
+    assert grad_fn.traced >= 1
+
+
+def test_check_parts_calls_each_part_that_defines_check_step_in_order(mesh_factory):
+    """The state's static parts (its policy, stage layout, graph definition) are asked after the gradient
+    function; parts without ``check_step`` are skipped."""
+    calls = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def check_step(self, state, grad_fn, mesh):
+            calls.append(self.name)
+
+    mesh = mesh_factory(data=2)
+    state = jp.train.TrainState(step=jnp.zeros((), jnp.int32), params={}, opt_state=(), rng=jax.random.key(0),
+                                layout=Part("layout"), graphdef=Part("graphdef"))
+    check_parts(state, Part("grad_fn"), mesh)
+    assert calls == ["grad_fn", "layout", "graphdef"]

@@ -29,10 +29,8 @@ a multiple of ``G``: grouped-query attention), K head dim.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import threading
 from typing import Any
 
 import flax.linen as nn
@@ -41,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
+from jaxpar.sharding.names import CONTEXT, PIPE, SEQ, Rules
+
 STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
 LAYOUTS = ("zigzag", "contiguous")      # which chunks of the sequence a device holds
 _NEG = -1e30                            # a finite "minus infinity" for masked scores (no inf - inf = NaN)
-CONTEXT = "context"                     # the mesh axis a pipeline's stages are manual over (jaxpar.sharding.mesh.AXES)
 
 
 # ---------------------------------------------------------------------------------------------- the mesh axis
@@ -61,37 +60,45 @@ def context_axis() -> tuple[str | None, int]:
         return CONTEXT, mesh.shape[CONTEXT]
     if mesh.empty or not rules:
         return None, 1
-    axis = nn.logical_to_mesh_axes(("seq",), rules)[0]
-    if isinstance(axis, (tuple, list)):
-        if len(axis) != 1:
-            raise ValueError(f"the rules map 'seq' to mesh axes {tuple(axis)}; context parallelism shards the sequence "
-                             "over one mesh axis: map 'seq' to 'context' (jp.sharding.DEFAULT_RULES)")
-        axis = axis[0]
-    if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
+    axes = Rules(rules).mesh_axes(SEQ)
+    if len(axes) > 1:
+        raise ValueError(f"the rules map 'seq' to mesh axes {axes}; context parallelism shards the sequence "
+                         "over one mesh axis: map 'seq' to 'context' (jp.sharding.DEFAULT_RULES)")
+    if not axes or axes[0] not in mesh.shape or mesh.shape[axes[0]] == 1:
         return None, 1
-    return axis, mesh.shape[axis]
+    return axes[0], mesh.shape[axes[0]]
 
 
-_traced = threading.local()
-
-
-@contextlib.contextmanager
-def pipeline_stages():
-    """Marks a trace as inside a pipeline's actions (:mod:`jaxpar.pipeline.interpreter`), where stages run different
-    actions at one tick: there :func:`causal` refuses the ring, whose ``ppermute`` would run inside a branch only
-    some devices take (XLA:CPU's collective-permute waits for every device of the program, so the ticks mix)."""
-    outer = getattr(_traced, "pipeline", False)
-    _traced.pipeline = True
-    try:
-        yield
-    finally:
-        _traced.pipeline = outer
+def _manual(mesh: Any, axis: str) -> bool:
+    """Whether the trace is inside a ``shard_map`` manual over the mesh axis ``axis`` of size > 1."""
+    return (not mesh.empty and axis in mesh.axis_names and mesh.shape[axis] > 1
+            and dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Manual)
 
 
 def _manual_context(mesh: Any) -> bool:
     """Whether the trace is inside a ``shard_map`` manual over a ``context`` axis of size > 1."""
-    return (not mesh.empty and CONTEXT in mesh.axis_names and mesh.shape[CONTEXT] > 1
-            and mesh._name_to_type[CONTEXT] == AxisType.Manual)
+    return _manual(mesh, CONTEXT)
+
+
+def _in_pipeline_stages(mesh: Any) -> bool:
+    """Whether the trace is inside a pipeline's stages: a ``shard_map`` manual over ``pipe`` (size > 1), where
+    the stages run different actions at one tick, each in a ``lax.switch`` branch only some devices take
+    (:mod:`jaxpar.pipeline.interpreter`). The mesh in context says it: nothing is passed beside the trace."""
+    return _manual(mesh, PIPE)
+
+
+def check_in_stages(context_attention: str, context: int, in_stages: bool) -> None:
+    """Raises ValueError for ``context_attention="ring"`` over a context axis of ``context > 1`` devices inside
+    pipeline stages (``in_stages``: :func:`causal` reads it from the mesh in context; an entry point passes
+    whether it pipelines). The ring's ``ppermute`` would run in a branch only some stages take at a tick, and
+    XLA:CPU's collective-permute waits for every device of the program, so the ticks would mix."""
+    if context > 1 and context_attention == "ring" and in_stages:
+        raise ValueError(
+            "context_attention='ring' inside pipeline stages (a mesh with pipe > 1 and context > 1): the ring's "
+            "ppermute would run inside the actions, which the stages take at different ticks, and XLA:CPU's "
+            "collective-permute waits for every device (the ticks would mix). Use context_attention='all_gather' "
+            "with a pipeline (GPTConfig/LlamaConfig.context_attention, or this function's argument); the ring "
+            "without one")
 
 
 def _check(seq_len: int, context: int, layout: str, strategy: str) -> None:
@@ -379,15 +386,10 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
         raise ValueError(f"segment_ids {tuple(segment_ids_BL.shape)} must be [B, L] = {tuple(q_BLHK.shape[:2])}, the "
                          "queries' batch and sequence")
     axis, context = context_axis()
-    manual = _manual_context(jax.sharding.get_abstract_mesh())   # already inside a shard_map over it: local arrays
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = _manual_context(mesh)   # already inside a shard_map over it: local arrays
     _check(q_BLHK.shape[1] * (context if manual else 1), context, layout, context_attention)
-    if context > 1 and context_attention == "ring" and getattr(_traced, "pipeline", False):
-        raise ValueError(
-            "context_attention='ring' inside pipeline stages (a mesh with pipe > 1 and context > 1): the ring's "
-            "ppermute would run inside the actions, which the stages take at different ticks, and XLA:CPU's "
-            "collective-permute waits for every device (the ticks would mix). Use context_attention='all_gather' "
-            "with a pipeline (GPTConfig/LlamaConfig.context_attention, or this function's argument); the ring "
-            "without one")
+    check_in_stages(context_attention, context, _in_pipeline_stages(mesh))
     if context == 1:
         reps = q_BLHK.shape[2] // k_BLGK.shape[2]
         k, v = (jnp.repeat(t, reps, axis=2) if reps > 1 else t for t in (k_BLGK, v_BLGK))
@@ -449,5 +451,5 @@ def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
     return a_BLHK.astype(dtype)
 
 
-__all__ = ["LAYOUTS", "attend", "STRATEGIES", "causal", "context_axis", "from_zigzag", "positions", "shard_sequence",
-           "to_zigzag", "work_per_device", "zigzag_order"]
+__all__ = ["LAYOUTS", "attend", "STRATEGIES", "causal", "check_in_stages", "context_axis", "from_zigzag", "positions",
+           "shard_sequence", "to_zigzag", "work_per_device", "zigzag_order"]

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxpar.layers import attention as cp
+from jaxpar.sharding.names import BATCH, SEQ
 
 
 def tokens(x: jax.Array) -> jax.Array:
@@ -24,7 +25,7 @@ def tokens(x: jax.Array) -> jax.Array:
 
 def token_names() -> tuple:
     """The logical names of :func:`tokens`' leading axes, for ``constrain(h, *token_names(), 'mlp')``."""
-    return ("batch", "seq") if cp.context_axis()[1] > 1 else (("batch", "seq"),)
+    return (BATCH, SEQ) if cp.context_axis()[1] > 1 else ((BATCH, SEQ),)
 
 
 PACKED_KEYS = ("segment_ids", "positions", "loss_mask")   # the optional batch entries of packed documents

@@ -1,13 +1,17 @@
-"""Sampling text from any model of the protocol with its cache (``init_cache`` / ``decode_step``).
+"""Sampling text from any model of the protocol with its cache (``init_cache`` / ``decode_step``): the one
+:func:`generate` every door calls (``jp.models.generate``, each decoder's ``model.generate``).
 
-:func:`generate` encodes the prompt through the model's one-token step into its cache, then samples one token
-per step from the logits after the last ``max_seq_len`` tokens: while the context fits, each new token costs one
-``decode_step``; once it is longer the window slides (its positions move), and each token is sampled from
-``apply`` over the window (one forward pass, as a model without a cache computes it).
+The prompts (a batch, left-padded to the longest) are written into a preallocated cache by one prefill (a
+``decode_step`` over all their slots, for a model whose step takes ``start=``; else one token at a time), then
+one jitted loop draws a token per step for the whole batch (:func:`sample_logits`: greedy, temperature, top-k,
+top-p), each row stopping at ``eos_id``. Token ``i`` of every row is drawn with ``jax.random.fold_in(rng, i)``.
+Past ``max_seq_len`` (one prompt) the window slides (its positions move): each token is drawn from ``apply``
+over the last ``max_seq_len`` tokens (one forward pass, as a model without a cache computes it).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -85,104 +89,235 @@ def _check_step(model: Any, params: Any, max_len: int, vocab_size: int) -> None:
                         f"{shape(cache)}; got {shape(new_cache)}")
 
 
-def _step(model, params, token, cache, pos):
-    return model.decode_step(params, token[None], cache, pos)
-
-
-def _encode(model, max_len, params, window, length):
-    """The first ``length`` tokens of ``window [max_len]`` through ``decode_step`` from an empty cache (a
-    ``fori_loop`` stopping at ``length``: a cache that accumulates, not only one written by position, sees no
-    padding); the last logits and the cache."""
-    cache = model.init_cache(params, 1, max_len)
-    logits = jax.eval_shape(model.decode_step, params, window[:1], cache, jnp.int32(0))[0]
-
-    def one(pos, carry):
-        return model.decode_step(params, jax.lax.dynamic_slice_in_dim(window, pos, 1), carry[1], pos)
-    return jax.lax.fori_loop(0, length, one, (jnp.zeros(logits.shape, logits.dtype), cache))
-
-
-def _window_logits(model, params, window):
-    return model.apply(params, window[None])[:, -1]
-
-
-def _programs(model: Any, max_len: int):
-    """The jitted step, prompt encoding and sliding-window forward, with the model static: compiled once per
-    model value (a model compares and hashes by what it computes, e.g. the GPT by its config); an unhashable
-    model gets programs for this call only."""
+def _compiled(fn: Any, model: Any, static: tuple) -> Any:
+    """``fn(model, *static, *args)`` jitted with the model and ``static`` as compile-time constants: compiled once per
+    model value (a model compares and hashes by what it computes, e.g. a decoder by its config); an unhashable
+    model gets a program for this call only."""
     try:
         hash(model)
     except TypeError:
-        return (jax.jit(lambda *a: _step(model, *a)), jax.jit(lambda *a: _encode(model, max_len, *a)),
-                jax.jit(lambda *a: _window_logits(model, *a)))
-    step, encode, window = _STEP, _ENCODE, _WINDOW
-    return (lambda *a: step(model, *a)), (lambda *a: encode(model, max_len, *a)), (lambda *a: window(model, *a))
+        return jax.jit(lambda *args: fn(model, *static, *args))
+    return lambda *args: _JITTED[fn](model, *static, *args)
 
 
-_STEP = jax.jit(_step, static_argnums=0)
-_ENCODE = jax.jit(_encode, static_argnums=(0, 1))
-_WINDOW = jax.jit(_window_logits, static_argnums=0)
+def _takes_start(model: Any) -> bool:
+    """Whether the model's ``decode_step`` takes ``start=`` (each row's first slot) and ``[B, L]`` tokens: a
+    one-pass prefill of left-padded prompts."""
+    try:
+        parameters = inspect.signature(model.decode_step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "start" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, temperature: float = 0.8) -> list[int]:
-    """Samples ``num_tokens`` token ids after ``prompt`` from ``model`` (the protocol's generation parts).
+def _prefill(model, takes_start, cache_len, params, tokens_BL, start_B):
+    """``(logits_BV, cache)`` after the left-padded prompts ``tokens_BL`` written at slots ``0 .. P - 1``: one
+    ``decode_step`` over them all, or (a model whose step takes one token of rows without padding) a
+    ``fori_loop`` of one-token steps."""
+    B, P = tokens_BL.shape
+    cache = model.init_cache(params, B, cache_len)
+    if takes_start:
+        return model.decode_step(params, tokens_BL, cache, jnp.int32(0), start=start_B)
+    logits = jax.eval_shape(model.decode_step, params, tokens_BL[:, 0], cache, jnp.int32(0))[0]
 
-    Token ``i`` is ``argmax(logits[:vocab_size])`` at ``temperature == 0``, else drawn from
-    ``softmax(logits[:vocab_size] / temperature)`` (``jax.random.categorical``) with the
-    key ``jax.random.fold_in(rng, i)``, the logits being those after the last ``max_seq_len`` tokens (prompt and
-    tokens drawn so far): from ``decode_step`` while they fit in the cache, then from ``apply`` over the
-    sliding window.
+    def one(pos, carry):
+        return model.decode_step(params, jax.lax.dynamic_index_in_dim(tokens_BL, pos, 1, keepdims=False), carry[1],
+                                 pos)
+    return jax.lax.fori_loop(0, P, one, (jnp.zeros(logits.shape, logits.dtype), cache))
+
+
+def _cached(model, takes_start, cache_len, vocab, num_new, temperature, top_k, top_p, eos_id, params, tokens_BL,
+            start_B, rng):
+    """The prefill, then a ``while_loop`` of one-token steps until ``num_new`` tokens or every row has drawn
+    ``eos_id``: the drawn ids ``[B, num_new]`` (-1 after a row's eos)."""
+    B, P = tokens_BL.shape
+    logits_BV, cache = _prefill(model, takes_start, cache_len, params, tokens_BL, start_B)
+    step = ((lambda token_B, cache, pos: model.decode_step(params, token_B, cache, pos, start=start_B))
+            if takes_start else (lambda token_B, cache, pos: model.decode_step(params, token_B, cache, pos)))
+    out_BN = jnp.full((B, num_new), -1, jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, done_B = carry
+        return (i < num_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, logits_BV, cache, out_BN, done_B = carry
+        token_B = sample_logits(logits_BV[:, :vocab], jax.random.fold_in(rng, i), temperature, top_k, top_p)
+        token_B = jnp.where(done_B, 0, token_B)
+        out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, jnp.where(done_B, -1, token_B)[:, None], i, axis=1)
+        if eos_id is not None:
+            done_B = done_B | (token_B == eos_id)
+        pos = jnp.minimum(P + i, cache_len - 1)   # the last step's write is never read
+        logits_BV, cache = step(token_B, cache, pos)
+        return i + 1, logits_BV, cache, out_BN, done_B
+
+    carry = (jnp.int32(0), logits_BV, cache, out_BN, jnp.zeros((B,), bool))
+    return jax.lax.while_loop(cond, body, carry)[3]
+
+
+def _window(model, vocab, temperature, top_k, top_p, params, window_L, key):
+    """One token from ``apply`` over a full window of ``max_seq_len`` tokens (its last position's logits)."""
+    return sample_logits(model.apply(params, window_L[None])[:, -1, :vocab], key, temperature, top_k, top_p)[0]
+
+
+_JITTED = {_cached: jax.jit(_cached, static_argnums=tuple(range(9))),
+           _window: jax.jit(_window, static_argnums=(0, 1, 2, 3, 4))}
+
+
+def _rows(prompts: Any, vocab: int) -> tuple[list[list[int]], bool]:
+    """``(rows, flat)``: the prompts as checked id lists, and whether one flat prompt was given.
+
+    Raises:
+      ValueError: no prompt; a bad prompt (naming its row in a batch).
+    """
+    if isinstance(prompts, (list, tuple)) and not len(prompts):
+        raise ValueError("prompts is empty: give one prompt (a list of token ids) or a list of prompts")
+    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:   # a [B, P] array: B prompts
+        prompts = [list(np.asarray(row)) for row in prompts]
+    batch = isinstance(prompts, (list, tuple)) and isinstance(prompts[0], (list, tuple, np.ndarray, jax.Array))
+    if not batch:
+        return [_prompt(prompts, vocab)], True
+    rows = []
+    for r, p in enumerate(prompts):
+        try:
+            rows.append(_prompt(p, vocab))
+        except ValueError as e:
+            raise ValueError(f"prompts[{r}]: {e}") from None
+    return rows, False
+
+
+def _options(top_k: Any, top_p: Any, eos_id: Any, vocab: int) -> tuple[int | None, float | None, int | None]:
+    """``(top_k, top_p, eos_id)`` checked and as Python numbers (compile-time constants)."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} must be None or a number in (0, 1]")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral)
+                               or not 0 <= eos_id < vocab):
+        raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, {vocab})")
+    return (None if top_k is None else int(top_k), None if top_p is None else float(top_p),
+            None if eos_id is None else int(eos_id))
+
+
+def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, temperature: float = 0.8, *,
+                 top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> list:
+    """Samples up to ``max_new_tokens`` tokens after each prompt from ``model`` (the protocol's generation parts).
+
+    Token ``i`` of every row is drawn by :func:`sample_logits` (greedy at ``temperature == 0``, else
+    ``jax.random.categorical`` of ``logits[:vocab_size] / temperature`` within ``top_k`` / ``top_p``) with the key
+    ``jax.random.fold_in(rng, i)``, from the logits after the row's context: ``decode_step``'s while the context
+    fits in ``max_seq_len`` (the prompts left-padded and prefilled into the cache, one jitted loop for the batch),
+    then (one prompt) ``apply``'s over the last ``max_seq_len`` tokens, the window sliding.
 
     Args:
       model: provides ``init_cache``, ``decode_step``, ``max_seq_len`` and ``vocab_size`` (attributes or
-        ``cfg.`` fields), and ``apply(params, tokens_BL) -> logits_BLV`` once the context outgrows the cache;
-        see :mod:`jaxpar.protocol`. Compiled programs are reused for an equal (hashable) model.
+        ``cfg.`` fields), and ``apply(params, tokens_BL) -> logits_BLV`` once one prompt's context outgrows the
+        cache; see :mod:`jaxpar.protocol`. Prompts of different lengths need a ``decode_step`` that takes ``[B, L]``
+        tokens and ``start=`` (each row's first slot), as the decoders' do. Compiled programs are reused for an
+        equal (hashable) model.
       params: the model's params in model order (``jp.train.to_model_order(state).params``); Flax-boxed
         leaves are unboxed.
-      prompt: a non-empty list, tuple or 1-D array of int token ids in ``[0, vocab_size)``.
-      num_tokens: how many tokens to draw (an int >= 0).
+      prompts: one prompt (a non-empty list, tuple or 1-D array of int ids in ``[0, vocab_size)``), or a batch: a
+        non-empty list of them (any lengths) or a ``[B, P]`` array.
+      max_new_tokens: an int >= 0; for a batch of more than one, the longest prompt plus ``max_new_tokens`` must
+        fit in ``max_seq_len``.
       rng: a typed PRNG key, a raw uint32 key or an int seed.
       temperature: 0 for greedy decoding (argmax), else a finite number >= :data:`MIN_TEMPERATURE`.
+      top_k: None, or keep the ``top_k >= 1`` largest logits.
+      top_p: None, or nucleus sampling with ``0 < top_p <= 1``.
+      eos_id: None, or the id that ends a row (kept as its last token).
 
     Returns:
-      The ``num_tokens`` drawn ids (Python ints), the prompt excluded.
+      The drawn ids (Python ints, the prompt excluded, ending at ``eos_id`` if drawn): one list for one prompt,
+      a list of them for a batch.
 
     Raises:
       TypeError: the model lacks a generation part (named), its ``decode_step`` returns something other than
-        ``(floating logits [1, V >= vocab_size], a cache like init_cache's)``; a bad ``rng``.
-      ValueError: an empty prompt, one that is not ints, or an id outside ``[0, vocab_size)``; ``num_tokens``
-        not an int >= 0; a temperature out of range.
+        ``(floating logits [1, V >= vocab_size], a cache like init_cache's)``, or takes no ``start=`` for prompts
+        of different lengths; a bad ``rng``.
+      ValueError: no prompt, one that is not ints or holds an id outside ``[0, vocab_size)`` (naming its row);
+        ``max_new_tokens`` not an int >= 0; a temperature, ``top_k``, ``top_p`` or ``eos_id`` out of range; a
+        batch whose context exceeds ``max_seq_len``.
     """
     protocol.require(model, ("init_cache", "decode_step"), "generation")
     max_len = protocol.size(model, "max_seq_len", "generation", "the longest context its cache holds")
     vocab = protocol.size(model, "vocab_size", "generation", "the prompt's ids must lie below it")
-    tokens = _prompt(prompt, vocab)
-    num_tokens, temperature = _check(num_tokens, temperature)
+    rows, flat = _rows(prompts, vocab)
+    num_new, temperature = _check(max_new_tokens, temperature)
+    top_k, top_p, eos_id = _options(top_k, top_p, eos_id, vocab)
     rng = _key(rng)
+    P = max(len(r) for r in rows)
+    if len(rows) > 1 and P + num_new > max_len:
+        raise ValueError(f"the longest prompt ({P} tokens) plus max_new_tokens={num_new} exceeds max_seq_len="
+                         f"{max_len}: shorten the prompts or ask for fewer tokens (one prompt at a time, the window "
+                         "slides past max_seq_len)")
     params = nn.meta.unbox(params)
     _check_step(model, params, max_len, vocab)
-    step, encode, window_logits = _programs(model, max_len)
+    takes_start = _takes_start(model)
+    if not takes_start and len({len(r) for r in rows}) > 1:
+        raise TypeError(f"{type(model).__name__}.decode_step takes no start=: prompts of different lengths need "
+                        "decode_step(params, tokens_BL, cache, pos, start=start_B) (the decoders' form); generate "
+                        "one prompt at a time, or prompts of one length")
+    out = [[] for _ in rows]
+    cached = 0 if P > max_len else min(num_new, max_len - P + 1)   # tokens drawn from the cache's logits
+    if cached:
+        tokens = np.zeros((len(rows), P), np.int32)
+        for r, ids in enumerate(rows):
+            tokens[r, P - len(ids):] = ids
+        start = np.asarray([P - len(ids) for ids in rows], np.int32)
+        run = _compiled(_cached, model, (takes_start, min(P + num_new, max_len), vocab, cached, temperature, top_k,
+                                         top_p, eos_id))
+        drawn = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(start), rng))
+        out = [[int(t) for t in row if t >= 0] for row in drawn]
+    if cached < num_new and not (eos_id is not None and eos_id in out[0]):   # one prompt past max_seq_len
+        protocol.require(model, "apply", "generation past max_seq_len tokens")
+        context, window = rows[0] + out[0], _compiled(_window, model, (vocab, temperature, top_k, top_p))
+        for i in range(cached, num_new):
+            token = int(window(params, jnp.asarray(context[-max_len:], jnp.int32), jax.random.fold_in(rng, i)))
+            out[0].append(token)
+            context.append(token)
+            if token == eos_id:
+                break
+    return out[0] if flat else out
 
-    def window(ctx: list[int]):
-        return jnp.asarray(ctx + [0] * (max_len - len(ctx)), jnp.int32), len(ctx)
 
-    if len(tokens) <= max_len:   # the prompt fits: the cache takes it
-        logits, cache = encode(params, *window(tokens))
-    out = []
-    for i in range(num_tokens):
-        if len(tokens) > max_len:   # the window slides: its positions move, one forward pass over it
-            protocol.require(model, "apply", "generation past max_seq_len tokens")
-            logits = window_logits(params, jnp.asarray(tokens[-max_len:], jnp.int32))
-        z = logits[0, :vocab].astype(jnp.float32)   # a float16 apply's logits / a small temperature overflow
-        token = int(jnp.argmax(z) if temperature == 0 else jax.random.categorical(jax.random.fold_in(rng, i),
-                                                                                  z / temperature))
-        out.append(token)
-        tokens.append(token)
-        if i < num_tokens - 1 and len(tokens) <= max_len:   # the new token's position still fits in the cache
-            logits, cache = step(params, jnp.asarray(token, jnp.int32), cache, jnp.asarray(len(tokens) - 1, jnp.int32))
-    return out
+def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, temperature: float = 0.8, *,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> list[int]:
+    """:func:`generate_any` of one prompt: ``num_tokens`` ids after ``prompt`` (a non-empty list, tuple or 1-D
+    array of int ids), the window sliding past ``max_seq_len``.
+
+    Raises:
+      ValueError: ``prompt`` is not one flat sequence of int ids in ``[0, vocab_size)``; as :func:`generate_any`.
+      TypeError: as :func:`generate_any`.
+    """
+    protocol.require(model, ("init_cache", "decode_step"), "generation")
+    _prompt(prompt, protocol.size(model, "vocab_size", "generation", "the prompt's ids must lie below it"))
+    return generate_any(model, params, prompt, num_tokens, rng, temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
 
 
-# ------------------------------------------------------------------------- batched generation (KV cache)
+def generate_batch(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, *,
+                   temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None,
+                   eos_id: int | None = None) -> list[list[int]]:
+    """:func:`generate_any` of a batch: ``prompts`` a non-empty list of prompts (id sequences of any lengths) or a
+    ``[B, P]`` array; one list of drawn ids per prompt.
+
+    Raises:
+      ValueError: ``prompts`` is not a batch of prompts (naming the row); as :func:`generate_any`.
+      TypeError: as :func:`generate_any`.
+    """
+    if isinstance(prompts, (list, tuple)) and prompts:
+        for r, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple, np.ndarray, jax.Array)):
+                raise ValueError(f"prompts[{r}]={p!r:.40}: a batch is a list of prompts (token id lists); "
+                                 "pass one prompt to jp.models.generate")
+    elif not (isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2):
+        raise ValueError(f"prompts must be a non-empty list of token id lists, got {type(prompts).__name__}")
+    return generate_any(model, params, prompts, max_new_tokens, rng, temperature, top_k=top_k, top_p=top_p,
+                        eos_id=eos_id)
+
+
+# ------------------------------------------------------------------------- sampling
 
 def sample_logits(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int | None = None,
                   top_p: float | None = None) -> jax.Array:
@@ -207,133 +342,3 @@ def sample_logits(logits_BV: jax.Array, key: jax.Array, temperature: float, top_
     return jax.random.categorical(key, z_BV, axis=-1).astype(jnp.int32)
 
 
-def _batched(model, max_len, vocab, num_new, temperature, top_k, top_p, eos_id, params, tokens_BL, start_B, rng):
-    """Prefill of the left-padded prompts in one ``decode_step`` over ``P`` slots, then a ``while_loop`` of
-    one-token steps until ``num_new`` tokens or every row has drawn ``eos_id``; the drawn ids ``[B, num_new]``
-    (-1 after a row's eos) and how many steps ran."""
-    B, P = tokens_BL.shape
-    cache = model.init_cache(params, B, max_len)
-    logits_BV, cache = model.decode_step(params, tokens_BL, cache, jnp.int32(0), start=start_B)
-    out_BN = jnp.full((B, num_new), -1, jnp.int32)
-
-    def cond(carry):
-        i, _, _, _, done_B = carry
-        return (i < num_new) & ~jnp.all(done_B)
-
-    def body(carry):
-        i, logits_BV, cache, out_BN, done_B = carry
-        token_B = sample_logits(logits_BV[:, :vocab], jax.random.fold_in(rng, i), temperature, top_k, top_p)
-        token_B = jnp.where(done_B, 0, token_B)
-        out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, jnp.where(done_B, -1, token_B)[:, None], i, axis=1)
-        if eos_id is not None:
-            done_B = done_B | (token_B == eos_id)
-        pos = jnp.minimum(P + i, max_len - 1)   # the last step's write is never read
-        logits_BV, cache = model.decode_step(params, token_B, cache, pos, start=start_B)
-        return i + 1, logits_BV, cache, out_BN, done_B
-
-    carry = (jnp.int32(0), logits_BV, cache, out_BN, jnp.zeros((B,), bool))
-    steps, _, _, out_BN, _ = jax.lax.while_loop(cond, body, carry)
-    return out_BN, steps
-
-
-_BATCHED = jax.jit(_batched, static_argnums=tuple(range(8)))
-
-
-def generate_batch(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, *,
-                   temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None,
-                   eos_id: int | None = None) -> list[list[int]]:
-    """Samples up to ``max_new_tokens`` tokens after each of a batch of prompts, in one jitted program: the
-    prompts left-padded to the longest (length ``P``) and written into a preallocated cache by one prefill pass,
-    then one ``decode_step`` per token for the whole batch (a ``lax.while_loop``), each row stopping at
-    ``eos_id``. Token ``i`` of every row is drawn by :func:`sample_logits` with ``jax.random.fold_in(rng, i)``.
-
-    The model's ``decode_step`` must take ``[B, L]`` tokens and ``start=`` (each row's first slot), as the GPT's
-    and the Llama's do (:meth:`jaxpar.models.GPT.decode_step`).
-
-    Args:
-      prompts: a non-empty list of non-empty int id sequences (of any lengths) in ``[0, vocab_size)``.
-      max_new_tokens: an int >= 0; ``P + max_new_tokens`` must not exceed ``max_seq_len``.
-      rng: a typed key, a raw uint32 key or an int seed.
-      temperature: 0 for greedy decoding (argmax), else a finite number >= :data:`MIN_TEMPERATURE`.
-      top_k: None, or keep the ``top_k >= 1`` largest logits.
-      top_p: None, or nucleus sampling with ``0 < top_p <= 1``.
-      eos_id: None, or the id that ends a row (kept as its last token).
-
-    Returns:
-      one list of drawn ids per prompt (Python ints; up to ``max_new_tokens``, ending at ``eos_id`` if drawn).
-
-    Raises:
-      ValueError: bad prompts (naming the row), arguments out of range, a context longer than ``max_seq_len``.
-      TypeError: the model lacks a generation part, or its ``decode_step`` takes no ``start``.
-    """
-    protocol.require(model, ("init_cache", "decode_step"), "generation")
-    max_seq = protocol.size(model, "max_seq_len", "generation", "the longest context its cache holds")
-    vocab = protocol.size(model, "vocab_size", "generation", "the prompt's ids must lie below it")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a non-empty list of token id lists, got {type(prompts).__name__}")
-    rows = []
-    for r, p in enumerate(prompts):
-        try:
-            rows.append(_prompt(p, vocab))
-        except ValueError as e:
-            raise ValueError(f"prompts[{r}]: {e}") from None
-    num_new, temperature = _check(max_new_tokens, temperature)
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
-        raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r} must be None or a number in (0, 1]")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral)
-                               or not 0 <= eos_id < vocab):
-        raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, {vocab})")
-    P = max(len(r) for r in rows)
-    if P + num_new > max_seq:
-        raise ValueError(f"the longest prompt ({P} tokens) plus max_new_tokens={num_new} exceeds max_seq_len="
-                         f"{max_seq}: shorten the prompts or ask for fewer tokens (jp.models.generate slides a "
-                         "window past max_seq_len for one prompt)")
-    if num_new == 0:
-        return [[] for _ in rows]
-    tokens = np.zeros((len(rows), P), np.int32)
-    for r, ids in enumerate(rows):
-        tokens[r, P - len(ids):] = ids
-    start = np.asarray([P - len(ids) for ids in rows], np.int32)
-    params = nn.meta.unbox(params)
-    try:
-        jax.eval_shape(lambda p: model.decode_step(p, jnp.zeros((1, 1), jnp.int32), model.init_cache(p, 1, 2),
-                                                   jnp.int32(0), start=jnp.zeros((1,), jnp.int32)), params)
-    except TypeError as e:
-        if "start" in str(e):
-            raise TypeError(f"{type(model).__name__}.decode_step takes no start=: batched generation needs "
-                            "decode_step(params, tokens_BL, cache, pos, start=start_B) (jp.models.GPT's form); "
-                            "generate one prompt at a time with jp.models.generate") from None
-        raise
-    top_k = None if top_k is None else int(top_k)
-    top_p = None if top_p is None else float(top_p)
-    eos = None if eos_id is None else int(eos_id)
-    out, _ = _BATCHED(model, P + num_new, vocab, num_new, float(temperature), top_k, top_p, eos, params,
-                      jnp.asarray(tokens), jnp.asarray(start), _key(rng))
-    out = np.asarray(out)
-    return [[int(t) for t in row if t >= 0] for row in out]
-
-
-def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, temperature: float = 0.8, *,
-                 top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> list:
-    """A model's ``generate``: :func:`generate_batch` for a list of prompts (or a ``[B, P]`` array), :func:`generate`
-    for one flat prompt unless ``top_k``, ``top_p`` or ``eos_id`` ask for the batched form (a batch of one).
-
-    Raises:
-      ValueError: as those functions; an empty list of prompts.
-    """
-    if isinstance(prompts, (list, tuple)) and not len(prompts):
-        raise ValueError("prompts is empty: give one prompt (a list of token ids) or a list of prompts")
-    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:   # a [B, P] array: B prompts
-        prompts = [list(np.asarray(row)) for row in prompts]
-    flat = isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1 or (
-        isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, np.ndarray,
-                                                                                       jax.Array)))
-    if flat and top_k is None and top_p is None and eos_id is None:
-        return generate(model, params, prompts, max_new_tokens, rng, temperature)
-    rows = [prompts] if flat else prompts
-    out = generate_batch(model, params, rows, max_new_tokens, rng, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_id=eos_id)
-    return out[0] if flat else out

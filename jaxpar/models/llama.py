@@ -1,13 +1,8 @@
-"""A Llama-family decoder (Touvron et al. 2023; Grattafiori et al. 2024) on the GPT's code, with logical axis names.
-
-Shape legend as :mod:`jaxpar.models.gpt`, plus G key/value heads (``num_kv_heads``; H query heads share each).
-
-Blocks are pre-norm with RMSNorm (Zhang & Sennrich 2019), grouped-query attention (Ainslie et al. 2023) with
-rotary positions (Su et al. 2021; the half-rotation layout of Hugging Face's ``LlamaForCausalLM``, whose
-``q_proj``/``k_proj`` rows are already permuted for it) and Llama 3's frequency scaling, and a SwiGLU MLP
-(Shazeer 2020): ``down(silu(gate(h)) * up(h))``. No biases. The embedding, the attention kernels, the
-pipeline parts (``embed``/``stage``/``head_loss``), ``scan_layers``, remat, the loss and the checks are the
-GPT's (:class:`jaxpar.models.GPT`): :class:`Llama` swaps in its own Linen block and head only.
+"""A Llama-family decoder (Touvron et al. 2023; Grattafiori et al. 2024): the decoder base
+(:mod:`jaxpar.models.decoder`) configured with pre-norm RMSNorm (Zhang & Sennrich 2019), grouped-query attention
+(Ainslie et al. 2023) with rotary positions (Su et al. 2021; the half-rotation layout of Hugging Face's
+``LlamaForCausalLM``, whose ``q_proj``/``k_proj`` rows are already permuted for it) and Llama 3's frequency scaling,
+and a SwiGLU MLP (Shazeer 2020): ``down(silu(gate(h)) * up(h))``. No biases.
 
 Params ``{"embed": {"embedding" [V, D]}, "blocks": {attn_norm_scale, q_kernel [N, D, H, K], k_kernel /
 v_kernel [N, D, G, K], out_kernel [N, H, K, D], mlp_norm_scale, gate_kernel / up_kernel [N, D, F],
@@ -23,24 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.precision import fp8
 from jaxpar._validate import nonnegative_int, positive_int
-from jaxpar.models import gpt
 from jaxpar.layers.attention import STRATEGIES
-from jaxpar.models.gpt import _REMAT, ATTENTION, _param
-from jaxpar.layers.norms import rms_norm, silu
-from jaxpar.layers.rotary import rope
-from jaxpar.layers.per_token import token_names, tokens
+from jaxpar.models.blocks import Architecture
+from jaxpar.models.decoder import ATTENTION, REMAT, Decoder, rotary_inv_freq
 from jaxpar.precision.policy import is_floating_dtype
-from jaxpar.sharding.rules import constrain
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -105,8 +91,8 @@ class LlamaConfig:
         for name in ("tie_embeddings", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r} must be True or False")
-        if self.remat not in _REMAT:
-            raise ValueError(f"remat={self.remat!r}; use one of {sorted(_REMAT)}")
+        if self.remat not in REMAT:
+            raise ValueError(f"remat={self.remat!r}; use one of {sorted(REMAT)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
         if self.context_attention not in STRATEGIES:
@@ -116,8 +102,14 @@ class LlamaConfig:
     def as_model(self, params: Any = None) -> "Llama":
         return Llama(self)
 
-    # the names the GPT's shared code reads
+    # what the decoder base reads besides the fields (jaxpar.models.decoder)
+    architecture = Architecture(attention="gqa", norm="rms", mlp="swiglu", bias=False)
     positions = "rotary"
+    qkv_bias = False
+
+    @property
+    def norm_eps(self) -> float:
+        return self.rms_norm_eps
 
     @property
     def rope_base(self) -> float:
@@ -149,23 +141,14 @@ class LlamaConfig:
         return 6.0 * dense + 12.0 * self.num_layers * seq_len * self.num_heads * self.head_dim
 
     def inv_freq(self) -> np.ndarray:
-        """The ``head_dim // 2`` rotary inverse frequencies (float64 numpy): ``rope_theta ** (-2 i / head_dim)``,
-        with Llama 3's scaling when ``rope_scaling`` is set (Grattafiori et al. 2024, sec. 4.3; HF's
-        ``_compute_llama3_parameters``): wavelengths longer than ``original_max_position_embeddings /
-        low_freq_factor`` are divided by ``factor``, shorter than ``... / high_freq_factor`` kept, and those between
-        interpolated linearly in ``original_max_position_embeddings / wavelength``."""
-        half = self.head_dim // 2
-        inv = self.rope_base ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / self.head_dim)
-        if self.rope_scaling is None:
-            return inv
-        s = dict(self.rope_scaling)
-        factor, low, high, old = (float(s[k]) for k in _LLAMA3_KEYS)
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - low) / (high - low)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        out = np.where(wavelen > old / low, inv / factor, inv)
-        between = (wavelen <= old / low) & (wavelen >= old / high)
-        return np.where(between, mid, out)
+        """The ``head_dim // 2`` rotary inverse frequencies (float64 numpy) from ``rope_theta``, with Llama 3's
+        scaling when ``rope_scaling`` is set (:func:`jaxpar.models.decoder.rotary_inv_freq`)."""
+        return rotary_inv_freq(self.rope_base, self.head_dim,
+                               None if self.rope_scaling is None else dict(self.rope_scaling))
+
+    def rotary_freq(self) -> np.ndarray:
+        """The inverse frequencies the blocks' rotary positions use (float32)."""
+        return self.inv_freq().astype(np.float32)
 
 
 def _check_rope_scaling(value: Any) -> Any:
@@ -193,110 +176,11 @@ def _check_rope_scaling(value: Any) -> Any:
     return tuple(sorted({**{k: items[k] for k in _LLAMA3_KEYS}, "rope_type": "llama3"}.items()))
 
 
-_WARNED: set = set()
-
-
-def _warn_replicated_kv(cfg: LlamaConfig) -> None:
-    mesh = jax.sharding.get_abstract_mesh()
-    tensor = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
-    # Flax takes the first rule naming an axis (DEFAULT_RULES has ("kv_heads", None): a later one is never read)
-    rule = next((axis for name, axis in nn.get_logical_axis_rules() if name == "kv_heads"), None)
-    if tensor == 1 or rule is not None or (cfg, tensor) in _WARNED:
-        return
-    _WARNED.add((cfg, tensor))
-    why = (f"tensor={tensor} exceeds num_kv_heads={cfg.num_kv_heads}" if tensor > cfg.num_kv_heads else
-           "the rules leave kv_heads unmapped; rules whose first kv_heads entry is ('kv_heads', 'tensor'), given "
-           "to init_state and make_train_step, split them: e.g. (('kv_heads', 'tensor'),) + jp.sharding.DEFAULT_RULES")
-    warnings.warn(f"the Llama's {cfg.num_kv_heads} key/value heads are replicated over the tensor axis ({why}): "
-                  f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split (correct, "
-                  "some duplicated work)", stacklevel=3)
-
-
-class LlamaBlock(gpt.Block):
-    """One pre-norm Llama block ``x_BLD -> x_BLD`` (Megatron split: q/k/v, gate/up by column; out/down by row)."""
-
-    def setup(self):
-        c = self.cfg
-        D, H, G, K, F = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.d_mlp
-        out_std = c.init_std / math.sqrt(2 * c.num_layers)
-        self.attn_norm_scale = _param(self, "attn_norm_scale", (D,), ("embed",), None)
-        self.q_kernel = _param(self, "q_kernel", (D, H, K), ("embed", "heads", "kv"), c.init_std)
-        self.k_kernel = _param(self, "k_kernel", (D, G, K), ("embed", "kv_heads", "kv"), c.init_std)
-        self.v_kernel = _param(self, "v_kernel", (D, G, K), ("embed", "kv_heads", "kv"), c.init_std)
-        self.out_kernel = _param(self, "out_kernel", (H, K, D), ("heads", "kv", "embed"), out_std)
-        self.mlp_norm_scale = _param(self, "mlp_norm_scale", (D,), ("embed",), None)
-        self.gate_kernel = _param(self, "gate_kernel", (D, F), ("embed", "mlp"), c.init_std)
-        self.up_kernel = _param(self, "up_kernel", (D, F), ("embed", "mlp"), c.init_std)
-        self.down_kernel = _param(self, "down_kernel", (F, D), ("mlp", "embed"), out_std)
-        self.fp8_meta = fp8.declare(self, ("q", "k", "v", "out", "gate", "up", "down"))   # gpt.Block._dot's
-
-    def declare(self) -> None:
-        self.attn_norm_scale  # noqa: B018
-
-    def _qkv(self, x_BLD: jax.Array):
-        """RMSNorm, then ``q [B, L, H, K]``, ``k, v [B, L, G, K]`` (compute dtype)."""
-        c = self.cfg
-        B, L, D = x_BLD.shape
-        h_TD = tokens(rms_norm(x_BLD, self.attn_norm_scale, c.rms_norm_eps))
-        w = lambda p: self._w(p, x_BLD).reshape(D, -1)
-        q = constrain(self._dot("q", h_TD, w(self.q_kernel)).reshape(B, L, c.num_heads, c.head_dim), "batch", "seq",
-                      "heads", "kv")
-        k, v = (self._dot(n, h_TD, w(p)).reshape(B, L, c.num_kv_heads, c.head_dim)
-                for n, p in (("k", self.k_kernel), ("v", self.v_kernel)))
-        return q, constrain(k, "batch", "seq", "kv_heads", "kv"), constrain(v, "batch", "seq", "kv_heads", "kv")
-
-    def _positions(self, q_BLHK, k_BLGK, offset=0, positions_BL=None):
-        freq = self.cfg.inv_freq().astype(np.float32)
-        return rope(q_BLHK, 0.0, offset, freq, positions_BL), rope(k_BLGK, 0.0, offset, freq, positions_BL)
-
-    def _expand_kv(self, t_BLGK: jax.Array) -> jax.Array:
-        """``[B, L, G, K] -> [B, L, H, K]``: query head ``h`` reads key/value head ``h // (H // G)`` (HF's
-        ``repeat_kv``)."""
-        rep = self.cfg.num_heads // self.cfg.num_kv_heads
-        t = t_BLGK if rep == 1 else jnp.repeat(t_BLGK, rep, axis=2)
-        return constrain(t, "batch", "seq", "heads", "kv")
-
-    def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array) -> jax.Array:
-        c = self.cfg
-        B, L, D = x_BLD.shape
-        w = lambda p: self._w(p, x_BLD)
-        o_TD = self._dot("out", tokens(a_BLHK), w(self.out_kernel).reshape(-1, D))
-        x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
-        h_TD = tokens(rms_norm(x_BLD, self.mlp_norm_scale, c.rms_norm_eps))
-        g_TF = constrain(silu(self._dot("gate", h_TD, w(self.gate_kernel))), *token_names(), "mlp")
-        u_TF = constrain(g_TF * self._dot("up", h_TD, w(self.up_kernel)), *token_names(), "mlp")
-        return constrain(x_BLD + self._dot("down", u_TF, w(self.down_kernel)).reshape(B, L, D), "batch", "seq", "embed")
-
-
-class LlamaHead(gpt.Head):
-    """Final RMSNorm and unembedding: ``x_BLD -> logits_BLV``."""
-
-    def setup(self):
-        c = self.cfg
-        self.norm_scale = _param(self, "norm_scale", (c.d_model,), ("embed",), None)
-        if not c.tie_embeddings:
-            self.kernel = _param(self, "kernel", (c.d_model, c.padded_vocab), ("embed", "vocab"), c.init_std)
-
-    def declare(self) -> None:
-        self.norm_scale  # noqa: B018
-
-    def _norm(self, x_BLD: jax.Array) -> jax.Array:
-        return rms_norm(x_BLD, self.norm_scale, self.cfg.rms_norm_eps)
-
-
-class Llama(gpt.GPT):
-    """The Llama as pure functions over ``{"embed", "blocks", "head"}``: the GPT's protocol parts (``init``,
-    ``embed``, ``stage``, ``head_loss``, ``apply``, ``loss``, ``check_batch``, ``init_cache``, ``decode_step``,
-    ``generate``) with the Llama's block and head. ``init_cache`` keeps the G key/value heads:
-    ``[layers, batch, max_len, num_kv_heads, head_dim]``."""
-    Block, Head = LlamaBlock, LlamaHead
-
-    def embed(self, params: dict, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
-        """As :meth:`jaxpar.models.GPT.embed`; warns (once per config and mesh) when the key/value heads are
-        replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped).
-        The Llama's positions are rotary: ``positions_BL`` is used by :meth:`stage`, not here."""
-        _warn_replicated_kv(self.cfg)
-        return super().embed(params, tokens_BL, positions_BL)
+class Llama(Decoder):
+    """The Llama as pure functions over ``{"embed", "blocks", "head"}``: every part of the model protocol
+    (:mod:`jaxpar.protocol`), from :class:`jaxpar.models.decoder.Decoder`. ``init_cache`` keeps the G key/value
+    heads: ``[layers, batch, max_len, num_kv_heads, head_dim]``; ``embed`` warns (once per config and mesh) when
+    they are replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped)."""
 
     def replace(self, sizes: dict[tuple, int]) -> LlamaConfig:
         """The config after compaction: ``sizes`` maps ``("blocks", "mlp")`` (the kept SwiGLU width: gate, up and down

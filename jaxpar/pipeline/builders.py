@@ -7,7 +7,9 @@ dependency at a strictly earlier tick): the table's own timing.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 from jaxpar.pipeline.checks import builder_sizes
 from jaxpar.pipeline.schedules import (FB, Action, B, F, Placement, Schedule, W, dependencies, place_in_order,
@@ -99,7 +101,7 @@ def _interleaved_order(p: int, m: int, v: int, s: int) -> list[Action]:
     return order + bwd[total - warmup:]
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2): ``num_chunks`` virtual stages per device.
 
     The model's ``p v`` virtual stages are placed round-robin (device ``s`` holds ``s, s + p, s + 2p, ...``:
@@ -113,7 +115,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
     Args:
       num_stages: ``p >= 1``.
       num_microbatches: ``m``, a multiple of ``p`` (Megatron's requirement: microbatches go in rounds of ``p``).
-      num_chunks: ``v >= 1``.
+      num_chunks: ``v >= 1`` (default 2, the fewest that interleave).
 
     Raises:
       ValueError: a size that is not a positive integer, a table over
@@ -336,4 +338,43 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     return place_in_order("dualpipev", m, [_dualpipe_v_order(p, m, s) for s in range(p)], 2, v_shape(p))
 
 
-__all__ = ["dualpipe_v", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble", "zero_bubble_v"]
+
+# ------------------------------------------------------------------------------------------ the registry
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zero_bubble, "zbv": zero_bubble_v,
+    "dualpipev": dualpipe_v}
+"""Every schedule by the name the command lines use: ``name -> builder(num_stages, num_microbatches, **options)``.
+Adding a schedule is adding its builder here; :func:`build` and every entry point read this table."""
+
+
+def build(name: str, num_stages: int, num_microbatches: int, **options: Any) -> Schedule:
+    """The schedule ``name`` (a key of :data:`SCHEDULES`) for ``num_stages`` stages and ``num_microbatches``
+    microbatches: ``SCHEDULES[name](num_stages, num_microbatches, **options)``.
+
+    Args:
+      name: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"`` (ZB-H1), ``"zbv"`` (ZB-V) or ``"dualpipev"``.
+      num_stages, num_microbatches: the builder's ``p`` and ``m``.
+      **options: the builder's own keyword arguments, e.g. ``num_chunks`` of ``"interleaved"``.
+
+    Raises:
+      ValueError: an unknown name (the valid names are listed); the builder's own refusals of the sizes.
+      TypeError: an option the builder does not take (its options are listed).
+
+    Example:
+      ``jp.pipeline.build("interleaved", 2, 8, num_chunks=2)`` is ``jp.pipeline.interleaved_1f1b(2, 8, 2)``.
+    """
+    if not isinstance(name, str) or name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; use one of {sorted(SCHEDULES)} "
+                         "(jp.pipeline.SCHEDULES), or build a table with jp.pipeline.from_actions")
+    builder = SCHEDULES[name]
+    takes = [p for p in inspect.signature(builder).parameters][2:]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise TypeError(f"schedule {name!r} ({builder.__name__}) takes no option {', '.join(unknown)}; its options: "
+                        f"{takes or 'none'}")
+    return builder(num_stages, num_microbatches, **options)
+
+
+__all__ = ["SCHEDULES", "build", "dualpipe_v", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble",
+           "zero_bubble_v"]

@@ -26,6 +26,8 @@ from jaxpar.train import grads
 from jaxpar.sharding import rules as shd
 from jaxpar._validate import positive_int
 from jaxpar.pipeline.interpreter import AXIS, FSDP_GATHER
+
+GRAD_REDUCE = ("step", "action")   # where a pipeline reduces data-parallel gradients: once per step, or per backward
 from jaxpar.pipeline.schedules import KINDS, Action, Placement, Schedule, check_table_size, is_index
 from jaxpar.pipeline.stash import STASH_MODES
 
@@ -165,16 +167,16 @@ def check_mesh_and_schedule(schedule: Schedule, mesh: Mesh, stash: str = "residu
         raise ValueError(f"stash={stash!r}; use one of {STASH_MODES}")
 
 
-def check_comm_options(fsdp_gather: str, comm: str = "step", what: str = "fsdp_gather") -> None:
-    """Raises ValueError unless ``fsdp_gather`` is ``'step'`` or ``'action'`` (and the private ``comm`` is
-    ``'step'`` or ``'action'``)."""
+def check_comm_options(fsdp_gather: str, grad_reduce: str = "step", owner: str = "") -> None:
+    """Raises ValueError unless ``fsdp_gather`` and ``grad_reduce`` are each ``'step'`` or ``'action'`` (the
+    message names them as ``owner`` + name, e.g. ``Pipeline.fsdp_gather``)."""
     if fsdp_gather not in FSDP_GATHER:
-        raise ValueError(f"{what}={fsdp_gather!r}; use 'step' (gather each stage's weights over fsdp once per step "
+        raise ValueError(f"{owner}fsdp_gather={fsdp_gather!r}; use 'step' (gather each stage's weights over fsdp once per step "
                          "and keep them: least traffic) or 'action' (gather them inside every F/B/W action: least "
                          "memory)")
-    if comm not in ("step", "action"):
-        raise ValueError(f"comm={comm!r}; use 'step' (reduce gradients once per step) or 'action' (GSPMD reduces "
-                         "them inside every backward action)")
+    if grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"{owner}grad_reduce={grad_reduce!r}; use 'step' (reduce the data-parallel gradients once per "
+                         "step: least traffic) or 'action' (GSPMD reduces them inside every backward action)")
 
 
 def check_stage_params(stage_params: Any, schedule: Schedule) -> None:

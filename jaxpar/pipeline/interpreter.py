@@ -56,17 +56,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import _compat
-from jaxpar.precision import fp8
+from jaxpar.train import carried
 from jaxpar.train.grads import microbatch
 from jaxpar.pipeline import split as split_lib
 from jaxpar.pipeline.schedules import Schedule
+from jaxpar.sharding.names import FSDP, PIPE
 from jaxpar.pipeline.stash import (SharedSlots, backward_leaves, forward_and_stash, held_to_weight,
                                    pullback_from_stash, residual_plan, stashed_structs, write_stash)
 from jaxpar.pipeline.table import (ACTIVATIONS, COTANGENTS, NEXT, PREV, SELF, Actions, BufferSizes, ControlTable, Fused,
                                    Kind, control_table, switch_branches)
 
-AXIS = "pipe"
-FSDP = "fsdp"
+AXIS = PIPE   # the axis the interpreter's shard_map is manual over
 FSDP_GATHER = ("step", "action")
 
 
@@ -98,14 +98,37 @@ def _chunk(tree: Any, chunk: jax.Array, num_chunks: int) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), tree)
 
 
-def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int) -> Any:
-    """``acc[chunk] += value`` for every leaf (in place; fp8 meta state: the maximum, :func:`jaxpar.precision.fp8.add`)."""
-    if num_chunks == 1:
-        return jax.tree_util.tree_map_with_path(lambda p, a, g: fp8.add(p, a, g[None]), acc, value)
+def _add_chunk(acc: Any, value: Any, chunk: jax.Array, num_chunks: int, mb: jax.Array) -> Any:
+    """``acc[chunk] += value`` for every leaf (in place); a carried leaf's accumulator holds one row per
+    microbatch (:func:`_per_microbatch`): ``acc[chunk, mb] += value``."""
     def add(p, a, g):
-        row = jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(a, fp8.add(p, row, g), chunk, 0)
+        if carried.is_carried(p):
+            c = chunk if num_chunks > 1 else 0
+            block = jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(a, _add_at(block, g, mb), c, 0)
+        return a + g[None] if num_chunks == 1 else _add_at(a, g, chunk)
     return jax.tree_util.tree_map_with_path(add, acc, value)
+
+
+def _add_at(acc: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """``acc[index] += value`` along the leading axis (in place)."""
+    row = jax.lax.dynamic_index_in_dim(acc, index, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(acc, row + value, index, 0)
+
+
+def _per_microbatch(tree: Any, m: int, axis: int) -> Any:
+    """Accumulator shapes: a carried leaf gets ``m`` rows (one per microbatch) at ``axis``, so its new values
+    combine by its declared rule after the tick loop (a split backward's B and W parts add up in their row);
+    other leaves as given."""
+    def grow(path, a):
+        return jax.ShapeDtypeStruct((*a.shape[:axis], m, *a.shape[axis:]), a.dtype) if carried.is_carried(path) else a
+    return jax.tree_util.tree_map_with_path(grow, tree)
+
+
+def _combine_microbatches(tree: Any, axis: int) -> Any:
+    """The carried leaves' per-microbatch rows (:func:`_per_microbatch`) combined by their rules."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: carried.reduce_microbatches(p, a, axis) if carried.is_carried(p) else a, tree)
 
 
 def _route(kinds: np.ndarray, c: Actions | Fused, act, cot, messages: tuple) -> tuple:
@@ -160,6 +183,33 @@ class _Out(NamedTuple):
     loss: jax.Array        # F on the last virtual stage: loss / m (float32)
     aux: Any               # F on the last virtual stage: loss_fn's aux
     send2: Any = None      # FB: its B's d input (the second channel); None in a table without FBs
+
+
+class _FusedBackward(NamedTuple):
+    """An ``FB`` action's full backward, beside its forward: its chunk's params, layer keys and stash slot."""
+    params: Any
+    keys: jax.Array | None
+    slot: jax.Array
+
+
+class _Operands(NamedTuple):
+    """What every action branch of a tick takes (``lax.switch``'s operand): one action's inputs."""
+    params: Any            # the action's chunk parameters (gathered over fsdp inside the branch when asked)
+    head: Any              # the head parameters (the last virtual stage's loss)
+    x: jax.Array           # the action's input activation: the microbatch, or the one received
+    g: jax.Array           # the cotangent received (a B's or W's output gradient)
+    tgt: Any               # the microbatch's targets
+    stashes: _Stashes      # the stash buffers (read-only in the branches)
+    slots: _Stashes        # the slots this action reads
+    keys: jax.Array | None  # the action's layer keys (None without takes_rng)
+    fused: _FusedBackward | None = None   # a table with FBs: the FB's backward (every branch takes it)
+
+
+class _ForwardOperands(NamedTuple):
+    """What every action branch of the forward-only table takes."""
+    params: Any            # the action's chunk parameters
+    x: jax.Array           # its input activation
+    keys: jax.Array | None  # its layer keys (None without takes_rng)
 
 
 class _Carry(NamedTuple):
@@ -294,13 +344,24 @@ class Interpreter:
         out = []
         for (path, g), d in zip(leaves, self.dims() or (None,) * len(leaves)):
             rest = self.batch
-            if fp8.is_meta(path):   # fp8 meta state's new value: the amax over all shards
-                g, d, rest = jax.lax.pmax(g, self.batch), None, ()
+            if carried.is_carried(path):   # carried state's new value: combined over the shards as declared
+                g, d, rest = carried.reduce_shards(path, g, self.batch), None, ()
             if d is not None:
                 g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True)
                 rest = tuple(a for a in self.batch if a != FSDP)
             out.append(jax.lax.psum(g, rest) if rest else g)
         return treedef.unflatten(out)
+
+    def _reduce_head(self, dhead: Any) -> Any:
+        """Once per step: the head gradient summed over ``pipe`` and the manual batch axes; a carried leaf's new
+        value summed over ``pipe`` (the last stage's alone is not zero) and combined over the batch shards as
+        declared."""
+        def one(path, g):
+            if not carried.is_carried(path):
+                return self._psum(g, batch=True)
+            g = self._psum(g)
+            return carried.reduce_shards(path, g, self.batch) if self.p > 1 else g
+        return jax.tree_util.tree_map_with_path(one, dhead)
 
     def _send(self, table: ControlTable, message: jax.Array) -> tuple:
         """``(from the previous stage, from the next stage, own)``: the message handed round over the pairs the
@@ -324,10 +385,10 @@ class Interpreter:
         return loss * scale, (loss, aux)
 
     def _branches(self, plan, split, zero: _Out, scale):
-        """The actions, ``(params, head, x, g, tgt, stashes, slots, keys) -> _Out`` (``stashes``, ``slots``:
-        :class:`_Stashes` of buffers and of the slots to read; ``keys``: the action's layer keys or None); the
-        stashes are read-only here (B and W read their slots inside their branches, so other ticks never touch
-        them). B and W rebuild a microbatch's pullback with the keys of its F, so a dropout mask is the same."""
+        """The actions, ``(op: _Operands) -> _Out`` (``op.stashes``, ``op.slots``: :class:`_Stashes` of buffers
+        and of the slots to read; ``op.keys``: the action's layer keys or None); the stashes are read-only here
+        (B and W read their slots inside their branches, so other ticks never touch them). B and W rebuild a
+        microbatch's pullback with the keys of its F, so a dropout mask is the same."""
         f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
         held, shared = held_to_weight(self.stash, plan, split), self._shared(plan, split, zero.send)
         read = lambda bufs, slot: tuple(b[slot] for b in bufs)
@@ -338,56 +399,55 @@ class Interpreter:
             kept, freed = _part(held, res)
             return kept, shared.pack(freed, False)
 
-        def idle(params, head, x, g, tgt, st, sl, keys):
+        def idle(op: _Operands):
             return zero
 
-        def fwd(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
+        def fwd(op: _Operands):
+            params = self._gather(op.params)
+            y, res = forward_and_stash(self._bind(op.keys), self.stash, params, op.x, plan)
             return self._vary(zero._replace(send=y, res=slot(res)))
 
-        def fwd_last(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            y, res = forward_and_stash(self._bind(keys), self.stash, params, x, plan)
+        def fwd_last(op: _Operands):
+            params = self._gather(op.params)
+            y, res = forward_and_stash(self._bind(op.keys), self.stash, params, op.x, plan)
             (_, (loss, aux)), (dhead, dy) = jax.value_and_grad(self._scaled_loss, (0, 1), has_aux=True)(
-                head, y, tgt, scale)
+                op.head, y, op.tgt, scale)
             return self._vary(zero._replace(send=dy, res=slot(res), dhead=f32(dhead), loss=loss, aux=aux))
 
-        def bwd(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            res = stashed(st, sl)
-            dparams, dx = pullback_from_stash(self._bind(keys), self.stash, params, x, res, plan)(g)
+        def bwd(op: _Operands):
+            params = self._gather(op.params)
+            res = stashed(op.stashes, op.slots)
+            dparams, dx = pullback_from_stash(self._bind(op.keys), self.stash, params, op.x, res, plan)(op.g)
             return zero._replace(send=dx, dparams=f32(dparams))
 
-        def bwd_input(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
-            res = leaves(self._bind(keys), params, x, stashed(st, sl))
-            dx, carry, dparams = split_lib.backward_input(split, params, x, res, g)
+        def bwd_input(op: _Operands):
+            params = self._gather(op.params)
+            res = leaves(self._bind(op.keys), params, op.x, stashed(op.stashes, op.slots))
+            dx, carry, dparams = split_lib.backward_input(split, params, op.x, res, op.g)
             return self._vary(zero._replace(send=dx, res=(zero.res[0], shared.pack(carry, True)),
                                             dparams=f32(dparams)))
 
-        def bwd_weight(params, head, x, g, tgt, st, sl, keys):
-            params = self._gather(params)
+        def bwd_weight(op: _Operands):
+            params = self._gather(op.params)
             freed = tuple(jnp.zeros(r.shape, r.dtype) for r in shared.first)   # read by B only: dead code here
-            res = leaves(self._bind(keys), params, x, _merge(held, read(st.stash, sl.stash), freed))
-            carry = shared.unpack(read(st.bstash, sl.wstash), True)
-            dparams = split_lib.backward_weight(split, params, x, res, carry)
+            res = leaves(self._bind(op.keys), params, op.x, _merge(held, read(op.stashes.stash, op.slots.stash), freed))
+            carry = shared.unpack(read(op.stashes.bstash, op.slots.wstash), True)
+            dparams = split_lib.backward_weight(split, params, op.x, res, carry)
             return self._vary(zero._replace(dparams=f32(dparams)))
         split_kinds = {Kind.BWD_INPUT: bwd_input, Kind.BWD_WEIGHT: bwd_weight} if split is not None else {}
         kinds = {Kind.IDLE: idle, Kind.FWD: fwd, Kind.FWD_LAST: fwd_last, Kind.BWD: bwd, **split_kinds}
         if not self.fused:
             return switch_branches(kinds)
 
-        def fused(forward):   # FB: the F, and the full B of the fused operands (fb), in one branch
-            def run(params, head, x, g, tgt, st, sl, keys, fb):
-                b_params, b_keys, b_slot = fb
-                out = forward(params, head, x, g, tgt, st, sl, keys)
-                back = bwd(b_params, head, x, g, tgt, st, sl._replace(stash=b_slot, bstash=b_slot), b_keys)
+        def fused(forward):   # FB: the F, and the full B of the fused operands (op.fused), in one branch
+            def run(op: _Operands):
+                fb = op.fused
+                out = forward(op)
+                back = bwd(op._replace(params=fb.params, keys=fb.keys,
+                                       slots=op.slots._replace(stash=fb.slot, bstash=fb.slot)))
                 return out._replace(send2=back.send, dparams=back.dparams)
             return run
-        drop = lambda branch: lambda *args: branch(*args[:-1])        # the other kinds ignore the FB operands
-        return switch_branches({**{k: drop(b) for k, b in kinds.items()}, Kind.FWD_BWD: fused(fwd),
-                                Kind.FWD_LAST_BWD: fused(fwd_last)})
+        return switch_branches({**kinds, Kind.FWD_BWD: fused(fwd), Kind.FWD_LAST_BWD: fused(fwd_last)})
 
     # --- value and gradient ------------------------------------------------------------------------------
     def _shared(self, plan, split, x0) -> SharedSlots:
@@ -412,7 +472,9 @@ class Interpreter:
         stashes = _Stashes(slots(sizes.stash, _part(held, res)[0]), shared.zeros(sizes.bstash), ())
         carry = _Carry(stashes=stashes,
                        act=buffers(sizes.activations), cot=buffers(sizes.cotangents),
-                       gx=jnp.zeros(x_micro.shape, x_micro.dtype), dparams=_zeros(full, f32), dhead=zero.dhead,
+                       gx=jnp.zeros(x_micro.shape, x_micro.dtype),
+                       dparams=_zeros(_per_microbatch(full, self.m, 1), f32),
+                       dhead=_zeros(_per_microbatch(head, self.m, 0), f32),
                        loss=zero.loss, aux=jax.tree.map(lambda a: jnp.zeros((self.m, *a.shape), a.dtype), aux))
         return self._vary(carry), self._vary(zero)
 
@@ -441,31 +503,37 @@ class Interpreter:
             tgt = jax.tree.map(lambda t: microbatch(t, mb), t_micro)
             st, sl = carry.stashes, _Stashes(c.stash_slot, c.bstash_slot, c.wstash_slot)
             keys = self._layer_keys(rng, mb, c.chunk, layers)
-            fb = () if f is None else ((_chunk(stage_params, f.chunk, self.v),
-                                        self._layer_keys(rng, f.microbatch, f.chunk, layers), f.stash_slot),)
-            out = jax.lax.switch(kind, branches, params, head, x_in, carry.cot[c.cot_read], tgt, st, sl, keys, *fb)
+            fb = None if f is None else _FusedBackward(_chunk(stage_params, f.chunk, self.v),
+                                                       self._layer_keys(rng, f.microbatch, f.chunk, layers),
+                                                       f.stash_slot)
+            out = jax.lax.switch(kind, branches, _Operands(params, head, x_in, carry.cot[c.cot_read], tgt, st, sl,
+                                                           keys, fb))
             act, cot = _route(table.actions.arrive_buffer, c, carry.act, carry.cot, self._send(table, out.send))
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)
             is_fwd, is_b_input = _is(kind, Kind.FWD, Kind.FWD_LAST, *fb_kinds), kind == Kind.BWD_INPUT
             stashes = _Stashes(write_stash(st.stash, out.res[0], c.stash_slot, is_fwd),
                                write_stash(st.bstash, out.res[1], c.bstash_slot, is_fwd | is_b_input), ())
             gx = _put(carry.gx, out.send, mb, (c.first == 1) & ((kind == Kind.BWD) | is_b_input), axis=1)
-            g_chunk = c.chunk
+            g_chunk, g_mb = c.chunk, mb
             if f is not None:       # the FB's B: its message on the second channel, its d input, its chunk
                 act, cot = _route(table.actions.fused.arrive_buffer, f, act, cot, self._send(table, out.send2))
                 gx = _put(gx, out.send2, f.microbatch, (f.first == 1) & _is(kind, *fb_kinds), axis=1)
                 g_chunk = jnp.where(_is(kind, *fb_kinds), f.chunk, c.chunk)
+                g_mb = jnp.where(_is(kind, *fb_kinds), f.microbatch, mb)
             return _Carry(
                 stashes=stashes, act=act, cot=cot, gx=gx,
-                dparams=_add_chunk(carry.dparams, out.dparams, g_chunk, self.v), dhead=add(carry.dhead, out.dhead),
+                dparams=_add_chunk(carry.dparams, out.dparams, g_chunk, self.v, g_mb),
+                dhead=jax.tree_util.tree_map_with_path(   # a carried leaf's row: the F's microbatch
+                    lambda p, a, b: _add_at(a, b, mb) if carried.is_carried(p) else a + b, carry.dhead, out.dhead),
                 loss=carry.loss + out.loss,
                 aux=jax.tree.map(lambda acc, a: _put(acc, a, mb, _is(kind, Kind.FWD_LAST, *fb_kinds[1:])), carry.aux,
                                  out.aux)), None
 
         carry, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, table.actions))
         # once per step: the gradients' (and the loss's) reductions over pipe and the manual batch axes
-        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_stage(carry.dparams), stage_params)
-        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._psum(carry.dhead, batch=True), head)
+        g_stage = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_stage(
+            _combine_microbatches(carry.dparams, 1)), stage_params)
+        g_head = jax.tree.map(lambda g, a: g.astype(a.dtype), self._reduce_head(_combine_microbatches(carry.dhead, 0)),
+                              head)
         g_x = self._psum(carry.gx, from_one_stage=True)
         loss, aux = self._psum(carry.loss, batch=True), self._psum(carry.aux, from_one_stage=True, batch=True)
         return loss, (g_stage, g_head, g_x), aux
@@ -480,8 +548,8 @@ class Interpreter:
         x0 = x_micro[:, 0]
         zero = self._vary(jnp.zeros_like(x0))
         layers = _num_rows(_chunk(stage_params, 0, 1))
-        run = lambda params, x, keys: self._bind(keys)(params, x)
-        branches = switch_branches({Kind.IDLE: lambda params, x, keys: zero, Kind.FWD: run, Kind.FWD_LAST: run})
+        run = lambda op: self._bind(op.keys)(op.params, op.x)
+        branches = switch_branches({Kind.IDLE: lambda op: zero, Kind.FWD: run, Kind.FWD_LAST: run})
 
         def tick(carry, row: Actions):
             act, ys = carry
@@ -489,7 +557,7 @@ class Interpreter:
             kind, mb = c.kind, c.microbatch
             x_in = jnp.where(c.first == 1, microbatch(x_micro, mb), act[c.act_read])
             keys = self._layer_keys(rng, mb, c.chunk, layers)
-            y = jax.lax.switch(kind, branches, _chunk(stage_params, c.chunk, self.v), x_in, keys)
+            y = jax.lax.switch(kind, branches, _ForwardOperands(_chunk(stage_params, c.chunk, self.v), x_in, keys))
             act, _ = _route(table.actions.arrive_buffer, c, act, None, self._send(table, y))
             return (act, _put(ys, y, mb, kind == Kind.FWD_LAST, 1)), None
 

@@ -17,12 +17,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.layers.attention import pipeline_stages
 from jaxpar.train.grads import merge_microbatches, split_microbatches
-from jaxpar.pipeline.interpreter import AXIS, FSDP, Interpreter
+from jaxpar.pipeline.interpreter import AXIS, Interpreter
 from jaxpar.pipeline.schedules import Schedule
-
-CONTEXT = "context"   # the sequence's mesh axis (context parallelism)
+from jaxpar.sharding.names import CONTEXT, FSDP, Rules
 
 
 # ----------------------------------------------------------------------------------- traceable cores
@@ -39,33 +37,35 @@ def _over_pipe(body: Callable, schedule: Schedule, mesh: Mesh, in_specs: tuple, 
 
 
 def manual_batch_axes(schedule: Schedule, mesh: Mesh, batch_axes: tuple[str, ...], takes_rng: bool = False,
-                      comm: str = "step") -> tuple[str, ...]:
+                      grad_reduce: str = "step") -> tuple[str, ...]:
     """The batch mesh axes (of size > 1) the interpreter's ``shard_map`` is manual over: those of ``batch_axes``
-    with ``comm='step'``, more than one stage and a stage function without an rng; else ``()`` (GSPMD then
+    with ``grad_reduce='step'``, more than one stage and a stage function without an rng; else ``()`` (GSPMD then
     reduces the data-parallel gradient inside each backward action, once per microbatch).
 
     ``takes_rng`` keeps the GSPMD path: a stage function draws its dropout masks over the shape it is given,
     and a manual shard sees only its rows, so its masks would differ from the non-pipelined step's (which
     draws over the global microbatch); GSPMD's partitionable ``threefry`` draws the global values."""
-    if comm == "action" or schedule.num_stages == 1 or takes_rng:
+    if grad_reduce == "action" or schedule.num_stages == 1 or takes_rng:
         return ()
     return tuple(a for a in batch_axes if mesh.shape[a] > 1)
 
 
-def context_axes(schedule: Schedule, mesh: Mesh, takes_rng: bool = False, comm: str = "step") -> tuple[str, ...]:
+def context_axes(schedule: Schedule, mesh: Mesh, takes_rng: bool = False,
+                 grad_reduce: str = "step") -> tuple[str, ...]:
     """``('context',)`` when the interpreter's ``shard_map`` is manual over the sequence's context axis: the mesh
     has ``context > 1`` and more than one stage. Each device then runs its chunk of every microbatch's sequence
     (the zigzag layout, :mod:`jaxpar.layers.attention`; leaves of rank >= 3 after the microbatch split, ``[B/m, m, L,
     ...]``), and the loss and gradients are reduced over ``context`` as over the manual batch axes.
 
     Raises:
-      ValueError: ``context > 1`` with ``comm='action'`` or a stage function that takes an rng.
+      ValueError: ``context > 1`` with ``grad_reduce='action'`` or a stage function that takes an rng.
     """
     if schedule.num_stages == 1 or dict(mesh.shape).get(CONTEXT, 1) == 1:
         return ()
-    if comm == "action" or takes_rng:
+    if grad_reduce == "action" or takes_rng:
         raise ValueError(f"a pipeline over a context axis (context={mesh.shape[CONTEXT]}) runs manual over it, which "
-                         f"needs comm='step' and a stage function without an rng; got comm={comm!r}, "
+                         f"needs grad_reduce='step' and a stage function without an rng; got grad_reduce="
+                         f"{grad_reduce!r}, "
                          f"stage_takes_rng={takes_rng}")
     return (CONTEXT,)
 
@@ -89,12 +89,7 @@ def _local_rules(manual: tuple[str, ...]):
     if not manual or not rules:
         yield
         return
-    def strip(t):
-        if t is None or isinstance(t, str):
-            return None if t in manual else t
-        kept = tuple(a for a in t if a not in manual)
-        return kept or None
-    with nn.logical_axis_rules(tuple((name, strip(t)) for name, t in rules)):
+    with nn.logical_axis_rules(Rules(rules).without_axes(manual)):
         yield
 
 
@@ -121,7 +116,7 @@ def _key_data(rng: jax.Array | None, takes_rng: bool) -> tuple[jax.Array | None,
 
 def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedule, mesh: Mesh,
                         batch_axes: tuple[str, ...], stash: str = "residuals", has_aux: bool = False,
-                        takes_rng: bool = False, fsdp_gather: str = "step", comm: str = "step") -> Callable:
+                        takes_rng: bool = False, fsdp_gather: str = "step", grad_reduce: str = "step") -> Callable:
     """The traceable (unvalidated, unjitted) body of :func:`jaxpar.pipeline.value_and_grad`.
 
     Returns ``f(stage_params, head_params, x, targets, scale=None, rng=None, stage_specs=None) -> ((loss,
@@ -132,16 +127,18 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
     stage's params (its layers): one key per global layer. For use inside another jitted function (the train
     step), under ``jax.set_mesh(mesh)``.
 
-    Communication (``comm='step'``, the default; see :func:`manual_batch_axes` for when it applies): the
+    Communication (``grad_reduce='step'``, the default; see :func:`manual_batch_axes` for when it applies): the
     ``shard_map`` is manual over ``pipe`` and the batch axes, so each device runs its rows of every
     microbatch, accumulates its stage's float32 gradient locally over the microbatches and reduces it once
     after the tick loop: ``psum_scatter`` over ``fsdp`` along the dim :func:`fsdp_dims` reads from ``stage_specs``
     (the caller's state's specs; ``psum`` for a leaf not sharded over it) and ``psum`` over ``data``.
     ``fsdp_gather``: ``'step'`` gathers each stage's weights over ``fsdp`` once, at the ``shard_map``'s entry, for
-    all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B and W. ``comm='action'`` is the former path, manual over ``pipe`` only (kept for comparison).
+    all microbatches; ``'action'`` all-gathers the chunk's weights inside each F, B and W.
+    ``grad_reduce='action'``: the ``shard_map`` is manual over ``pipe`` only and GSPMD reduces the data-parallel
+    gradient inside every backward action (once per microbatch: more traffic, for comparison).
     """
-    rows_over = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, comm)
-    manual = rows_over + context_axes(schedule, mesh, takes_rng, comm)   # the shards of one microbatch
+    rows_over = manual_batch_axes(schedule, mesh, batch_axes, takes_rng, grad_reduce)
+    manual = rows_over + context_axes(schedule, mesh, takes_rng, grad_reduce)   # the shards of one microbatch
     batch_size = int(np.prod([mesh.shape[a] for a in manual], dtype=int))
     fsdp = mesh.shape[FSDP] if FSDP in manual else 1
 
@@ -152,7 +149,7 @@ def value_and_grad_core(stage_fn: Callable, loss_fn: Callable, schedule: Schedul
                               fsdp_gather, fsdp)
 
         def inner(stage_params, head_params, x_micro, t_micro, scale, data):
-            with _local_rules(manual), pipeline_stages():
+            with _local_rules(manual):
                 return interp.value_and_grad(stage_params, head_params, x_micro, t_micro, scale, unwrap(data))
 
         x_micro = split_microbatches(x, m, batch_axes)
@@ -183,7 +180,7 @@ def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: t
         data, unwrap = _key_data(rng, takes_rng)
 
         def inner(stage_params, x_micro, data):
-            with _local_rules(manual), pipeline_stages():
+            with _local_rules(manual):
                 return interp.apply(stage_params, x_micro, unwrap(data))
         rows = P(None, None, CONTEXT) if manual and x_micro.ndim >= 3 else P()
         body = _over_pipe(inner, schedule, mesh, in_specs=(P(AXIS), rows, P()), out_specs=rows, batch=manual)

@@ -50,6 +50,7 @@ from jaxpar.pipeline.checks import check_comm_options, check_mesh_and_schedule, 
 from jaxpar.pipeline.shard_map import apply_core, value_and_grad_core
 from jaxpar.pipeline.interpreter import AXIS
 from jaxpar.pipeline.stage_layout import from_stage_layout, stage_order, to_stage_layout
+from jaxpar.train import carried as carry
 from jaxpar.train.state_layout import state_layout
 from jaxpar.pipeline.schedules import Schedule
 from jaxpar.pipeline.stash import STASH_MODES
@@ -117,6 +118,14 @@ class Pipeline(gr.GradFn):
         unsharded stage in float32, so keeping the weights too adds at most as much again (the compute dtype's
         bytes per parameter), while gathering per action multiplies the all-gather traffic by ``2m`` to ``3m``.
         See :func:`jaxpar.pipeline.value_and_grad` ("Communication").
+      grad_reduce: with more than one stage and a batch axis (``data``, ``fsdp``) of size > 1, where the
+        data-parallel gradient is reduced: ``'step'`` (default): the interpreter's ``shard_map`` is manual over the
+        batch axes too, each device accumulates its stage's gradient over the microbatches and it is reduced once
+        after the tick loop (least traffic); ``'action'``: the ``shard_map`` is manual over ``pipe`` only and GSPMD
+        reduces the gradient inside every backward action, once per microbatch (``m`` times the traffic: a
+        baseline for ``benchmarks/pipeline_comm.py``). A stage function that takes an rng always runs the
+        ``'action'`` path (its dropout masks are drawn over the global microbatch); a mesh with ``context > 1``
+        needs ``'step'`` (ValueError when the step is traced).
 
     The loss is the mean of the microbatch losses (microbatches have equal size). The GPT's parts:
     ``Pipeline(model.embed, model.stage, model.head_loss, schedule)``.
@@ -144,7 +153,7 @@ class Pipeline(gr.GradFn):
     params_layout: str = "auto"
     stage_takes_rng: bool = False
     fsdp_gather: str = "step"
-    _comm: str = "step"
+    grad_reduce: str = "step"
     uses_pipe = True
 
     def __post_init__(self):
@@ -164,7 +173,7 @@ class Pipeline(gr.GradFn):
         if not isinstance(self.stage_takes_rng, bool):
             raise TypeError(f"Pipeline.stage_takes_rng={self.stage_takes_rng!r} must be a bool: True when stage_fn is "
                             "stage_fn(params, x_mb, keys)")
-        check_comm_options(self.fsdp_gather, self._comm, "Pipeline.fsdp_gather")
+        check_comm_options(self.fsdp_gather, self.grad_reduce, "Pipeline.")
 
     def state_layout(self, tx: Any, param_shapes: Any, opt_shapes: Any, mesh: Any) -> Any:
         """The opaque stage layout ``jp.train.init_state(..., pipeline=self)`` keeps in ``TrainState.layout``:
@@ -190,6 +199,31 @@ class Pipeline(gr.GradFn):
         check_mesh_and_schedule(self.schedule, mesh, self.stash)
 
     # ------------------------------------------------------------------------------------------- checks
+    def check_step(self, state: Any, grad_fn: Any, mesh: Any) -> None:
+        """Raises ValueError (the step calls it before tracing) for state the stages do not carry
+        (:meth:`check_carried` of what ``state`` holds)."""
+        held = () if state.carried is None else carry.declarations_in(state.carried)
+        self.check_carried(model_state=bool(jax.tree.leaves(state.model_state)),
+                           carried=" and ".join(d.what for d in held), staged=state.layout is not None)
+
+    @staticmethod
+    def check_carried(*, model_state: bool = False, carried: str = "", staged: bool = False) -> None:
+        """Raises ValueError for state a pipeline's stages do not carry, described by what it holds (so an entry
+        point can check its flags before building anything): ``model_state``: non-param variables (batch
+        statistics); ``carried``: what the state's carried collections are, e.g. ``"fp8 meta state"`` ("" for
+        none: :mod:`jaxpar.train.carried`); ``staged``: params in a multi-chunk stage layout
+        (``jp.train.init_state(..., pipeline=)`` with a schedule of several chunks per stage). Refused: a model
+        state; carried state with a multi-chunk stage layout (its leaves under the stage params would need the
+        stage layout's permutation too)."""
+        if model_state:
+            raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
+                             "the pipeline does not carry between stages yet: train it without pipe, or keep the "
+                             "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
+        if carried and staged:
+            raise ValueError(f"this state carries {carried} and has a multi-chunk stage layout, which the pipeline "
+                             "does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or train without that "
+                             "state")
+
     def _params_staged(self, ctx: gr.Context) -> bool:
         """Whether ``params[stage_key]`` comes in the stage layout (``ctx.layout``, the state's); ValueError for
         a state in another schedule's layout or one ``params_layout`` refuses."""
@@ -290,7 +324,7 @@ class Pipeline(gr.GradFn):
         x, embed_vjp = jax.vjp(lambda r: self.embed_fn(r, batch[self.inputs_key]), rest)
         core = value_and_grad_core(self.stage_fn, _checked_head_loss(self.head_loss_fn), self.schedule,
                                    ctx.mesh, ctx.batch_axes, self.stash, True, self.stage_takes_rng,
-                                   self.fsdp_gather, self._comm)
+                                   self.fsdp_gather, self.grad_reduce)
         (loss, (g_staged, g_head, g_x)), aux = core(staged, rest, x, batch[self.targets_key], scale,
                                                     rng if self.stage_takes_rng else None, self._stage_specs(ctx))
         (g_embed,) = embed_vjp(g_x)

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxpar.tools import metrics as _metrics
 from jaxpar._hlo import HloStats
+from jaxpar.sharding.names import CONTEXT, DATA, FSDP, PIPE, TENSOR
 
 _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
          "reduce-scatter": lambda g: (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
@@ -98,26 +99,26 @@ def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], globa
     all-gather and its reduce-scatter move the same bytes), ``4 (C - 1) T_d G K c / t`` per layer (``G K`` the
     key/value width). ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
     """
-    n, t, f, d, p = (math.prod(sizes.values()), sizes["tensor"], sizes["fsdp"], sizes["data"], sizes["pipe"])
+    n, t, f, d, p = (math.prod(sizes.values()), sizes[TENSOR], sizes[FSDP], sizes[DATA], sizes[PIPE])
     c, b = (np.dtype(x or jnp.float32).itemsize for x in (cfg.dtype, cfg.param_dtype))
     N, tokens = float(cfg.num_params()), float(global_batch * seq_len)
     bubble = 0.0 if schedule is None else schedule.bubble_fraction
     compute = (8 if cfg.remat == "full" else 6) * N * tokens / (n * spec.peak_flops) / (1 - bubble)
-    C = sizes.get("context", 1)
+    C = sizes.get(CONTEXT, 1)
     t_d, n_s, ring = tokens / (d * f * C), N / (p * t), lambda g: (g - 1) / g
     link = lambda axis: _link((axis,), across, spec)
     comm = {}
     if t > 1:
-        comm["tensor"] = 4 * cfg.num_layers / p * t_d * cfg.d_model * c * 2 * ring(t) / link("tensor")
+        comm[TENSOR] = 4 * cfg.num_layers / p * t_d * cfg.d_model * c * 2 * ring(t) / link(TENSOR)
     if f > 1:
-        comm["fsdp"] = (2 * grad_accum_steps * c + b) * n_s * ring(f) / link("fsdp")
+        comm[FSDP] = (2 * grad_accum_steps * c + b) * n_s * ring(f) / link(FSDP)
     if d > 1:
-        comm["data"] = n_s / f * b * 2 * ring(d) / link("data")
+        comm[DATA] = n_s / f * b * 2 * ring(d) / link(DATA)
     if C > 1:
         kv = getattr(cfg, "kv_heads", cfg.num_heads) * cfg.head_dim
-        comm["context"] = 4 * (C - 1) * cfg.num_layers / p * t_d * kv * c / t / link("context")
+        comm[CONTEXT] = 4 * (C - 1) * cfg.num_layers / p * t_d * kv * c / t / link(CONTEXT)
     if p > 1:
-        comm["pipe"] = 2 * schedule.num_chunks * t_d * cfg.d_model * c / link("pipe")
+        comm[PIPE] = 2 * schedule.num_chunks * t_d * cfg.d_model * c / link(PIPE)
     step = compute + sum(comm.values())
     return {"compute_s": compute, "comm_s_by_axis": comm, "step_s": step,
             "mfu": 6 * N * tokens / (step * n * spec.peak_flops)}

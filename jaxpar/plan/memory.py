@@ -1,4 +1,4 @@
-"""Analytic per-device memory of the GPT train step: the estimate set beside XLA's compiled ``memory_analysis``.
+"""Analytic per-device memory of a decoder's train step: the estimate set beside XLA's compiled ``memory_analysis``.
 
 One formula, used by :func:`jaxpar.plan.plan` and ``benchmarks/memory.py``. Per device, in bytes, with ``s(x)``
 the number of devices a leaf ``x`` is split over (its sharding) and ``b(x)`` its dtype's bytes:
@@ -53,14 +53,35 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.sharding.names import CONTEXT, DATA, FSDP, PIPE, TENSOR, entry_axes
+from jaxpar import protocol
+
+SIZES = ("d_model", "num_heads", "head_dim", "mlp_dim", "num_layers", "padded_vocab", "max_seq_len", "attention",
+         "attention_blocks", "remat", "dtype", "param_dtype", "num_params")
+"""What the planner's formulas read of a model's config (its width, heads, layers, vocabulary, precision)."""
+
+
+def model_and_config(model_or_config: Any) -> tuple[Any, Any]:
+    """``(model, config)`` of a model of the protocol (its sizes from ``model.cfg``) or of a config that builds
+    one (``config.as_model()``, e.g. a ``GPTConfig`` or ``LlamaConfig``).
+
+    Raises:
+      TypeError: no ``init`` and ``loss`` (a model of the protocol), or a config lacking one of :data:`SIZES`.
+    """
+    model = protocol.as_model(model_or_config)
+    cfg = model_or_config if model is not model_or_config else getattr(model, "cfg", None)
+    missing = [name for name in SIZES if not hasattr(cfg, name)]
+    if missing or not all(callable(getattr(model, part, None)) for part in ("init", "loss")):
+        raise TypeError(f"model_config must be a model of the protocol (init, loss) whose cfg gives its sizes, or "
+                        f"a config that builds one (e.g. jaxpar.models.GPTConfig or LlamaConfig), got "
+                        f"{type(model_or_config).__name__}" + (f" (its config lacks {missing})" if cfg is not None
+                                                               and missing else ""))
+    return model, cfg
+
 
 def spec_axes(spec: Any) -> list[str]:
     """The mesh axis names a ``PartitionSpec`` uses."""
-    out: list[str] = []
-    for entry in spec:
-        if entry is not None:
-            out.extend((entry,) if isinstance(entry, str) else entry)
-    return out
+    return [a for entry in spec for a in entry_axes(entry)]
 
 
 def sharded_bytes(tree: Any) -> float:
@@ -106,7 +127,8 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
     "grad_accumulator", "compute_params", "activations", "pipeline_buffers"}``.
 
     Args:
-      cfg: the ``GPTConfig``.
+      cfg: the model's config (``GPTConfig``, ``LlamaConfig``), or the model (its ``cfg``): its sizes
+        (:data:`SIZES`), and its ``stage_key`` (the protocol's) naming the stacked layers' params.
       state: the ``TrainState`` (arrays or ``jax.ShapeDtypeStruct``s with shardings, e.g.
         ``jp.train.abstract_state``); its ``policy`` gives the compute dtype (None: the params' dtype).
       mesh: the mesh (``data``, ``fsdp``, ``context``, ``tensor``, ``pipe`` sizes).
@@ -114,26 +136,27 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
       schedule: the pipeline schedule, or None.
       grad_accum_steps: accumulation steps per update.
     """
+    model, cfg = model_and_config(cfg)
     P = sharded_bytes(state.params)
     param_bytes = max((np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params)), default=4)
     policy = state.policy
     c = param_bytes if policy is None else np.dtype(policy.compute_dtype).itemsize
     if cfg.dtype is not None:
         c = np.dtype(cfg.dtype).itemsize
-    t, k, context = mesh.shape["tensor"], grad_accum_steps, dict(mesh.shape).get("context", 1)
+    t, k, context = mesh.shape[TENSOR], grad_accum_steps, dict(mesh.shape).get(CONTEXT, 1)
     r_saved, r_live = block_bytes_per_token(cfg, seq_len, c, t, context)
     h = c * cfg.d_model + 2 * 4 * cfg.padded_vocab / t
-    tokens = global_batch * seq_len / (mesh.shape["data"] * mesh.shape["fsdp"] * context * k)
+    tokens = global_batch * seq_len / (mesh.shape[DATA] * mesh.shape[FSDP] * context * k)
     stash, layers = 1, cfg.num_layers
     if schedule is not None:
         tokens /= schedule.num_microbatches
-        stash, layers = max(schedule.peak_stash), cfg.num_layers / (mesh.shape["pipe"] * schedule.num_chunks)
+        stash, layers = max(schedule.peak_stash), cfg.num_layers / (mesh.shape[PIPE] * schedule.num_chunks)
     pipeline = 0.0
-    if schedule is not None and mesh.shape["pipe"] > 1:
-        blocks, fsdp = sharded_bytes(state.params["blocks"]), mesh.shape["fsdp"]
+    if schedule is not None and mesh.shape[PIPE] > 1:
+        blocks, fsdp = sharded_bytes(state.params[protocol.stage_key(model)]), mesh.shape[FSDP]
         grad = blocks * 4 / param_bytes * fsdp
         pipeline = grad + grad / schedule.num_chunks + (blocks * c / param_bytes * fsdp if fsdp > 1 else 0.0)
-        pipeline += global_batch * seq_len / (mesh.shape["data"] * fsdp) * c * cfg.d_model
+        pipeline += global_batch * seq_len / (mesh.shape[DATA] * fsdp) * c * cfg.d_model
     return {"params": P, "grads": P, "opt_state": sharded_bytes(state.opt_state),
             "grad_accumulator": P * 4 / param_bytes if k > 1 else 0.0,
             "compute_params": P * c / param_bytes if c < param_bytes else 0.0,

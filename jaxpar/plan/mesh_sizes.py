@@ -14,7 +14,8 @@ from typing import Any
 
 
 from jaxpar._validate import positive_int
-from jaxpar.sharding.mesh import AXES, split_axes
+from jaxpar.sharding.mesh import split_axes
+from jaxpar.sharding.names import AXES, CONTEXT, DATA, FSDP, PIPE, TENSOR
 
 GiB = 2 ** 30
 
@@ -31,7 +32,7 @@ def mesh_sizes(mesh_shape: Any, num_devices: int | None = None) -> dict[str, int
         if len(mesh_shape) not in (len(AXES), len(AXES) - 1):
             raise ValueError(f"mesh_shape {mesh_shape!r} must give one size per axis {AXES}")
         mesh_shape = dict(zip(AXES if len(mesh_shape) == len(AXES) else
-                              [a for a in AXES if a != "context"], mesh_shape))
+                              [a for a in AXES if a != CONTEXT], mesh_shape))
     if not isinstance(mesh_shape, dict):
         raise ValueError(f"mesh_shape must be a dict like dict(data=8, fsdp=16, tensor=8), got {mesh_shape!r}")
     unknown = set(mesh_shape) - set(AXES)
@@ -72,18 +73,18 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
     schedule that is not a ``jp.pipeline.Schedule`` matching ``pipe``, a mesh that is not whole hosts."""
     from jaxpar.pipeline import Schedule
     gpus_per_host = positive_int("gpus_per_host", gpus_per_host)
-    t, f, p = sizes["tensor"], sizes["fsdp"], sizes["pipe"]
+    t, f, p = sizes[TENSOR], sizes[FSDP], sizes[PIPE]
     if t > gpus_per_host or gpus_per_host % t:
         raise ValueError(f"tensor={t} would span hosts of {gpus_per_host} GPUs (tensor parallelism all-reduces "
                          f"inside every layer and needs NVLink): use a tensor size that divides {gpus_per_host}, "
                          "and more fsdp or data for the rest")
     host_split(sizes, gpus_per_host)
-    for what, size, axis, n in (("num_heads", cfg.num_heads, "tensor", t), ("mlp_dim", cfg.mlp_dim, "tensor", t),
-                                ("padded vocab", cfg.padded_vocab, "tensor", t), ("d_model", cfg.d_model, "fsdp", f)):
+    for what, size, axis, n in (("num_heads", cfg.num_heads, TENSOR, t), ("mlp_dim", cfg.mlp_dim, TENSOR, t),
+                                ("padded vocab", cfg.padded_vocab, TENSOR, t), ("d_model", cfg.d_model, FSDP, f)):
         if size % n:
             raise ValueError(f"{what} {size} is not divisible by {axis}={n}; choose a {axis} size dividing it")
     positive_int("seq_len", seq_len)
-    if seq_len % (2 * sizes.get("context", 1)) and sizes.get("context", 1) > 1:
+    if seq_len % (2 * sizes.get(CONTEXT, 1)) and sizes.get(CONTEXT, 1) > 1:
         raise ValueError(f"seq_len {seq_len} is not divisible by 2 x context = {2 * sizes['context']} (the zigzag "
                          "split of context parallelism); choose a context size whose double divides seq_len")
     if seq_len > cfg.max_seq_len:
@@ -106,7 +107,7 @@ def check_layout(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: in
         if schedule.num_stages != p or cfg.num_layers % stages:
             raise ValueError(f"the schedule has {schedule.num_stages} stages x {schedule.num_chunks} chunks; it needs "
                              f"num_stages = pipe = {p} and num_layers ({cfg.num_layers}) divisible by {stages}")
-    rows = grad_accum_steps * m * sizes["data"] * f
+    rows = grad_accum_steps * m * sizes[DATA] * f
     multiple = (f" multiple of grad_accum_steps x microbatches x data x fsdp = {grad_accum_steps} x {m} x "
                 f"{sizes['data']} x {f} = {rows}")
     if positive_int("global_batch", global_batch, multiple) % rows:
@@ -139,27 +140,27 @@ def suggestions(cfg: Any, sizes: dict[str, int], parts: dict[str, float], grad_a
 
     state = parts["params"] + parts["grads"] + parts["opt_state"] + parts["compute_params"] + parts["grad_accumulator"]
     fixed = parts["activations"] + parts.get("pipeline_buffers", 0.0)   # not divided by a larger fsdp
-    d = sizes["data"]
-    moves = [{**sizes, "fsdp": sizes["fsdp"] * k, "data": d // k} for k in range(2, d + 1) if d % k == 0]
+    d = sizes[DATA]
+    moves = [{**sizes, FSDP: sizes[FSDP] * k, DATA: d // k} for k in range(2, d + 1) if d % k == 0]
     moves = [m for m in moves if valid(m)]
     if moves:
-        new = next((m for m in moves if state * sizes["fsdp"] / m["fsdp"] + fixed <= available),
+        new = next((m for m in moves if state * sizes[FSDP] / m[FSDP] + fixed <= available),
                    moves[-1])
         out.append(f"fsdp={new['fsdp']}, data={new['data']} (params, gradients and optimizer state sharded "
                    f"{new['fsdp'] // sizes['fsdp']} times as finely)")
     if valid(sizes, accum=grad_accum_steps * 2):
         out.append(f"grad_accum_steps={grad_accum_steps * 2} (half the activations)")
-    for axis, why in (("pipe", " (half the layers per device)"), ("tensor", ""),
-                      ("context", " (each sequence over twice the devices: half the activations)")):
-        if axis == "tensor" and state <= parts["activations"] or axis == "context" and state > parts["activations"]:
+    for axis, why in ((PIPE, " (half the layers per device)"), (TENSOR, ""),
+                      (CONTEXT, " (each sequence over twice the devices: half the activations)")):
+        if axis == TENSOR and state <= parts["activations"] or axis == CONTEXT and state > parts["activations"]:
             continue
-        for source in ("data", "fsdp"):
+        for source in (DATA, FSDP):
             new = moved(axis, source)
-            if new and (axis == "pipe" and cfg.num_layers % new["pipe"] == 0 or axis != "pipe" and valid(new)):
+            if new and (axis == PIPE and cfg.num_layers % new[PIPE] == 0 or axis != PIPE and valid(new)):
                 out.append(f"{axis}={new[axis]}, {source}={new[source]}{why}")
                 break
     n = math.prod(sizes.values())
-    whole = state * n / sizes["data"]        # the state once, over all shards
+    whole = state * n / sizes[DATA]          # the state once, over all shards
     if whole / n + fixed > available:
         room = available - fixed
         least = math.ceil(whole / room / gpus_per_host) * gpus_per_host if room > 0 else None

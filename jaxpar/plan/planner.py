@@ -29,7 +29,8 @@ largest such float32 copy found in the program.
 Precision and remat come from the model config, their one source: ``GPTConfig.dtype`` (compute; None is
 float32) and ``GPTConfig.param_dtype`` (storage; None is float32) become the state's
 ``jp.precision.Policy(param_dtype, compute_dtype, float32)``, and ``GPTConfig.remat`` is the GPT's own remat.
-The optimizer is the experiments' ``jp.optim.adamw`` (float32 moments).
+The optimizer is ``tx`` when given, else the experiments' ``jp.optim.adamw`` (float32 moments). The model is
+any model of the protocol whose ``cfg`` gives its sizes, or a config that builds one.
 
 The device count is fixed when jax starts: a plan for ``n`` devices runs in this process when it has ``n`` CPU
 devices (it uses the first ``n``: a process started with the largest count plans every smaller mesh), and in
@@ -156,16 +157,27 @@ def policy_of(cfg: Any):
     return Policy(cfg.param_dtype or jnp.float32, cfg.dtype or jnp.float32, jnp.float32)
 
 
-def build_step(cfg: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True):
-    """``(model, tx, step, abstract_state)`` of the GPT train step on ``mesh``: the same step a run builds (a
-    pipeline's state in its schedule's stage layout, as ``experiments/charlm.py`` trains it)."""
-    from jaxpar.train import optim, step as train
+def default_tx(model: Any) -> Any:
+    """The optimizer a plan assumes unless given one: the experiments' ``jp.optim.adamw`` (float32 moments)."""
+    from jaxpar.train import optim
+    return optim.adamw(3e-4, total_steps=10_000, warmup_steps=100,
+                       axis_names=jax.eval_shape(model.init, jax.random.key(0)))
+
+
+def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True,
+               *, tx: Any = None):
+    """``(model, tx, step, abstract_state)`` of the train step of a model of the protocol, or of the model a config
+    builds, on ``mesh``: the same step a run builds (a pipeline's state in its schedule's stage layout, as
+    ``experiments/charlm.py`` trains it). ``tx``: the optimizer (None: :func:`default_tx`).
+
+    Raises:
+      TypeError: as :func:`jaxpar.plan.memory.model_and_config`.
+    """
+    from jaxpar.train import step as train
     from jaxpar import pipeline
-    from jaxpar.models import GPT
-    model = GPT(cfg)
-    tx = optim.adamw(3e-4, total_steps=10_000, warmup_steps=100,
-                     axis_names=jax.eval_shape(model.init, jax.random.key(0)))
-    pipe = None if schedule is None else pipeline.Pipeline(model.embed, model.stage, model.head_loss, schedule)
+    model, cfg = plan_memory.model_and_config(model_config)
+    tx = default_tx(model) if tx is None else tx
+    pipe = None if schedule is None else pipeline.Pipeline.from_model(model, schedule)
     step = train.make_train_step(model.loss if pipe is None else pipe, tx, mesh=mesh,
                                  grad_accum_steps=grad_accum_steps, donate=donate)
     state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy_of(cfg), pipeline=pipe)
@@ -206,17 +218,18 @@ def _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len
     return fits, available, advice
 
 
-def _plan_here(cfg, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
-               memory_fraction) -> Plan:
+def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
+               memory_fraction, tx=None) -> Plan:
     start = time.perf_counter()
     per_host, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
-    _, _, step, state = build_step(cfg, mesh, schedule, grad_accum_steps)
+    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx)
+    cfg = plan_memory.model_and_config(model_config)[1]
     compiled = step.lower(state, batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
     text = compiled.as_text()
     stats = plan_hlo.analyze(text, dict(mesh.shape))
-    parts = plan_memory.estimate(cfg, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
+    parts = plan_memory.estimate(model, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
     memory = _memory(compiled, state, parts, text)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -229,7 +242,7 @@ def _plan_here(cfg, sizes, global_batch, seq_len, schedule, spec, grad_accum_ste
     needed = memory["compiled_bytes"]
     fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
                                    schedule, grad_accum_steps, gpus_per_host)
-    return Plan(label="XLA:CPU compilation", model=_model_summary(cfg), mesh=sizes,
+    return Plan(label="XLA:CPU compilation", model=_model_summary(model, cfg), mesh=sizes,
                 hosts={"per_host": per_host, "across_hosts": across}, device=spec.name,
                 global_batch=global_batch, seq_len=seq_len, schedule=None if schedule is None else schedule.name,
                 grad_accum_steps=grad_accum_steps, memory=memory,
@@ -241,9 +254,9 @@ def _plan_here(cfg, sizes, global_batch, seq_len, schedule, spec, grad_accum_ste
                                             grad_accum_steps))
 
 
-def _model_summary(cfg: Any) -> dict:
+def _model_summary(model: Any, cfg: Any) -> dict:
     n = cfg.num_params()
-    name = f"GPT {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} (d={cfg.d_model}, layers={cfg.num_layers}, heads={cfg.num_heads})"
+    name = f"{type(model).__name__} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} (d={cfg.d_model}, layers={cfg.num_layers}, heads={cfg.num_heads})"
     return {"name": name, "num_params": cfg.num_params(), "d_model": cfg.d_model, "num_layers": cfg.num_layers,
             "num_heads": cfg.num_heads, "vocab": cfg.padded_vocab, "remat": cfg.remat,
             "compute_dtype": jnp.dtype(cfg.dtype or jnp.float32).name, "scan_layers": cfg.scan_layers}
@@ -276,9 +289,7 @@ def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
 def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices, grad_accum_steps,
               gpus_per_host, memory_fraction) -> tuple[GPU, dict[str, int]]:
     """The checks of :func:`plan` (all before anything is traced); returns ``(gpu spec, mesh sizes)``."""
-    from jaxpar.models import GPTConfig
-    if not isinstance(model_config, GPTConfig):
-        raise TypeError(f"model_config must be a jaxpar.models.GPTConfig, got {type(model_config).__name__}")
+    model_config = plan_memory.model_and_config(model_config)[1]
     spec = gpu(device)
     if num_devices is not None:
         positive_int("num_devices", num_devices)
@@ -297,7 +308,7 @@ def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device,
 
 def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
              device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
-             gpus_per_host: int = 8, memory_fraction: float = 0.9) -> dict:
+             gpus_per_host: int = 8, memory_fraction: float = 0.9, tx: Any = None) -> dict:
     """The analytic side of :func:`plan` without compiling (a fraction of a second): the state's exact sharded
     bytes and the :mod:`jaxpar.plan.memory` estimate, per device, and :func:`analytic_time`.
 
@@ -312,23 +323,25 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
     memory_fraction = float(memory_fraction)
     _, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
-    *_, state = build_step(model_config, mesh, schedule, grad_accum_steps)
-    parts = plan_memory.estimate(model_config, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
+    model, _, _, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx)
+    cfg = plan_memory.model_and_config(model_config)[1]
+    parts = plan_memory.estimate(model, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
     needed = sum(parts.values())
-    fits, available, advice = _fit(model_config, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
+    fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
                                    schedule, grad_accum_steps, gpus_per_host)
     return {"memory": parts, "needed_bytes": needed, "available_bytes": available, "fits": fits, "advice": advice,
-            "time": analytic_time(model_config, sizes, across, global_batch, seq_len, schedule, spec,
-                                  grad_accum_steps)}
+            "time": analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec, grad_accum_steps)}
 
 
 def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
          device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
-         gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0) -> Plan:
-    """Compiles the GPT train step for ``mesh_shape`` on simulated CPU devices and returns its :class:`Plan`.
+         gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0, tx: Any = None) -> Plan:
+    """Compiles a model's train step for ``mesh_shape`` on simulated CPU devices and returns its :class:`Plan`.
 
     Args:
-      model_config: a ``jaxpar.models.GPTConfig``; its ``dtype`` / ``param_dtype`` give the precision policy and
+      model_config: a model config that builds a model of the protocol (``jaxpar.models.GPTConfig``,
+        ``LlamaConfig``), or such a model (its ``cfg`` gives the sizes,
+        :data:`jaxpar.plan.memory.SIZES`); the config's ``dtype`` / ``param_dtype`` give the precision policy and
         its ``remat`` the activation checkpointing (use ``scan_layers=True`` for deep models: compile time).
       mesh_shape: ``dict(data=, pipe=, fsdp=, tensor=)`` (missing axes 1) or a 4-tuple in that order; the
         whole mesh's sizes (the host split follows from ``gpus_per_host``).
@@ -342,13 +355,15 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
       memory_fraction: the part of the GPU's memory the run may use (jax preallocates 75% unless
         ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is raised; 0.9 assumes it is).
       timeout: seconds allowed for the planning subprocess (when one is needed).
+      tx: the optimizer (an optax ``GradientTransformation``; None: :func:`default_tx`, AdamW). A plan in a
+        subprocess sends it pickled.
 
     Returns:
       A :class:`Plan`; a layout that does not fit is a Plan with ``fits=False`` and ``advice`` reading "does not
       fit: X GiB needed per device, Y available; try ...", not an exception.
 
     Raises:
-      TypeError: ``model_config`` is not a ``GPTConfig``.
+      TypeError: ``model_config`` is neither a model of the protocol with a sized ``cfg`` nor a config building one.
       ValueError (before anything is traced): a mesh size that is not a positive int, sizes that do not
         multiply to ``num_devices`` or exceed :data:`MAX_DEVICES`; a ``tensor`` axis that would span hosts; a mesh that is not whole hosts;
         sizes the model does not divide; a ``seq_len`` that is not a positive int or exceeds
@@ -364,10 +379,16 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
                             grad_accum_steps, gpus_per_host, memory_fraction)
     args = (model_config, sizes, int(global_batch), int(seq_len), schedule, spec, int(grad_accum_steps),
-            int(gpus_per_host), float(memory_fraction))
+            int(gpus_per_host), float(memory_fraction), tx)
     n = math.prod(sizes.values())
     if len(_cpu_devices()) >= n:
         return _plan_here(*args)
+    try:
+        pickle.dumps(args)
+    except Exception as e:   # closures (a custom tx, a model defined in a function) do not pickle
+        raise ValueError(f"planning {n} devices runs in a subprocess, which cannot receive this model or tx ({e}); "
+                         f"start this process with XLA_FLAGS=--xla_force_host_platform_device_count={n} to plan "
+                         "here, or pass a picklable model and tx") from None
     return _plan_in_subprocess(args, n, float(timeout))
 
 

@@ -5,6 +5,7 @@
 * :mod:`jaxpar.precision.fp8`: fp8 dot_generals with delayed or current scaling, and their meta state.
 """
 
+import jaxpar.precision.policy as _policy
 from jaxpar.precision import fp8
 from jaxpar.precision.scaling import (DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale,
                                       check_outermost, loss_scale, loss_scaling, skipped)
@@ -12,3 +13,5 @@ from jaxpar.precision.policy import f32_optimizer_state
 
 __all__ = ["DynamicLossScale", "LossScaleState", "NoOpLossScale", "StaticLossScale", "check_outermost",
            "f32_optimizer_state", "fp8", "loss_scale", "loss_scaling", "skipped"]
+
+Policy = _policy.Policy   # also here, where the error messages point; exported as jp.Policy

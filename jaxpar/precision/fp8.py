@@ -25,15 +25,15 @@ matmul with ``input_amax_history``, ``kernel_amax_history``, ``output_grad_amax_
 ``[amax_history]``) and ``input_scale``, ``kernel_scale``, ``output_grad_scale`` (float32 ``[1]``), flax's names
 and shapes. In a params tree it sits under the key :data:`OWG` at any depth (the GPT: ``blocks/OWG/{qkv, out,
 up, down}``, with the blocks' leading layers axis; a Linen model using :class:`DotGeneral`: the variables dict's
-``OWG`` collection beside ``params``). ``jp.train.init_state`` takes it out of the params into
-``TrainState.fp8`` (replicated on every device, checkpointed with the state); the train step puts it back
-(:func:`merge`), differentiates with respect to both, hands only the params' gradients to the optax chain and
-replaces the meta state by its "gradient", which the custom VJPs define as the new value (:func:`split`).
-Gradient accumulation combines the new values of the microbatches by a maximum (:func:`max_combine`): the
-scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches. The
-pipeline does the same (:func:`add` over its microbatches, a ``pmax`` over the manual batch axes where it
-sums the gradients), so delayed scaling through ``jp.pipeline`` equals one device (single-chunk
-schedules; a state in a multi-chunk stage layout is refused).
+``OWG`` collection beside ``params``). It is carried state (:data:`CARRIED`, :mod:`jaxpar.train.carried`):
+``jp.train.init_state`` takes it out of the params into the state's carried state, read as ``TrainState.fp8``
+(replicated on every device, checkpointed with the state); the train step puts it back, differentiates with
+respect to both, hands only the params' gradients to the optax chain and replaces the meta state by its
+"gradient", which the custom VJPs define as the new value. Gradient accumulation and the pipeline combine the
+new values of the microbatches by a maximum (the declared rule; a ``pmax`` over the manual batch axes): the
+scales are equal (computed from the same old history) and slot 0 becomes the amax over all microbatches, so
+delayed scaling through ``jp.pipeline`` equals one device (single-chunk schedules; a state in a multi-chunk
+stage layout is refused).
 Over data/fsdp/tensor shards nothing is summed: under GSPMD ``jnp.max(|x|)`` of a sharded tensor is a global
 reduction (the partitioner inserts an all-reduce max, also inside the custom VJPs), so every shard records the
 global amax and the replicated meta state needs no further reduction. (A partitioned bf16 program may still
@@ -58,8 +58,6 @@ compute dtype without a word.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
 from collections.abc import Mapping
 from functools import partial
@@ -70,15 +68,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.linen import fp8_ops
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as OWG
 from jax import lax
 
-from jaxpar.precision.policy import OWG, Policy
+from jaxpar import protocol
+from jaxpar.precision import policy as precision_policy
+from jaxpar.precision.policy import Policy
+from jaxpar.sharding.names import PIPE
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = {"fp8": "delayed", "fp8_current": "current"}     # Policy.dot -> scaling recipe
 META_KEYS = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
              "kernel_scale", "output_grad_scale")
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_fp8", default=None)
+CARRIED = protocol.declare_carried(
+    OWG, "max", what="fp8 meta state (scales, amax histories)", attribute="fp8",
+    fix="build it with the policy that wrote the checkpoint (jp.train.abstract_state(..., policy=...)); a state "
+        "without it was written without fp8 delayed scaling (dot=fp8): restore with that policy, or start the fp8 "
+        "run from scratch")
+"""The meta state is carried state (:mod:`jaxpar.train.carried`): new values combine by a maximum (both microbatches
+start from the same old state, so their scales are equal and their histories differ in slot 0 only, where the
+maximum is the amax over both), read as ``TrainState.fp8``."""
 
 
 # ------------------------------------------------------------------------------------------------ context
@@ -88,20 +97,15 @@ def recipe(policy: Policy | None) -> str | None:
     return None if policy is None or policy.dot is None else RECIPES[policy.dot]
 
 
-@contextlib.contextmanager
-def using(policy: Policy | None):
-    """Makes ``policy``'s fp8 setting the one :func:`matmul`, :func:`declare` and :class:`DotGeneral` read while
-    tracing (jaxpar's ``init_state``, ``abstract_state`` and steps enter it around their own tracing only)."""
-    token = _ACTIVE.set(policy if recipe(policy) is not None else None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+using = precision_policy.using
+"""Makes ``policy`` the one :func:`matmul`, :func:`declare` and :class:`DotGeneral` read while tracing
+(:func:`jaxpar.precision.policy.using`: jaxpar's ``init_state``, ``abstract_state`` and steps enter it)."""
 
 
 def active() -> Policy | None:
     """The policy in context when it asks for fp8 matmuls, else None."""
-    return _ACTIVE.get()
+    policy = precision_policy.active()
+    return policy if recipe(policy) is not None else None
 
 
 # ---------------------------------------------------------------------------------------------- meta state
@@ -134,31 +138,15 @@ def declare(module: nn.Module, names: tuple[str, ...]) -> dict | None:
 
 def split(tree: Any) -> tuple[Any, Any]:
     """``(tree without its OWG entries, the OWG entries)``: every subtree under the key :data:`OWG` of a nested
-    mapping, in a tree of the same nesting holding only those (None when there is none). A mapping that held
-    meta state only (an NNX layer's :class:`NnxDotGeneral`) is dropped from the first; :func:`merge` restores it."""
-    if not isinstance(tree, Mapping):
-        return tree, None
-    rest, meta = {}, {}
-    for k, v in tree.items():
-        if k == OWG:
-            meta[k] = v
-            continue
-        rest[k], m = split(v)
-        if m is not None:
-            meta[k] = m
-            if not rest[k]:   # a module holding only meta state (jp.fp8.NnxDotGeneral) leaves no empty node
-                del rest[k]
-    return (rest, meta) if meta else (tree, None)   # a tree without meta state comes back as it is
+    mapping, in a tree of the same nesting holding only those (None when there is none); a mapping that held
+    meta state only (an NNX layer's :class:`NnxDotGeneral`) is dropped from the first. :func:`merge` restores it
+    (:func:`jaxpar.protocol.split_carried` for the meta state alone)."""
+    return protocol.split_carried(tree, (OWG,))
 
 
 def merge(params: Any, meta: Any) -> Any:
     """The inverse of :func:`split`: ``meta``'s entries put back into ``params`` (``params`` itself for None)."""
-    if meta is None:
-        return params
-    out = dict(params)
-    for k, v in meta.items():
-        out[k] = v if k == OWG else merge(params.get(k, {}), v)
-    return out
+    return protocol.merge_carried(params, meta)
 
 
 def is_meta(path: tuple) -> bool:
@@ -168,7 +156,7 @@ def is_meta(path: tuple) -> bool:
 
 def add(path: tuple, acc: jax.Array, value: jax.Array) -> jax.Array:
     """How a gradient accumulator takes one more microbatch's leaf at ``path``: ``acc + value``, or the maximum
-    for fp8 meta state (:func:`max_combine`; the pipeline's accumulation over microbatches)."""
+    for fp8 meta state (:func:`max_combine`)."""
     return jnp.maximum(acc, value) if is_meta(path) else acc + value
 
 
@@ -188,7 +176,7 @@ def _amax_scale(x: jax.Array, q_dtype: Any) -> jax.Array:
     ``compute_scale`` (Transformer Engine's formula). Inside a ``shard_map`` (the pipeline) the amax is a
     ``pmax`` over the manual axes other than ``pipe`` (the batch shards), so every shard uses the global scale."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    manual = tuple(a for a in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) if a != "pipe")
+    manual = tuple(a for a in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) if a != PIPE)
     if manual:
         amax = lax.pmax(amax, manual)
     return fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(q_dtype, jnp.float32))
@@ -421,6 +409,8 @@ def check_program(jaxpr: Any, policy: Policy | None) -> None:
         "Or drop dot= from the policy")
 
 
-__all__ = ["DotGeneral", "META_KEYS", "NnxDotGeneral", "OWG", "RECIPES", "add", "check_program",
+precision_policy.add_program_check(check_program)
+
+__all__ = ["CARRIED", "DotGeneral", "META_KEYS", "NnxDotGeneral", "OWG", "RECIPES", "add", "check_program",
            "current_scaled_dot_general", "declare", "dot_general", "fp8_dot_counts", "init_meta", "is_meta", "matmul",
            "max_combine", "merge", "recipe", "split", "using"]

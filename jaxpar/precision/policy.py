@@ -13,15 +13,19 @@ skips the whole update when any is non-finite, and adapts a dynamic scale.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as OWG   # fp8 meta state's key (jaxpar.precision.fp8): never cast
+
+from jaxpar import protocol
 
 # jmp's names (jmp/_src/policy.py ``dtype_to_names``: "full"/"f32"/"float32", "bf16"/"bfloat16",
 # "f16"/"float16", "f64"/"float64", and "half" via ``half_dtype()``) plus jaxpar's own aliases.
@@ -67,7 +71,7 @@ def _parse_dtype(text: str) -> Any:
 
 def _cast(tree: Any, dtype: Any) -> Any:
     def cast(path, x):
-        if any(getattr(k, "key", None) == OWG for k in path):   # fp8 meta state stays float32
+        if protocol.carried_of(path) is not None:   # carried state (fp8 scales, counters) keeps its dtype
             return x
         if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jnp.floating):
             if isinstance(x, jax.ShapeDtypeStruct):
@@ -245,4 +249,42 @@ def is_floating_dtype(value: Any) -> bool:
         return False
 
 
-__all__ = ["PRESETS", "Policy", "f32_optimizer_state", "is_floating_dtype"]
+# ------------------------------------------------------------------------------- the policy while tracing
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_policy", default=None)
+_PROGRAM_CHECKS: list[Callable[[Any, Policy | None], None]] = []
+
+
+@contextlib.contextmanager
+def using(policy: Policy | None):
+    """Makes ``policy`` the one model code reads while jaxpar traces it (:func:`active`): ``init_state``,
+    ``abstract_state`` and the steps enter it around their own tracing only (fp8 matmuls read their recipe
+    from it, :mod:`jaxpar.precision.fp8`)."""
+    token = _ACTIVE.set(policy)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Policy | None:
+    """The policy jaxpar is tracing under (:func:`using`), or None."""
+    return _ACTIVE.get()
+
+
+def add_program_check(check: Callable[[Any, Policy | None], None]) -> None:
+    """Registers ``check(jaxpr, policy)``, run by :func:`check_program` (a precision feature's own check of a
+    traced step, e.g. fp8's: the policy asks for fp8 matmuls and the program has none)."""
+    if check not in _PROGRAM_CHECKS:
+        _PROGRAM_CHECKS.append(check)
+
+
+def check_program(jaxpr: Any, policy: Policy | None) -> None:
+    """Runs every registered program check on a traced step's program (once per compiled program, before it
+    runs or is lowered). Raises what a check raises (ValueError)."""
+    for check in _PROGRAM_CHECKS:
+        check(jaxpr, policy)
+
+
+__all__ = ["PRESETS", "Policy", "active", "add_program_check", "check_program", "f32_optimizer_state",
+           "is_floating_dtype", "using"]

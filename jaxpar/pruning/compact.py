@@ -28,6 +28,7 @@ from jaxpar import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
 from jaxpar.pruning.paths import key_name, path_str
 from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, carried_minimum, group_masks
+from jaxpar.sharding.names import HEADS, MLP
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -87,7 +88,7 @@ def _as_masks(masks_or_state: Any) -> dict:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), masks_or_state)
 
 
-GROUP_AXES = ("mlp", "heads")
+GROUP_AXES = (MLP, HEADS)
 """The logical axes whose groups compaction removes: the keys ``multiple_of`` may hold."""
 
 
@@ -409,10 +410,9 @@ def compact_opt_state(opt_state: Any, params: Any, masks_or_state: Any, config: 
 def _mesh_multiples(mesh, rules) -> dict[str, int]:
     """Per prunable axis, the product of the mesh axes the rules shard it over."""
     out = {}
-    for axis in ("mlp", "heads"):
-        target = nn.logical_to_mesh_axes((axis,), shd.effective_rules(rules, mesh))[0]
-        names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        out[axis] = math.prod(mesh.shape[a] for a in names if a in mesh.shape)
+    rules = shd.effective_rules(rules, mesh)
+    for axis in GROUP_AXES:
+        out[axis] = math.prod(mesh.shape[a] for a in rules.mesh_axes(axis, mesh))
     return out
 
 

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 
 from jaxpar.pruning.paths import Path, checked_axis_names, key_name, path_str
 from jaxpar.sharding.rules import STACKED_AXIS_NAMES
+from jaxpar.sharding.names import HEADS, KV_HEADS, MLP
 
-PRUNABLE_AXES = ("mlp", "heads")   # logical axes whose entries can be removed; never "embed"
+PRUNABLE_AXES = (MLP, HEADS)   # logical axes whose entries can be removed; never "embed"
 Chains = Mapping[str, Sequence[Sequence[str]]]
 NO_NAMES = ("structured pruning finds its groups from the params' logical axis names: pass "
             "axis_names=jax.eval_shape(init_fn, rng) (Flax-boxed) or jp.sharding.logical_specs of it")
@@ -204,7 +205,7 @@ def group_plans(params: Any, axis_names: Any, axes: Sequence[str] = PRUNABLE_AXE
     chains = _check_chains(groups, axes)
     names_list = checked_axis_names(params, axis_names)
     holders = _holders(params, names_list, axes)
-    kv_holders = _holders(params, names_list, ("kv_heads",))["kv_heads"] if "heads" in axes else {}
+    kv_holders = _holders(params, names_list, (KV_HEADS,))[KV_HEADS] if HEADS in axes else {}
     plans = []
     for axis in axes:
         modules = holders[axis]
@@ -218,13 +219,13 @@ def group_plans(params: Any, axis_names: Any, axes: Sequence[str] = PRUNABLE_AXE
         elif modules:
             (module, leaves), = modules.items()
             plans.append(_plan((module,), axis, leaves))
-    plans = [_segmented(p, kv_holders) if p.axis_name == "heads" else p for p in plans]
+    plans = [_segmented(p, kv_holders) if p.axis_name == HEADS else p for p in plans]
     return sorted(plans, key=lambda p: (list(axes).index(p.axis_name), p.members[0].index))
 
 
 def _segmented(plan: GroupPlan, kv_holders: dict[Path, list]) -> GroupPlan:
     """``plan`` with ``segments`` = the ``kv_heads`` size of its modules (grouped-query attention), if any."""
-    sizes = {(path, shape[names.index("kv_heads")]) for m in plan.modules for _, path, shape, names in
+    sizes = {(path, shape[names.index(KV_HEADS)]) for m in plan.modules for _, path, shape, names in
              kv_holders.get(m, ())}
     if not sizes:
         return plan

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.sharding.rules import NON_MATRIX_NAME_PARTS, STACKED_AXIS_NAMES, leaf_axis_names
+from jaxpar.sharding.names import EMBED, HEADS, MLP
 
-_RESIZED = ("mlp", "heads")   # the axes structured pruning's compaction shrinks (groups.PRUNABLE_AXES)
+_RESIZED = (MLP, HEADS)   # the axes structured pruning's compaction shrinks (groups.PRUNABLE_AXES)
 _MAX_SIZE = 2 ** 31 - 2  # int32 counts and flat indices (plus one) must fit
 
 Path = tuple[str, ...]
@@ -157,7 +158,7 @@ def default_reduction_axes(shape: tuple[int, ...], names: tuple | None,
     if not core:
         return None
     if names is not None:
-        if len(core) > 1 and names[core[-1]] == "embed":
+        if len(core) > 1 and names[core[-1]] == EMBED:
             return tuple(core[:-1])
         return (core[0],)
     return (0,) if len(shape) == 2 else None

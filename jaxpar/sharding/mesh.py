@@ -43,8 +43,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxpar import _compat
 from jaxpar._validate import positive_int
-
-AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "context", "tensor")
+from jaxpar.sharding.names import AXES, TENSOR
 
 
 def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -202,7 +201,7 @@ def split_axes(sizes: Mapping[str, int], hosts: int,
         raise ValueError(f"hosts={hosts} does not divide the mesh's {total} devices; every host must hold the same "
                          "number of devices")
     per = total // hosts
-    if sizes["tensor"] > per or per % sizes["tensor"]:
+    if sizes[TENSOR] > per or per % sizes[TENSOR]:
         raise ValueError(
             f"tensor={sizes['tensor']} cannot stay inside a host of {per} devices (a tensor group would span hosts, "
             f"all-reducing over InfiniBand inside every layer); use tensor <= {per} that divides {per}, and put the "
@@ -210,7 +209,7 @@ def split_axes(sizes: Mapping[str, int], hosts: int,
     if across_hosts is None:
         return _default_split(sizes, per)
     across = _axis_dict("across_hosts", across_hosts)
-    if across["tensor"] != 1:
+    if across[TENSOR] != 1:
         raise ValueError(f"across_hosts['tensor']={across['tensor']}: the tensor axis must stay inside a host; "
                          "move the across-host factor to data, pipe or fsdp")
     bad = [f"{a}={sizes[a]} by {across[a]}" for a in AXES if sizes[a] % across[a]]
@@ -282,7 +281,7 @@ def make_hybrid_mesh(per_host: Mapping[str, int], across_hosts: Mapping[str, int
         hosts, hosts that would straddle processes (:func:`host_groups`).
     """
     per_host, across = _axis_dict("per_host", per_host), _axis_dict("across_hosts", across_hosts)
-    if across["tensor"] != 1:
+    if across[TENSOR] != 1:
         raise ValueError(f"across_hosts['tensor']={across['tensor']}: the tensor axis must stay inside a host")
     devices = _check_devices(devices)
     k, hosts = math.prod(per_host.values()), math.prod(across.values())

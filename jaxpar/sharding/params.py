@@ -37,11 +37,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from flax.linen import spmd as linen_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar import _compat
 from jaxpar.sharding import rules as shd
-from jaxpar.sharding.report import entry_axes
+from jaxpar.sharding.names import CONTEXT, FSDP, TENSOR, Rules, entry_axes
 
 AUTO_FSDP_MIN_SIZE = 2**12
 """Elements below which automatic FSDP leaves a param replicated (a bias, a norm scale): gathering it would cost
@@ -69,16 +69,16 @@ def _auto_spec(shape: tuple[int, ...], mesh: Mesh, min_size: int, spec: P = P(),
     """``spec`` with ``fsdp`` on the largest of the ``free`` dimensions (default: all) that ``fsdp`` divides (ties:
     the first), for a leaf of at least ``min_size`` elements on a mesh with ``fsdp > 1`` that ``spec`` does not
     already split over ``fsdp``; None when nothing is added."""
-    n = mesh.shape.get("fsdp", 1)
+    n = mesh.shape.get(FSDP, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     taken = {a for e in entries for a in entry_axes(e)}
-    if n == 1 or "fsdp" in taken or math.prod(shape) < min_size:
+    if n == 1 or FSDP in taken or math.prod(shape) < min_size:
         return None
     dims = [d for d in (range(len(shape)) if free is None else free) if entries[d] is None and shape[d] % n == 0]
     if not dims:
         return None
     best = max(dims, key=lambda d: (shape[d], -d))
-    entries[best] = "fsdp"
+    entries[best] = FSDP
     return P(*entries)
 
 
@@ -95,7 +95,7 @@ def _path_rule_spec(target: Any, rx: str, where: str, ndim: int, rules: shd.Rule
         if len(target) > ndim:
             raise ValueError(f"path rule {rx!r} gives {target} ({len(target)} entries) to {where}, of rank {ndim}: "
                              "a PartitionSpec has at most one entry per dimension")
-        axes = {a for s in target if s is not None for a in ((s,) if isinstance(s, str) else s)}
+        axes = {a for s in target for a in entry_axes(s)}
         if axes - set(mesh.axis_names):
             raise ValueError(f"path rule {rx!r} gives {target} to {where}: the mesh {tuple(mesh.axis_names)} has no "
                              f"axis {sorted(axes - set(mesh.axis_names))}")
@@ -103,7 +103,7 @@ def _path_rule_spec(target: Any, rx: str, where: str, ndim: int, rules: shd.Rule
     if len(target) != ndim:
         raise ValueError(f"path rule {rx!r} names {len(target)} dimensions {target} of {where}, of rank {ndim}: "
                          f"give one logical name (or None) per dimension")
-    return shd.resolve_names(target, rules, mesh)
+    return Rules(rules).resolve(target, mesh)
 
 
 def place(shapes: Any, names: Any, mesh: Mesh, rules: shd.Rules, *, param_rules: shd.PathRules | None = None,
@@ -141,7 +141,7 @@ def place(shapes: Any, names: Any, mesh: Mesh, rules: shd.Rules, *, param_rules:
                 raise ValueError(f"{what} {where} of shape {tuple(leaf.shape)} is named {nm}: more names than "
                                  "dimensions; give one name (or None) per dimension")
             full = tuple(nm) + (None,) * (ndim - len(nm))
-            spec, unknown = shd.resolve_names(full, rules, mesh)
+            spec, unknown = rules.resolve(full, mesh)
             literal = all(n is None or n in mesh.axis_names for n in nm)
             sources[where] = "mesh axes" if literal else "rules"
             more = None if literal or not auto_fsdp or not any(spec) else _auto_spec(
@@ -166,10 +166,10 @@ def place(shapes: Any, names: Any, mesh: Mesh, rules: shd.Rules, *, param_rules:
 
 def check_tensor_used(placement: Placement, mesh: Mesh) -> None:
     """Raises ValueError when the mesh has ``tensor > 1`` and no param is split over ``tensor``."""
-    if mesh.shape.get("tensor", 1) == 1:
+    if mesh.shape.get(TENSOR, 1) == 1:
         return
     specs = [s.spec for s in jax.tree.leaves(placement.shardings)]
-    if not any("tensor" in ((a,) if isinstance(a, str) else a) for s in specs for a in s if a is not None):
+    if not any(TENSOR in entry_axes(e) for s in specs for e in s):
         raise ValueError(
             f"the mesh has tensor={mesh.shape['tensor']} but no parameter maps to the tensor axis, so every device "
             "of a tensor group would compute the same thing: tensor parallelism needs the model's semantics "
@@ -183,24 +183,24 @@ def check_tensor_used(placement: Placement, mesh: Mesh) -> None:
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, nn, shd) if getattr(m, "__file__", None))
 _audit = threading.local()
-_original = linen_spmd._logical_to_mesh_axes
-_original_constraint = linen_spmd._with_sharding_constraint_one_fallback
 
 
-def _recording(array_dim_names, rules=None):
-    out = _original(array_dim_names, rules)
+def _recording(original, array_dim_names, rules=None):
+    """Flax's resolution of ``array_dim_names``, noting (in an auditing thread) the names used and those no rule
+    knows."""
+    out = original(array_dim_names, rules)
     record, used = getattr(_audit, "record", None), getattr(_audit, "used", None)
     if used is not None and array_dim_names is not None:
         used.update(n for n in array_dim_names if isinstance(n, str))
     if record is not None and array_dim_names is not None:
-        known = {r[0] for r in (rules if rules is not None else linen_spmd.get_logical_axis_rules())}
+        known = set(Rules(rules if rules is not None else nn.get_logical_axis_rules()).names)
         for n in array_dim_names:
             if isinstance(n, str) and n not in known and n not in record:
                 record[n] = _caller()
     return out
 
 
-def _rank_tolerant(axis_resources, x, *args, **kwargs):
+def _rank_tolerant(original, axis_resources, x, *args, **kwargs):
     """Flax's logical constraint of one value, skipped when the names outnumber the value's rank inside a jaxpar
     step: ``nn.DenseGeneral`` builds its kernel flat (2-D) and constrains it by the full kernel's names, and Flax's
     apply re-evaluates that init to check the param's shape (under the rules). The param itself is placed by
@@ -208,13 +208,13 @@ def _rank_tolerant(axis_resources, x, *args, **kwargs):
     if getattr(_audit, "record", None) is not None and axis_resources is not None and \
             len(axis_resources) > getattr(x, "ndim", len(axis_resources)):
         return x
-    return _original_constraint(axis_resources, x, *args, **kwargs)
+    return original(axis_resources, x, *args, **kwargs)
 
 
 def _caller() -> str:
     """The innermost frame outside jax, flax and jaxpar's sharding: where the constraint was written."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith(_LIBRARY_DIRS) and "jaxpar" + os.sep + "placement" not in frame.filename:
+        if not frame.filename.startswith(_LIBRARY_DIRS):
             return f"{frame.filename}:{frame.lineno}"
     return "?"
 
@@ -225,17 +225,16 @@ def record_unknown_names():
     ``jp.sharding.constrain``) traced inside use and no rule knows: yields ``{name: "file:line"}``.
 
     Flax maps such a name to an unsharded dimension silently; a step reports them once, when traced. Inside,
-    a Flax logical constraint with more names than its value's rank is skipped (:func:`_rank_tolerant`).
+    a Flax logical constraint with more names than its value's rank is skipped (:func:`_rank_tolerant`). Flax's
+    functions are hooked only while some thread is inside (:func:`jaxpar._compat.flax_spmd_hooks`).
     """
-    if linen_spmd._logical_to_mesh_axes is not _recording:   # both delegate; they act only inside this context
-        linen_spmd._logical_to_mesh_axes = _recording
-        linen_spmd._with_sharding_constraint_one_fallback = _rank_tolerant
     outer = getattr(_audit, "record", None), getattr(_audit, "used", None)
-    _audit.record, _audit.used = {}, set()
-    try:
-        yield _audit.record
-    finally:
-        _audit.record, _audit.used = outer
+    with _compat.flax_spmd_hooks(_recording, _rank_tolerant):
+        _audit.record, _audit.used = {}, set()
+        try:
+            yield _audit.record
+        finally:
+            _audit.record, _audit.used = outer
 
 
 def names_used() -> set[str]:
@@ -261,9 +260,8 @@ def audit_activation_names(mesh: Mesh, rules: shd.Rules):
         warnings.warn(f"activation constraints name logical axes no rule knows: {where}; Flax leaves those "
                       "dimensions unsharded. Add rules for them (rules=(..., (name, mesh axes), ...)), e.g. "
                       "MaxText's names with MaxText's rules", stacklevel=3)
-    context = dict(mesh.shape).get("context", 1)
-    targets = {n: (t,) if isinstance(t, str) else tuple(t or ()) for n, t in rules}
-    if context > 1 and not any("context" in targets.get(n, ()) for n in used):
+    context = dict(mesh.shape).get(CONTEXT, 1)
+    if context > 1 and not any(CONTEXT in Rules(rules).mesh_axes(n) for n in used):
         raise ValueError(
             f"the mesh has context={context}, but no activation of this step names a logical axis the rules map to "
             f"'context' (names used: {sorted(used)}), so every context device would hold the whole sequence. "

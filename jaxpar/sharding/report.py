@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.sharding.names import entry_axes
+
 
 def key_path(path: Sequence[Any]) -> str:
     """A pytree key path as ``a/b/0/kernel`` (dict keys, attributes, sequence indices)."""
@@ -35,13 +37,6 @@ class LeafReport:
     nbytes_per_device: int
     source: str = ""
     axes: tuple[str, ...] = ()
-
-
-def entry_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one ``PartitionSpec`` entry: None -> (), ``'fsdp'`` -> ('fsdp',), a tuple as it is."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _split_axes(sharding: Any) -> tuple[str, ...]:

@@ -25,53 +25,46 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar.sharding.names import (AXES, BATCH, CONTEXT, DATA, EMBED, FSDP, HEADS, KV, KV_HEADS, LAYERS, MLP, PIPE,
+                                   POSITION, SEQ, STAGE, TENSOR, VOCAB, Rules, axes_entry, entry_axes)
 from jaxpar.sharding.opt_state import Origins, update_origins
 from jaxpar.sharding.report import LeafReport, ShardingReport, describe_params, key_path
 
-Rules = tuple[tuple[str, Any], ...]
-
-DEFAULT_RULES: Rules = (
-    ("batch", ("data", "fsdp")),   # activations: batch over every data-parallel axis
-    ("seq", "context"),            # activations' sequence: context parallelism (jaxpar.layers.attention); a context
-                                   # axis of size 1 (the default mesh) leaves it whole
-    ("position", None),            # the rows of a learned position table: whole on every device
-    ("embed", "fsdp"),             # params: FSDP shards the model dimension of every weight
-    ("mlp", "tensor"),             # Megatron column split of the MLP up-projection, row split of down
-    ("heads", "tensor"),           # Megatron split of attention by heads
-    ("kv", None),                  # head_dim stays whole
-    ("kv_heads", None),            # grouped-query key/value heads (the Llama): replicated over tensor, as any
-                                   # tensor size may exceed num_kv_heads; ("kv_heads", "tensor") splits them
-    ("vocab", "tensor"),           # vocab-parallel embedding / logits
-    ("layers", None),              # stacked layers live whole on each stage
-    ("stage", "pipe"),             # pipeline stages
-)
-
-
-def _mesh_axes_of(rules: Rules) -> set[str]:
-    axes: set[str] = set()
-    for _, target in rules:
-        if target is None:
-            continue
-        axes.update((target,) if isinstance(target, str) else target)
-    return axes
+DEFAULT_RULES: Rules = Rules((
+    (BATCH, (DATA, FSDP)),     # activations: batch over every data-parallel axis
+    (SEQ, CONTEXT),            # activations' sequence: context parallelism (jaxpar.layers.attention); a context
+                               # axis of size 1 (the default mesh) leaves it whole
+    (POSITION, None),          # the rows of a learned position table: whole on every device
+    (EMBED, FSDP),             # params: FSDP shards the model dimension of every weight
+    (MLP, TENSOR),             # Megatron column split of the MLP up-projection, row split of down
+    (HEADS, TENSOR),           # Megatron split of attention by heads
+    (KV, None),                # head_dim stays whole
+    (KV_HEADS, None),          # grouped-query key/value heads (the Llama): replicated over tensor, as any
+                               # tensor size may exceed num_kv_heads; ("kv_heads", "tensor") splits them
+    (VOCAB, TENSOR),           # vocab-parallel embedding / logits
+    (LAYERS, None),            # stacked layers live whole on each stage
+    (STAGE, PIPE),             # pipeline stages
+))
 
 
 def validate_rules(rules: Rules, mesh: Mesh) -> None:
-    """Raises ValueError if a rule names a mesh axis that ``mesh`` does not have, or is malformed."""
+    """Raises ValueError if a rule is malformed or names a mesh axis that ``mesh`` does not have and that is not
+    one of jaxpar's mesh axes (:data:`jaxpar.sharding.names.AXES`; one of those a mesh built without jaxpar lacks
+    is an axis of size 1, dropped by :meth:`Rules.without_absent`)."""
     if not isinstance(rules, (tuple, list)):
         raise ValueError(f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {type(rules).__name__}")
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ValueError(f"rule {rule!r} must be a pair (logical_name, mesh_axis | tuple | None)")
         target = rule[1]
-        axes = () if target is None else (target,) if isinstance(target, str) else target
-        if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes) \
+        axes = entry_axes(target) if target is None or isinstance(target, (str, tuple, list)) else None
+        if axes is None or not all(isinstance(a, str) for a in axes) \
                 or len(set(axes)) != len(axes):
             raise ValueError(f"rule {tuple(rule)!r}: the target must be None, a mesh axis name, or a tuple of "
                              "distinct mesh axis names")
-    unknown = sorted(_mesh_axes_of(without_absent_context(rules, mesh)) - set(mesh.axis_names))
+    unknown = sorted(Rules(rules).all_mesh_axes() - set(mesh.axis_names) - set(AXES))
     if unknown:
-        bad = [r for r in rules if r[1] is not None and set((r[1],) if isinstance(r[1], str) else r[1]) & set(unknown)]
+        bad = [r for r in rules if set(entry_axes(r[1])) & set(unknown)]
         raise ValueError(
             f"rules name mesh axes {unknown} that the mesh {tuple(mesh.axis_names)} does not have "
             f"(in {bad}); use axes of the mesh, e.g. jp.make_mesh(...) gives {tuple(mesh.axis_names)}")
@@ -80,8 +73,8 @@ def validate_rules(rules: Rules, mesh: Mesh) -> None:
 def batch_name(rules: Rules) -> str:
     """The logical name of the batch axis in ``rules``: ``batch`` when a rule names it, else the first rule's name
     that contains ``batch`` (MaxText's ``activation_batch``), else ``batch``."""
-    names = [r[0] for r in rules]
-    return "batch" if "batch" in names else next((n for n in names if "batch" in n), "batch")
+    names = Rules(rules).names
+    return BATCH if BATCH in names else next((n for n in names if BATCH in n), BATCH)
 
 
 def with_batch_axis(rules: Rules, batch_axis: str | None) -> Rules:
@@ -97,19 +90,15 @@ def with_batch_axis(rules: Rules, batch_axis: str | None) -> Rules:
     if target is _MISSING:
         raise ValueError(f"batch_axis={batch_axis!r} is named by no rule (rules name {[r[0] for r in rules]}); pass "
                          "the logical name of your batch axis, e.g. 'activation_batch' with MaxText's rules")
-    return (("batch", target), *(r for r in rules if r[0] != "batch"))
+    return ((BATCH, target), *(r for r in rules if r[0] != BATCH))
 
 
 _MISSING = object()
 
 
 def batch_axes(rules: Rules, mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the batch axis (:func:`batch_name`) maps to, e.g. ``('data', 'fsdp')``."""
-    spec = nn.logical_to_mesh_axes((batch_name(rules),), rules)
-    target = spec[0]
-    if target is None:
-        return ()
-    return tuple(a for a in ((target,) if isinstance(target, str) else target) if a in mesh.axis_names)
+    """The mesh axes of ``mesh`` the batch axis (:func:`batch_name`) maps to, e.g. ``('data', 'fsdp')``."""
+    return Rules(rules).mesh_axes(batch_name(rules), mesh)
 
 
 def batch_sharding(rules: Rules, mesh: Mesh, ndim: int = 1) -> NamedSharding:
@@ -159,7 +148,7 @@ def _is_names(x) -> bool:
     return x is None or isinstance(x, P) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
-STACKED_AXIS_NAMES = frozenset({"layers", "stage"})
+STACKED_AXIS_NAMES = frozenset({LAYERS, STAGE})
 """Logical names of stacked-layer axes (one copy of a layer per entry, e.g. the GPT's ``[layers, ...]`` blocks):
 never a matrix dimension. Weight decay, pruning and compaction treat each slice along them as its own tensor."""
 
@@ -207,33 +196,10 @@ def leaf_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...]
     return out
 
 
-def mesh_specs(tree: Any, rules: Rules) -> Any:
-    """Mesh ``PartitionSpec`` of every leaf of a Flax-boxed tree under ``rules``."""
-    return nn.logical_to_mesh(logical_specs(tree), rules)
-
-
 def resolve_names(names: Sequence[Any], rules: Rules, mesh: Mesh) -> tuple[P, list[Any]]:
-    """The mesh ``PartitionSpec`` of an array whose dimensions carry ``names``, and the names nothing resolves.
-
-    A name a rule knows maps as Flax's ``logical_to_mesh_axes`` maps it (rules in order, a mesh axis once per
-    array); a name that is a mesh axis of ``mesh`` (or a tuple of them: Flax's ``nn.with_partitioning(init,
-    ("fsdp", None))``, the scale-up guide's form) is that axis, when no other dimension took it. Any other
-    name is unknown: its dimension stays whole and the name is returned.
-    """
-    keys = {r[0] for r in rules}
-    known = tuple(n if isinstance(n, str) and n in keys else None for n in names)
-    spec = list(nn.logical_to_mesh_axes(known, rules))
-    used = {a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)}
-    unknown = []
-    for d, n in enumerate(names):
-        if n is None or known[d] is not None:
-            continue
-        axes = (n,) if isinstance(n, str) else tuple(n)
-        if all(isinstance(a, str) and a in mesh.axis_names for a in axes) and not used & set(axes):
-            spec[d], used = n if isinstance(n, str) else axes, used | set(axes)
-        else:
-            unknown.append(n)
-    return P(*spec), unknown
+    """The mesh ``PartitionSpec`` of an array whose dimensions carry ``names``, and the names nothing resolves:
+    :meth:`Rules.resolve`."""
+    return Rules(rules).resolve(names, mesh)
 
 
 def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
@@ -259,17 +225,10 @@ def named_shardings(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
 
 
 def without_absent_context(rules: Rules, mesh: Any) -> Rules:
-    """``rules`` with the ``context`` mesh axis dropped from every target when ``mesh`` has no such axis (a mesh
-    built without jaxpar, e.g. ``jax.make_mesh(..., ('data', 'fsdp', 'tensor'))``): :data:`DEFAULT_RULES` map
-    ``seq`` to it, which on such a mesh means an unsharded sequence."""
-    if "context" in tuple(getattr(mesh, "axis_names", ())):
-        return rules
-    def drop(t):
-        if isinstance(t, (tuple, list)):
-            kept = tuple(a for a in t if a != "context")
-            return kept or None
-        return None if t == "context" else t
-    return tuple((r[0], drop(r[1])) if isinstance(r, (tuple, list)) and len(r) == 2 else r for r in rules)
+    """``rules`` with every mesh axis ``mesh`` does not have dropped (:meth:`Rules.without_absent`): on a mesh
+    built without jaxpar, e.g. ``jax.make_mesh(..., ('data', 'fsdp'))``, :data:`DEFAULT_RULES`' ``seq -> context``
+    and ``mlp -> tensor`` mean an unsharded sequence and MLP."""
+    return Rules(rules).without_absent(mesh)
 
 
 def effective_rules(rules: Rules, mesh: Mesh) -> Rules:
@@ -281,12 +240,12 @@ def effective_rules(rules: Rules, mesh: Mesh) -> Rules:
     ``[stages, layers/stages, ...]`` without moving data. (``stage`` keeps precedence for arrays with both.)
     With ``pipe == 1`` the rules are returned unchanged.
     """
-    rules = without_absent_context(rules, mesh)
-    if mesh.shape.get("pipe", 1) == 1 or ("layers", None) not in tuple(tuple(r) for r in rules):
+    rules = Rules(rules).without_absent(mesh)
+    if mesh.shape.get(PIPE, 1) == 1 or (LAYERS, None) not in tuple(tuple(r) for r in rules):
         return rules
-    stage = tuple(r for r in rules if r[0] == "stage")
-    rest = tuple(("layers", "pipe") if tuple(r) == ("layers", None) else r for r in rules if r[0] != "stage")
-    return stage + rest
+    stage = tuple(r for r in rules if r[0] == STAGE)
+    rest = tuple((LAYERS, PIPE) if tuple(r) == (LAYERS, None) else r for r in rules if r[0] != STAGE)
+    return Rules(stage + rest)
 
 
 def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = None) -> None:
@@ -299,7 +258,7 @@ def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = N
         for dim, axes in enumerate(spec):
             if axes is None:
                 continue
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            axes = entry_axes(axes)
             n = math.prod(mesh.shape[a] for a in axes)
             if leaf.shape[dim] % n:
                 name = lspec[dim] if lspec is not None and dim < len(lspec) else f"dim {dim}"
@@ -331,11 +290,11 @@ def _spec_along(shape: tuple[int, ...], dims: tuple[int | None, ...], spec: P, m
     used, out = set(), []
     for n, d in zip(shape, dims):
         axes = spec[d] if d is not None and d < len(spec) else None
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = entry_axes(axes)
         if axes and (n % math.prod(mesh.shape[a] for a in axes) or used & set(axes)):
             axes = ()
         used.update(axes)
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        out.append(axes_entry(axes))
     return P(*out)
 
 
@@ -441,19 +400,12 @@ def constrain(x: jax.Array, *names: str | tuple[str, ...] | None) -> jax.Array:
     if any(isinstance(n, tuple) for n in names):
         if not rules or jax.sharding.get_abstract_mesh().empty:
             return x
-        return constrain_spec(x, P(*(_merged_axes(n, rules) for n in names)))
+        rules = Rules(rules)
+        return constrain_spec(x, P(*(rules.mesh_axes(n) or None if isinstance(n, tuple) else
+                                     axes_entry(rules.mesh_axes(n)) for n in names)))
     if rules and _explicit_in_context():
-        return constrain_spec(x, nn.logical_to_mesh_axes(names, rules))
+        return constrain_spec(x, Rules(rules).spec(names))
     return nn.with_logical_constraint(x, names)
-
-
-def _merged_axes(names: str | tuple[str, ...] | None, rules: Rules) -> Any:
-    """The mesh axes of one dimension named by a logical name or a tuple of them (concatenated, in order)."""
-    if not isinstance(names, tuple):
-        return nn.logical_to_mesh_axes((names,), rules)[0]
-    axes = [a for e in nn.logical_to_mesh_axes(names, rules) if e is not None
-            for a in ((e,) if isinstance(e, str) else e)]
-    return tuple(axes) or None
 
 
 def _explicit_in_context() -> bool:
@@ -475,8 +427,8 @@ def constrain_spec(x: jax.Array, spec: P) -> jax.Array:
 @contextlib.contextmanager
 def use(mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Enters ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)``: the context for tracing jaxpar code
-    (a mesh without a ``context`` axis: the rules without it, :func:`without_absent_context`)."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(without_absent_context(rules, mesh)):
+    (the rules without the mesh axes ``mesh`` lacks, :meth:`Rules.without_absent`)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(Rules(rules).without_absent(mesh)):
         yield
 
 
@@ -553,7 +505,7 @@ def path_rules(rules: Sequence[tuple[str, Any]]) -> PathRules:
                 for n in target))):
             raise ValueError(f"path rule {rx!r}: target {target!r} must be a tuple of logical axis names (one per "
                              "dimension, None for whole), a PartitionSpec of mesh axes, or None")
-        used = [a for n in (target or ()) if n is not None for a in ((n,) if isinstance(n, str) else n)]
+        used = [a for n in (target or ()) for a in entry_axes(n)]
         if len(used) != len(set(used)):
             raise ValueError(f"path rule {rx!r}: target {target!r} names an axis twice; each logical name or mesh "
                              "axis may split one dimension only")

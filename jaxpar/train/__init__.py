@@ -4,13 +4,14 @@
   ``make_eval_step``.
 * :mod:`jaxpar.train.grads`: gradient functions (``GradFn``), loss functions, microbatch accumulation.
 * :mod:`jaxpar.train.model_init`: what a model's init gives a state; :mod:`jaxpar.train.nnx_bridge`: NNX modules.
+* :mod:`jaxpar.train.carried`: state the step carries beside the params (fp8 scales, counters), combined as declared.
 * :mod:`jaxpar.train.loop`: the training loop, evaluation, preemption; :mod:`jaxpar.train.checkpoint`: orbax
   checkpoints restored onto any mesh; :mod:`jaxpar.train.optim`: AdamW with decay by what a leaf is.
 """
 
-from jaxpar.train import checkpoint, grads, loop, optim
+from jaxpar.train import carried, checkpoint, grads, loop, optim
 from jaxpar.train.step import (TrainState, abstract_state, init_state, make_eval_step, make_train_step, shard_batch,
                                to_model_order)
 
-__all__ = ["TrainState", "abstract_state", "checkpoint", "grads", "init_state", "loop", "make_eval_step",
+__all__ = ["TrainState", "abstract_state", "carried", "checkpoint", "grads", "init_state", "loop", "make_eval_step",
            "make_train_step", "optim", "shard_batch", "to_model_order"]

@@ -57,6 +57,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar._validate import nonnegative_int, positive_int
+from jaxpar.train import carried
 from jaxpar.train._jit import check_live
 from jaxpar.train.step import to_layout, to_model_order
 
@@ -467,7 +468,7 @@ def compare(saved: Sequence[dict[str, Any]], target: Any, what: str = "checkpoin
     """
     want = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in saved}
     got = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in _describe(target)}
-    _check_fp8(want, got, what)
+    carried.check_checkpoint(set(want), set(got), what)
     for path, (shape, dtype) in got.items():
         if path not in want:
             raise ValueError(f"{what} has no leaf {path} (the target's is {shape} {dtype}); the target's tree "
@@ -480,18 +481,6 @@ def compare(saved: Sequence[dict[str, Any]], target: Any, what: str = "checkpoin
         if path not in got:
             raise ValueError(f"{what} has a leaf {path} ({shape} {dtype}) that the target lacks; the target's "
                              "tree structure differs from the saved one (e.g. another optimizer or model)")
-
-
-def _check_fp8(want: dict, got: dict, what: str) -> None:
-    """Raises ValueError when one side has fp8 meta state (``TrainState.fp8``, :mod:`jaxpar.precision.fp8`) and the other not."""
-    has = lambda paths: any(p.startswith(".fp8") for p in paths)
-    if has(got) and not has(want):
-        raise ValueError(f"{what} holds no fp8 meta state (scales, amax histories) but the target has (its policy "
-                         "has dot=fp8): the checkpoint was written without fp8 delayed scaling; restore with the "
-                         "policy that wrote it, or start the fp8 run from scratch")
-    if has(want) and not has(got):
-        raise ValueError(f"{what} holds fp8 meta state (a dot=fp8 run) that the target lacks: build the target "
-                         "with the policy that wrote it (jp.train.abstract_state(..., policy=...))")
 
 
 def _verify(saved: Sequence[dict[str, Any]], tree: Any, what: str, others: str) -> None:

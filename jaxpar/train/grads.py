@@ -36,9 +36,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import _compat
-from jaxpar.precision import fp8
 from jaxpar.sharding import rules as shd
+from jaxpar.sharding.names import FSDP, entry_axes, spec_without
 from jaxpar._validate import positive_int
+from jaxpar.train import carried as carry
 from jaxpar.train import nnx_bridge
 from jaxpar import protocol
 from jaxpar.precision.policy import Policy
@@ -192,6 +193,29 @@ class GradFn(abc.ABC):
         ``params`` and ``batch`` hold arrays or ``jax.ShapeDtypeStruct``\\ s (only shapes and dtypes are read);
         ``batch`` is the global batch, with the policy's dtypes. The batch size has already been checked.
         """
+
+    def check_step(self, state: Any, grad_fn: "GradFn | None", mesh: Mesh) -> None:
+        """Raises (on the host, before tracing) for a training state this function cannot step: the step calls
+        the ``check_step`` of each of its parts that defines one (:func:`check_parts`).
+        ``grad_fn`` is the step's gradient function (this one, or what wraps it)."""
+
+
+def check_parts(state: Any, grad_fn: GradFn | None, mesh: Mesh) -> None:
+    """Calls ``check_step(state, grad_fn, mesh)`` of every part of a step that defines one: the gradient function,
+    then the static parts of the ``jp.train.TrainState`` (its policy, stage layout, graph definition), in order.
+
+    Each feature keeps its compatibility rules where it is defined (a pipeline refuses state it cannot carry
+    between stages, a stage layout a gradient function that would read it as model order), so the step checks
+    any combination of features without naming one. Runs on the host, before tracing.
+
+    Raises:
+      whatever a part's ``check_step`` raises (ValueError naming the conflict and the fix).
+    """
+    statics = [getattr(state, f.name) for f in dataclasses.fields(state) if not f.metadata.get("pytree_node", True)]
+    for part in (grad_fn, *statics):
+        check = getattr(part, "check_step", None)
+        if callable(check):
+            check(state, grad_fn, mesh)
 
 
 def check_loss_output(out: Any, what: str = "loss_fn") -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -359,14 +383,23 @@ def with_weight_gather(ctx: Context, gather_weights: bool | None, *declarers: An
     params' specs are known (``ctx.param_specs``), if ``gather_weights`` is True, or None and none of
     ``declarers`` (the step's loss or gradient function) nor the NNX module class of ``ctx.graphdef`` declares
     ``shards_activations`` (:func:`jaxpar.protocol.shards_activations`). Each leaf whose spec uses
-    ``fsdp`` gets that spec without it (:func:`jaxpar._compat.fsdp_gather_spec`: why); ``ctx`` unchanged
+    ``fsdp`` gets that spec without it (:func:`jaxpar._compat.gathers_fsdp_weights`: why); ``ctx`` unchanged
     otherwise."""
     if gather_weights is None:
-        gather_weights = not protocol.shards_activations(*declarers, nnx_bridge.module_class(ctx.graphdef))
-    if not gather_weights or ctx.mesh.shape.get("fsdp", 1) == 1 or ctx.param_specs is None:
+        gather_weights = _compat.gathers_fsdp_weights() and not protocol.shards_activations(
+            *declarers, nnx_bridge.module_class(ctx.graphdef))
+    if not gather_weights or ctx.mesh.shape.get(FSDP, 1) == 1 or ctx.param_specs is None:
         return ctx
-    return ctx._replace(gather_specs=jax.tree.map(_compat.fsdp_gather_spec, ctx.param_specs,
+    return ctx._replace(gather_specs=jax.tree.map(_gather_spec, ctx.param_specs,
                                                   is_leaf=lambda x: x is None or isinstance(x, P)))
+
+
+def _gather_spec(spec: P | None) -> P | None:
+    """The spec a param of mesh spec ``spec`` is gathered to: ``spec`` without ``fsdp``; None when ``spec`` (None
+    for no named sharding) does not use ``fsdp``."""
+    if spec is None or not any(FSDP in entry_axes(e) for e in spec if isinstance(e, (str, tuple))):
+        return None
+    return spec_without(spec, (FSDP,))
 
 
 def gather_weights(params: Any, ctx: Context) -> Any:
@@ -401,6 +434,9 @@ class _Accumulate(GradFn):
     def model_check_batch(self):
         return self.inner.model_check_batch()
 
+    def check_step(self, state, grad_fn, mesh):
+        self.inner.check_step(state, grad_fn, mesh)
+
     def check(self, params, batch, ctx):
         struct = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // self.steps, *np.shape(a)[1:]),
                                                 jnp.result_type(a))
@@ -411,29 +447,32 @@ class _Accumulate(GradFn):
         take = lambda j: jax.tree.map(lambda x: microbatch(x, j), micro)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
 
-        carried = ctx.stateful and self.carries_model_state
-        plain, meta = fp8.split(params)   # fp8 meta state: its new values combine by a maximum, not a mean
+        threads = ctx.stateful and self.carries_model_state
+        plain, held = carry.split(params)   # carried state: new values combine as declared, not by a mean
 
-        def body(carry, j):     # the model state (batch statistics) passes from microbatch to microbatch
-            (grad_sum, new_meta), model_state = carry
+        def body(acc, j):     # the model state (batch statistics) passes from microbatch to microbatch
+            (grad_sum, new), model_state = acc
             out = self.inner(params, take(j), jax.random.fold_in(rng, j), scale, ctx._replace(model_state=model_state))
             loss, aux, grads = out[:3]
-            grads, meta_j = fp8.split(grads)
+            grads, new_j = carry.split(grads)
             w = aux.get("weight", jnp.ones((), jnp.float32)).astype(jnp.float32)
             # w * x, but 0 (not NaN) for an empty microbatch (weight 0, whose mean loss is 0/0).
             wx = lambda x: jnp.where(w > 0, w * x.astype(jnp.float32), 0.0)
             grad_sum = jax.tree.map(lambda a, g: a + wx(g), grad_sum, grads)
-            return ((grad_sum, fp8.max_combine(new_meta, meta_j)), out[3] if carried else model_state), (
+            new = None if new is None else carry.add(new, new_j)
+            return ((grad_sum, new), out[3] if threads else model_state), (
                 wx(loss), {k: v if k == "weight" else wx(v) for k, v in aux.items()}, w)
 
         with jax.named_scope("accumulation"):
-            ((grad_sum, new_meta), model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
-                body, ((zeros(plain), zeros(meta)), ctx.model_state), jnp.arange(self.steps))
+            ((grad_sum, new), model_state), (loss_m, aux_m, w_m) = jax.lax.scan(
+                body, ((zeros(plain), None if held is None else carry.start(held)), ctx.model_state),
+                jnp.arange(self.steps))
         w_sum = w_m.sum()
         aux = {k: v.sum() if k == "weight" else weighted_mean(v.sum(), w_sum) for k, v in aux_m.items()}
-        grads = fp8.merge(jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, plain), new_meta)
+        new = None if new is None else carry.finish(new, self.steps)
+        grads = carry.merge(jax.tree.map(lambda g, p: weighted_mean(g, w_sum).astype(p.dtype), grad_sum, plain), new)
         out = weighted_mean(loss_m.sum(), w_sum), aux, grads
-        return (*out, model_state) if carried else out
+        return (*out, model_state) if threads else out
 
 
 def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
@@ -442,9 +481,10 @@ def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
     Microbatch ``j`` holds rows ``j, j+steps, ...`` and the key ``fold_in(rng, j)``; it is run in a
     ``lax.scan``, so memory stays that of one microbatch, and gradients are summed in float32. A microbatch's
     weight is ``aux["weight"]`` when present (e.g. its token count), else 1, so the result is the whole
-    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. fp8 meta state in the params
-    (:mod:`jaxpar.precision.fp8`) is not averaged: its new values are combined by a maximum (the amax over all microbatches). An all-empty batch (total
-    weight 0) gives zero loss and gradients, not NaN.
+    batch's mean; ``aux["weight"]`` is summed, other aux entries weight-averaged. Carried state in the params
+    (:mod:`jaxpar.train.carried`) is not averaged: every microbatch reads its old value and their new values
+    combine as its collection declares; a model state passes from microbatch to microbatch in order. An
+    all-empty batch (total weight 0) gives zero loss and gradients, not NaN.
 
     Raises:
       TypeError: ``grad_fn`` is not a GradFn. ValueError: ``steps`` is not a positive int.

@@ -8,10 +8,11 @@
   ``model.init`` returns for a model with ``nn.BatchNorm``): ``{"params": ...}`` become the state's params and
   the other collections its ``model_state`` (Flax's ImageNet example keeps ``batch_stats`` beside the params
   the same way);
-* a Flax NNX model function (:func:`jaxpar.train.nnx_bridge.module_fn`): ``Param`` variables become params
-  (less the fp8 meta state of ``jp.fp8.NnxDotGeneral`` layers, which goes to the state's ``fp8`` as a Linen
-  model's ``OWG`` collection does), every other variable the model state, and the graph definition the state's
-  static ``graphdef``.
+* a Flax NNX model function (:func:`jaxpar.train.nnx_bridge.module_fn`): ``Param`` variables become params,
+  every other variable the model state, and the graph definition the state's static ``graphdef``.
+
+In every form, the entries under a declared carried key (:mod:`jaxpar.train.carried`: a Linen collection of that
+name, or the key at any depth of the params) go to the state's ``carried``.
 
 Init is traced without the logical rules in context (:func:`jaxpar.sharding.use_for_init`) and NNX's eager
 sharding off, so any init plain Flax runs runs here; ``jit``'s ``out_shardings`` then place the leaves.
@@ -28,11 +29,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.precision import fp8
+from jaxpar import protocol
 from jaxpar.sharding import rules as shd
-from jaxpar.train import nnx_bridge
+from jaxpar.train import carried, nnx_bridge
 from jaxpar.sharding.params import boxed_names
-from jaxpar.precision.policy import OWG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,9 @@ class ModelInit:
     """An init function, described abstractly.
 
     Attributes:
-      init: ``init(key) -> (params, model_state, fp8)``, traceable (unboxed arrays; ``model_state`` None when the
-        model has none; ``fp8`` the fp8 meta state taken out of the params, :func:`jaxpar.precision.fp8.split`, or None).
+      init: ``init(key) -> (params, model_state, carried)``, traceable (unboxed arrays; ``model_state`` None when
+        the model has none; ``carried`` the carried state taken out of the params, :func:`jaxpar.train.carried.split`,
+        or None).
       param_shapes, param_names: ``jax.ShapeDtypeStruct`` and dimension names (tuple or None) per param leaf.
       state_shapes, state_names: the same for the model state (None when it has none).
       graphdef: the NNX graph definition, or None for a Linen / plain model.
@@ -52,7 +53,14 @@ class ModelInit:
     state_shapes: Any = None
     state_names: Any = None
     graphdef: Any = None
-    fp8_shapes: Any = None   # ``jax.ShapeDtypeStruct`` per fp8 meta leaf (None without fp8 meta state)
+    carried_shapes: Any = None   # ``jax.ShapeDtypeStruct`` per carried leaf (None without carried state)
+
+    def __getattr__(self, name: str) -> Any:
+        """``<attribute>_shapes``: the part of :attr:`carried_shapes` of the collection declaring that
+        ``TrainState`` attribute (as ``TrainState.<attribute>`` reads the state's)."""
+        if not name.endswith("_shapes"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return carried.read_attribute(self.carried_shapes, name.removesuffix("_shapes"), type(self).__name__)
 
 
 def _collections(variables: Any) -> bool:
@@ -62,10 +70,10 @@ def _collections(variables: Any) -> bool:
 
 
 def _split(variables: Any) -> tuple[Any, Any]:
-    """``(params, model state)``; fp8 meta state (the ``OWG`` collection, :mod:`jaxpar.precision.fp8`) stays with the params."""
+    """``(params, model state)``; carried collections that come back through the gradient stay with the params."""
     if not _collections(variables):
         return variables, None
-    keep = ("params", OWG)
+    keep = ("params", *(d.key for d in protocol.carried_declarations("gradient")))
     state = {k: v for k, v in variables.items() if k not in keep}
     return {k: v for k, v in variables.items() if k in keep}, state or None
 
@@ -83,30 +91,31 @@ def describe(init_fn: Any, rng: jax.Array, mesh: Mesh) -> ModelInit:
     if make is None:
         with shd.use_for_init(mesh), nnx.use_eager_sharding(False):
             # a new function each time: jax caches eval_shape's trace by function, and what init_fn builds
-            # depends on the fp8 recipe in context (fp8 meta state under dot=fp8 only)
+            # depends on the policy in context (e.g. fp8 meta state under dot=fp8 only)
             boxed = jax.eval_shape(lambda r: init_fn(r), rng)
         if nnx_bridge.is_module(boxed):        # a function of a key that builds an NNX model
             make = init_fn
     if make is not None:
         graphdef, pshapes, pnames, sshapes, snames = nnx_bridge.abstract(make, rng)
-        (pshapes, meta), pnames = fp8.split(pshapes), fp8.split(pnames)[0]   # jp.fp8.NnxDotGeneral's meta state
+        (pshapes, held), pnames = carried.split(pshapes), carried.split(pnames)[0]
 
         def init_nnx(key):
             _, params, state = nnx_bridge.build(make, key)
-            params, params_meta = fp8.split(params)
-            return params, state, params_meta
-        return ModelInit(init_nnx, pshapes, pnames, sshapes, snames, graphdef, fp8_shapes=meta)
+            params, params_held = carried.split(params)
+            return params, state, params_held
+        return ModelInit(init_nnx, pshapes, pnames, sshapes, snames, graphdef,
+                         carried_shapes=held)
     params, state = _split(boxed)
-    params, meta = fp8.split(params)
+    params, held = carried.split(params)
 
     def init(key):
         with nnx.use_eager_sharding(False):
             p, s = _split(nn.meta.unbox(init_fn(key)))
-        p, m = fp8.split(p)
-        return p, s, m
+        p, h = carried.split(p)
+        return p, s, h
     return ModelInit(init, nn.meta.unbox(params), boxed_names(params),
                      None if state is None else nn.meta.unbox(state), None if state is None else boxed_names(state),
-                     fp8_shapes=None if meta is None else nn.meta.unbox(meta))
+                     carried_shapes=None if held is None else nn.meta.unbox(held))
 
 
 __all__ = ["ModelInit", "describe"]

@@ -15,8 +15,9 @@ import numpy as np
 import optax
 
 from jaxpar.sharding import rules as shd
+from jaxpar.sharding.names import POSITION, SEQ, VOCAB
 
-EMBEDDING_AXIS_NAMES = frozenset({"vocab", "seq", "position"})    # a table indexed by token or position
+EMBEDDING_AXIS_NAMES = frozenset({VOCAB, SEQ, POSITION})    # a table indexed by token or position
 
 
 def _decays(path, leaf, names: tuple | None) -> bool:

@@ -64,6 +64,15 @@ class StateLayout:
     order: tuple[int, ...]
     opt_leaves: tuple[tuple[str, int], ...]
 
+    def check_step(self, state: Any, grad_fn: Any, mesh: Any) -> None:
+        """Raises ValueError unless the step's gradient function runs over ``pipe`` (``grad_fn.uses_pipe``: a
+        pipeline, which reads the layout); any other would take the staged params for model order."""
+        if not getattr(grad_fn, "uses_pipe", False):
+            raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
+                             f"{self!r}), which this step would read as model order: step it with the "
+                             "jp.pipeline.Pipeline it was built for (make_train_step / make_eval_step(pipeline)), "
+                             "or convert it first with jp.train.to_model_order(state)")
+
 
 def state_layout(stage_key: str, order: tuple[int, ...], tx: Any, param_shapes: Any, opt_shapes: Any,
                  mesh: Any) -> StateLayout | None:

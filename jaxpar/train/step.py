@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.precision import fp8
+from jaxpar.train import carried as carry
 from jaxpar.train import grads as gr
 from jaxpar.train import model_init
 from jaxpar.sharding import params as placement
@@ -33,6 +33,7 @@ from jaxpar.train._jit import MeshJit
 from jaxpar import protocol
 from jaxpar.train.state_layout import StateLayout, permute_state, to_layout, to_model_order  # noqa: F401
 from jaxpar.precision.policy import Policy
+from jaxpar.sharding.names import FSDP, PIPE
 
 
 @flax.struct.dataclass
@@ -60,16 +61,19 @@ class TrainState:
         checkpointed with the rest, read by the eval step.
       graphdef: a Flax NNX model's ``nnx.GraphDef`` (static), or None: the step merges it with ``params`` and
         ``model_state`` into the model its ``loss_fn(model, batch, rng)`` takes (:mod:`jaxpar.train.nnx_bridge`).
-      fp8: the fp8 meta state (scales and amax histories of a ``dot=fp8`` policy's matmuls, float32), or None:
-        taken out of the params at init, replicated, put back by the step for the loss and replaced by the
-        new values the matmuls' VJPs give, never seen by the optimizer (:mod:`jaxpar.precision.fp8`); checkpointed.
+      carried: the carried state the params tree held under declared keys (scaled matmuls' scales and amax
+        histories, a user's counter), in the params' nesting, or None: taken out of the params at init,
+        replicated, put back by the step for the loss and replaced by the new values their cotangents give,
+        combined as each collection declares, never seen by the optimizer (:mod:`jaxpar.train.carried`);
+        checkpointed. A collection's part reads as the attribute it declares (``Carried.attribute``;
+        ``replace`` takes it too).
     """
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
     model_state: Any = None
-    fp8: Any = None
+    carried: Any = None
     policy: Policy | None = flax.struct.field(pytree_node=False, default=None)
     layout: StateLayout | None = flax.struct.field(pytree_node=False, default=None)
     graphdef: Any = flax.struct.field(pytree_node=False, default=None)
@@ -78,6 +82,13 @@ class TrainState:
         """Where the params' and optimizer state's bytes live (``jp.sharding.describe_params``): per device
         against global, the fraction sharded, the largest replicated leaves; ``print`` it for the summary."""
         return shd.describe_params(self.params, self.opt_state)
+
+    def __getattr__(self, name: str) -> Any:   # a carried collection's declared attribute
+        return carry.read_attribute(self.carried, name, type(self).__name__)
+
+
+# ``dataclasses.replace``, where a carried collection's attribute replaces its part of ``carried``
+TrainState.replace = lambda self, **updates: dataclasses.replace(self, **carry.attribute_updates(self.carried, updates))
 
 
 def _as_key(rng: Any) -> jax.Array:
@@ -126,10 +137,11 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Layout
     rep = NamedSharding(mesh, P())
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=param_shapes, opt_state=opt_shapes,
                         rng=jax.eval_shape(lambda k: k, rng), model_state=model.state_shapes, policy=policy,
-                        layout=layout, graphdef=model.graphdef, fp8=model.fp8_shapes)
+                        layout=layout, graphdef=model.graphdef, carried=model.carried_shapes)
     # a stage layout permutes whole blocks of the layers axis: shapes, and so shardings, are those of model order
     shardings = TrainState(step=rep, params=placed.shardings, rng=rep, model_state=state_shardings, policy=policy,
-                           layout=layout, graphdef=model.graphdef, fp8=jax.tree.map(lambda _: rep, model.fp8_shapes),
+                           layout=layout, graphdef=model.graphdef,
+                           carried=jax.tree.map(lambda _: rep, model.carried_shapes),
                            opt_state=shd.opt_state_shardings(etx, param_shapes, placed.shardings, mesh))
     return shapes, shardings, model, placed
 
@@ -143,7 +155,7 @@ def _report(shapes: TrainState, shardings: TrainState, placed: placement.Placeme
         warnings.warn(note, stacklevel=3)
     big = {shd.key_path(p) for p, x in jax.tree_util.tree_flatten_with_path(shapes.params)[0]
            if math.prod(x.shape) >= min_size}
-    guessed = mesh.shape.get("fsdp", 1) > 1 and any(
+    guessed = mesh.shape.get(FSDP, 1) > 1 and any(
         s.endswith("auto fsdp") or (s == "replicated" and p in big) for p, s in placed.sources.items())
     if report or (report is None and guessed):
         with_sharding = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
@@ -189,7 +201,7 @@ def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransf
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
-    with fp8.using(policy):
+    with precision.using(policy):
         shapes, shardings, _, _ = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline, how)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -246,12 +258,12 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
     tx = shd.check_transformation(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
     how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
-    with fp8.using(policy):
+    with precision.using(policy):
         shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
     _report(shapes, shardings, placed, mesh, report, how.auto_fsdp_min_size)
 
     def _init(init_rng, state_rng):
-        params, model_state, meta = model.init(init_rng)
+        params, model_state, held = model.init(init_rng)
         if policy is not None:
             params = policy.cast_to_param(params)
         opt_state = _effective_tx(tx, policy).init(params)
@@ -259,9 +271,9 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
             params, opt_state = permute_state(params, opt_state, shardings.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng,
                           model_state=model_state, policy=policy, layout=shardings.layout, graphdef=model.graphdef,
-                          fp8=meta)
+                          carried=held)
 
-    with shd.use_for_init(mesh, rules), fp8.using(policy):
+    with shd.use_for_init(mesh, rules), precision.using(policy):
         return jax.jit(_init, out_shardings=shardings)(init_rng, state_rng)
 
 
@@ -279,7 +291,7 @@ def _as_grad_fn(fn: Any) -> GradFn:
 
 def _check_pipe(grad_fn: GradFn, mesh: Mesh) -> None:
     grad_fn.check_mesh(mesh)
-    if mesh.shape.get("pipe", 1) > 1 and not grad_fn.uses_pipe:
+    if mesh.shape.get(PIPE, 1) > 1 and not grad_fn.uses_pipe:
         raise ValueError(f"the mesh has pipe={mesh.shape['pipe']} but the step's gradient function does not "
                          "pipeline: pass jp.pipeline.Pipeline(embed_fn, stage_fn, head_loss_fn, schedule) (the "
                          "GPT: Pipeline(model.embed, model.stage, model.head_loss, schedule)), or build the mesh "
@@ -375,19 +387,7 @@ class Step:
                 raise ValueError("the state's opt_state does not have the structure this step's tx gives "
                                  "(tx.init(params)): build the state with the same tx as the step "
                                  f"(state: {jax.tree.structure(state.opt_state)}; tx: {jax.tree.structure(expected)})")
-        if self._grad_fn is not None and self._grad_fn.uses_pipe and jax.tree.leaves(state.model_state):
-            raise ValueError("this state has a model state (batch statistics or other non-param variables), which "
-                             "the pipeline does not carry between stages yet: train it without pipe, or keep the "
-                             "statistics out of the pipelined model (e.g. LayerNorm instead of BatchNorm)")
-        if self._grad_fn is not None and self._grad_fn.uses_pipe and state.fp8 is not None and state.layout is not None:
-            raise ValueError("this state has fp8 meta state (a dot=fp8 policy) and a multi-chunk stage layout, which "
-                             "the pipeline does not carry yet: use a one-chunk schedule (gpipe, 1f1b, zb), or "
-                             "dot=fp8_current (no state)")
-        if state.layout is not None and not (self._grad_fn is not None and self._grad_fn.uses_pipe):
-            raise ValueError(f"the state's params are in a pipeline schedule's stage layout (state.layout="
-                             f"{state.layout!r}), which this step would read as model order: step it with the "
-                             "jp.pipeline.Pipeline it was built for (make_train_step / make_eval_step(pipeline)), "
-                             "or convert it first with jp.train.to_model_order(state)")
+        gr.check_parts(state, self._grad_fn, self._batches.mesh)
 
     def _prepare(self, state: TrainState, batch: Any, concrete: bool) -> Any:
         b = self._batches
@@ -404,7 +404,7 @@ class Step:
         if first:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-                params = fp8.merge(state.params, state.fp8)
+                params = carry.merge(state.params, state.carried)
                 g.check(abstract(params), _cast_inputs(state.policy, abstract(batch)), _context(
                     b.mesh, b.rules, state, param_specs(params)))
             elif self._loss_fn is not None:
@@ -459,7 +459,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         carrying it, an NNX module class; the built-in GPT, Llama and MLP do: :mod:`jaxpar.protocol`).
         Why: XLA's partitioner (jax 0.10.2) can give wrong gradients for a model whose activations carry no
         sharding constraints, params on ``fsdp`` and ``tensor``, batch on ``(data, fsdp)``
-        (:func:`jaxpar._compat.fsdp_gather_spec`). Cost: the gathered weights live for the whole step (ZeRO-2-like
+        (:func:`jaxpar._compat.gathers_fsdp_weights`). Cost: the gathered weights live for the whole step (ZeRO-2-like
         param memory; gradients and optimizer state stay sharded). False: never (a model that constrains its
         batch axis, its ``model.loss`` wrapped in a lambda); True: always. For a ``loss_fn`` or
         ``jp.grads.value_and_grad`` (with accumulation); a ``jp.pipeline.Pipeline`` places its own weights
@@ -484,7 +484,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         positive int; a mesh with ``pipe > 1`` and no pipeline.
       ValueError (first call, before tracing): a state in a stage layout (``state.layout``) for a gradient
         function that is not a pipeline, or in another schedule's layout than the pipeline's. (First call or
-        lower, traced, before running): an fp8 policy and no fp8 matmul in the program (``jp.fp8.check_program``).
+        lower, traced, before running): a precision feature's own check of the traced program fails (:func:`jaxpar.precision.policy.check_program`).
     """
     _check_common(mesh, rules)
     rules = shd.with_batch_axis(rules, batch_axis)
@@ -497,16 +497,16 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
         scale = scaling.loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
-        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
-            shardings[0].params, shardings[0].fp8))), gather_weights, grad_fn)
-        params = fp8.merge(state.params, state.fp8)   # the fp8 meta state's "gradient" is its new value
-        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
+        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(carry.merge(
+            shardings[0].params, shardings[0].carried))), gather_weights, grad_fn)
+        params = carry.merge(state.params, state.carried)   # carried state's "gradient" is its new value
+        with jax.named_scope("forward_backward"), placement.audit_activation_names(mesh, rules), precision.using(state.policy):
             out = grad_fn(params, _cast_inputs(state.policy, batch), rng, scale, ctx)
         carried = ctx.stateful and grad_fn.carries_model_state
         loss, aux, grads, model_state = _check_grad_output(out, params, grad_fn, carried)
-        grads, new_fp8 = fp8.split(grads)
+        grads, new = carry.split(grads)
         with jax.named_scope("optimizer_update"):
-            state = _apply_update(tx, state, grads).replace(fp8=new_fp8)
+            state = _apply_update(tx, state, grads).replace(carried=carry.apply(state.carried, new))
         if carried:
             state = state.replace(model_state=model_state)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads) / scale, **aux, **_scale_metrics(scale, state.opt_state)}
@@ -514,7 +514,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
 
     jitted = MeshJit(_step, mesh, rules, lambda s, b: (s, shd.replicated(mesh)), pass_shardings=True,
                      donate_argnums=(0,) if donate else (), track=lambda out: out[1],  # metrics: state is donated
-                     check_program=lambda jaxpr, state, batch: fp8.check_program(jaxpr, state.policy))
+                     check_program=lambda jaxpr, state, batch: precision.check_program(jaxpr, state.policy))
     return Step(jitted, Batches(mesh, rules), grad_fn, _check_batch_fn(check_batch, grad_fn), tx)
 
 
@@ -567,11 +567,11 @@ def make_eval_step(loss_fn: LossFn | GradFn, *, mesh: Mesh, rules: shd.Rules = s
     gather_weights = gr.check_gather_weights(gather_weights, grad_fn)
 
     def _eval(shardings: tuple, state: TrainState, batch: Any):
-        params = fp8.merge(state.params, state.fp8)
+        params = carry.merge(state.params, state.carried)
         params = params if state.policy is None else state.policy.cast_to_compute(params)
-        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
-            shardings[0].params, shardings[0].fp8))), gather_weights, plain, grad_fn)
-        with placement.audit_activation_names(mesh, rules), fp8.using(state.policy):
+        ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(carry.merge(
+            shardings[0].params, shardings[0].carried))), gather_weights, plain, grad_fn)
+        with placement.audit_activation_names(mesh, rules), precision.using(state.policy):
             loss, aux = gr.check_loss_output(loss_fn(gr.gather_weights(params, ctx), _cast_inputs(
                 state.policy, batch), jax.random.fold_in(state.rng, state.step), ctx))
         return {"loss": loss.astype(jnp.float32), **aux}

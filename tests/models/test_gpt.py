@@ -34,7 +34,7 @@ from helpers import RTOL, SMALL_GPT, SMALL_GPT_VARIANT, assert_scalar_close, ass
 
 import jaxpar as jp
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.models.gpt import causal_attention
+from jaxpar.layers.attention import causal_attention
 
 
 BASE = GPTConfig(vocab_size=37, vocab_multiple=64, num_layers=2, num_heads=4, d_model=32, max_seq_len=16)

@@ -27,7 +27,7 @@ from transformers import LlamaForCausalLM
 
 import jaxpar as jp
 from jaxpar.models import Llama, LlamaConfig, hf
-from jaxpar.models import llama as llama_module
+from jaxpar.models import decoder as decoder_module
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -183,7 +183,7 @@ def test_kv_heads_rule_first_splits_them_and_a_later_one_is_still_warned_of(mesh
     import warnings
     model, mesh = Llama(SMALL_LLAMA), mesh_factory(data=4, tensor=2)
     batch = jp.train.shard_batch(gpt_batch(np.random.default_rng(5), 8, SMALL_LLAMA), mesh)
-    llama_module._WARNED.clear()
+    decoder_module._WARNED.clear()
     for rules, split in ((( ("kv_heads", "tensor"),) + jp.sharding.DEFAULT_RULES, True),
                          (jp.sharding.DEFAULT_RULES + (("kv_heads", "tensor"),), False)):
         state = jp.train.init_state(model.init, optax.sgd(0.1), 0, mesh=mesh, rules=rules)

@@ -12,6 +12,7 @@ come back through ``from_stage_layout``. For the GPT the reference is ``model.lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -31,7 +32,7 @@ from jaxpar.models import GPT
 D, FF, S, C, MB = 16, 32, 4, 8, 4          # model width, hidden width, sequence, head outputs, microbatch rows
 
 
-SCHEDULES = {"gpipe": jp.pipeline.gpipe, "1f1b": jp.pipeline.one_f_one_b}
+SCHEDULES = {name: functools.partial(jp.pipeline.build, name) for name in ("gpipe", "1f1b")}
 
 
 MESHES = {"d2p2t2": {"data": 2, "pipe": 2, "tensor": 2}, "d2p4": {"data": 2, "pipe": 4},
@@ -109,7 +110,7 @@ def run_user_stage(schedule, mesh, seed=0, stash="residuals"):
     return (loss, (jp.pipeline.from_stage_layout(jax.device_get(g_stage), schedule), g_head, g_x)), ref
 
 
-BUILD = {"zb": jp.pipeline.zero_bubble, "zbv": jp.pipeline.zero_bubble_v}
+BUILD = {name: functools.partial(jp.pipeline.build, name) for name in ("zb", "zbv")}
 
 
 # ------------------------------------------------------------------------------------- the GPT, train step

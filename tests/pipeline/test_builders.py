@@ -3,6 +3,7 @@ their figures over grids of (p, m), and the builders' argument checks."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -22,7 +23,7 @@ P = jp.pipeline
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
 
 
-BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+BUILDERS = {name: functools.partial(jp.pipeline.build, name) for name in ("gpipe", "1f1b")}
 
 
 def _valid_for(name, p, m):
@@ -259,10 +260,9 @@ def test_dualpipe_v_bubble_and_stash_over_a_grid():
 
 # -------------------------------------------------------------------------------- every builder's arguments
 
-ALL_BUILDERS = {"gpipe": lambda p, m: P.gpipe(p, m), "one_f_one_b": lambda p, m: P.one_f_one_b(p, m),
-            "interleaved_1f1b": lambda p, m: P.interleaved_1f1b(p, m, np.int16(2)),
-            "zero_bubble": lambda p, m: P.zero_bubble(p, m), "zero_bubble_v": lambda p, m: P.zero_bubble_v(p, m),
-            "dualpipe_v": lambda p, m: P.dualpipe_v(p, m)}
+# every registered schedule (interleaved with a numpy chunk count)
+ALL_BUILDERS = {name: functools.partial(P.build, name, **({"num_chunks": np.int16(2)} if name == "interleaved" else {}))
+                for name in P.SCHEDULES}
 
 
 @pytest.mark.parametrize("name", list(ALL_BUILDERS))
@@ -304,3 +304,23 @@ def test_builders_bound_the_table_size(build, match):
     with pytest.raises(ValueError, match=match + r".*MAX_TABLE_ENTRIES\); use fewer stages or fewer, larger "
                                                  r"microbatches"):
         build()
+
+
+# ----------------------------------------------------------------------------------------------- the registry
+
+def test_build_covers_every_registered_name_and_refuses_an_unknown_one():
+    """``jp.pipeline.build(name, p, m)`` is the registered builder's table for every name of ``SCHEDULES`` (the
+    command lines' names among them); an unknown name or option is refused naming what is valid."""
+    assert {"gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"} <= set(P.SCHEDULES)
+    for name, builder in P.SCHEDULES.items():
+        got = P.build(name, 2, 4)
+        assert isinstance(got, P.Schedule) and (got.num_stages, got.num_microbatches) == (2, 4), name
+        assert got.table == builder(2, 4).table, name
+    assert P.build("interleaved", 2, 8, num_chunks=4).table == P.interleaved_1f1b(2, 8, 4).table
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'pipedream'; use one of \['1f1b', 'dualpipev', "
+                                         r"'gpipe', 'interleaved', 'zb', 'zbv'\]"):
+        P.build("pipedream", 2, 4)
+    with pytest.raises(TypeError, match=r"schedule 'gpipe' \(gpipe\) takes no option num_chunks; its options: none"):
+        P.build("gpipe", 2, 4, num_chunks=2)
+    with pytest.raises(ValueError, match=r"1F1B needs num_microbatches >= num_stages"):
+        P.build("1f1b", 4, 2)

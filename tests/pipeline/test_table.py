@@ -14,13 +14,11 @@ from helpers import SMALL_GPT, gpt_batch
 
 import jaxpar as jp
 from jaxpar.models import GPT
-from jaxpar.pipeline import gpipe, one_f_one_b
 from jaxpar.pipeline.table import control_table
 
 
-# every builder, at the (p, m) cases below (interleaved with 2 chunks, m a multiple of p)
-TABLES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": lambda p, m: jp.pipeline.interleaved_1f1b(p, m, 2),
-          "zb-h1": jp.pipeline.zero_bubble, "zb-v": jp.pipeline.zero_bubble_v, "dualpipev": jp.pipeline.dualpipe_v}
+# every registered builder, at the (p, m) cases below (interleaved with its default 2 chunks, m a multiple of p)
+TABLES = jp.pipeline.SCHEDULES
 
 
 TABLE_CASES = [(1, 3), (2, 2), (2, 8), (3, 6), (4, 4), (4, 8)]

@@ -155,7 +155,7 @@ def test_bad_inputs_raise_before_compiling(no_compiling, mesh_shape, kwargs, exc
 
 
 def test_bad_models_and_schedules_raise_before_compiling(no_compiling):
-    with pytest.raises(TypeError, match="model_config must be a jaxpar.models.GPTConfig, got dict"):
+    with pytest.raises(TypeError, match="model_config must be a model of the protocol .* got dict"):
         jp.plan.plan(dict(d_model=32), dict(data=8), global_batch=8, seq_len=16)
     with pytest.raises(ValueError, match="tensor=16 would span hosts of 8 GPUs"):
         jp.plan.plan(GPTConfig(num_heads=16, d_model=256, num_layers=2), dict(tensor=16), global_batch=8, seq_len=16)
@@ -226,3 +226,28 @@ def test_context_counts_in_the_estimate_and_the_compiled_plan():
     assert planned.collectives["collective-permute"]["context"] > 0, planned.collectives
     with pytest.raises(ValueError, match=r"seq_len 1022 is not divisible by 2 x context = 4"):
         jp.plan.estimate(cfg, dict(data=4, context=2), global_batch=8, seq_len=1022)
+
+
+def test_estimate_takes_a_model_and_a_tx():
+    """A model of the protocol stands for its config, and ``tx`` replaces the default AdamW: plain SGD keeps no
+    optimizer state, AdamW two moments of the params' bytes."""
+    import optax
+    sizes, kw = dict(data=2, fsdp=2, tensor=2), dict(global_batch=8, seq_len=16)
+    default = jp.plan.estimate(TINY, sizes, **kw)
+    assert jp.plan.estimate(jp.models.GPT(TINY), sizes, **kw) == default
+    sgd = jp.plan.estimate(jp.models.GPT(TINY), sizes, tx=optax.sgd(0.1), **kw)
+    assert sgd["memory"]["opt_state"] == 0 < default["memory"]["opt_state"]
+    assert math.isclose(default["memory"]["opt_state"], 2 * default["memory"]["params"], rel_tol=0.01)
+    assert {k: v for k, v in sgd["memory"].items() if k != "opt_state"} == \
+        {k: v for k, v in default["memory"].items() if k != "opt_state"}
+
+
+def test_a_llama_is_planned_like_any_decoder():
+    """Not only the GPT: the planner builds the step of the model a LlamaConfig builds (its state holds the Llama's
+    params)."""
+    cfg = jp.models.LlamaConfig(vocab_size=61, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_mlp=64,
+                                max_seq_len=16)
+    model, _, _, state = jp.plan.build_step(cfg, jp.plan.planning_mesh(dict(data=2, fsdp=2, tensor=2), 8))
+    assert isinstance(model, jp.models.Llama) and "k_kernel" in state.params["blocks"]
+    est = jp.plan.estimate(cfg, dict(data=2, fsdp=2, tensor=2), global_batch=8, seq_len=16)
+    assert est["memory"]["params"] > 0 and est["fits"]

@@ -1,6 +1,8 @@
 """Hugging Face checkpoints in and out: ``load(dir) -> (model, params)`` and ``save(dir, model, params)``.
 
-* :mod:`jaxpar.models.hf.checkpoint`: load and save, and the weight tables of each family.
+* :mod:`jaxpar.models.hf.checkpoint`: load and save, dispatching on the family through its weight adapter.
+* :mod:`jaxpar.models.hf.gpt2`, :mod:`jaxpar.models.hf.llama`: one weight adapter per family, built from the
+  readers of :mod:`jaxpar.models.hf.weights`.
 * :mod:`jaxpar.models.hf.config`: ``config.json`` to a model config and back, refusing fields that change
   the computation.
 * :mod:`jaxpar.models.hf.files`: the checkpoint's files read as data (paths confined, dtypes checked) and

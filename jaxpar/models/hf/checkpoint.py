@@ -1,5 +1,7 @@
-"""Hugging Face checkpoints in and out: ``LlamaForCausalLM`` as :class:`jaxpar.models.Llama`, ``GPT2LMHeadModel``
-as :class:`jaxpar.models.GPT` (learned positions, tied embeddings, ``qkv_bias=True``).
+"""Hugging Face checkpoints in and out, for any family with a weight adapter (:data:`ADAPTERS`):
+``LlamaForCausalLM`` as :class:`jaxpar.models.Llama` (:mod:`jaxpar.models.hf.llama`), ``GPT2LMHeadModel`` as
+:class:`jaxpar.models.GPT` (:mod:`jaxpar.models.hf.gpt2`). Load dispatches on ``config.json``'s architecture, save
+on the model's config.
 
 A checkpoint is a directory with ``config.json`` and ``model.safetensors``, or sharded
 ``model-0000i-of-0000n.safetensors`` files with their ``model.safetensors.index.json`` (the layout of
@@ -8,15 +10,6 @@ block of each parameter is read by itself (``jax.make_array_from_callback``), so
 on one device or in host memory at once, and in a multi-process run each process reads only its devices'
 slices. The files are data (:mod:`jaxpar.models.hf.files`): read from inside the directory only, as float32,
 float16 or bfloat16; config fields the models here do not compute are refused (:mod:`jaxpar.models.hf.config`).
-
-Layouts (HF ``nn.Linear`` weights are ``[out, in]``): ``q_proj [H*K, D] -> q_kernel [D, H, K]``, ``k_proj`` /
-``v_proj [G*K, D] -> [D, G, K]``, ``o_proj [D, H*K] -> out_kernel [H, K, D]``, ``gate/up_proj [F, D] -> [D, F]``,
-``down_proj [D, F] -> [F, D]``, ``lm_head [V, D] -> head/kernel [D, V]``, layers stacked on a leading axis, the
-vocabulary padded with zero rows to ``vocab_multiple``. GPT-2's ``Conv1D`` weights are ``[in, out]`` already:
-``c_attn [D, 3*H*K]`` (columns q | k | v) ``-> qkv_kernel [D, H, 3, K]``, ``c_attn.bias -> qkv_bias [H, 3, K]``,
-``attn.c_proj [H*K, D] -> out_kernel [H, K, D]``, ``c_fc``/``mlp.c_proj`` as they are. HF's ``q_proj``/``k_proj`` rows are already in the
-half-rotation order jaxpar's rotary embedding uses (``transformers``' ``convert_llama_weights_to_hf`` permutes
-Meta's interleaved pairs), so they are copied as they are.
 
 Needs the optional ``safetensors`` package (``pip install 'jaxpar[hf]'``).
 """
@@ -27,167 +20,43 @@ import math
 import os
 import re
 import shutil
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxpar.models.hf import files as hf_files
+from jaxpar.models.hf import gpt2, llama
+from jaxpar.models.hf.config import _arch, _read_config
+from jaxpar.models.hf.files import INDEX, SINGLE, Reader
+from jaxpar.models.hf.weights import Adapter, span
 from jaxpar.precision import fp8
 from jaxpar.sharding import rules as shd
-from jaxpar.models.hf import files as hf_files
-from jaxpar.models.gpt import GPT, GPTConfig
-from jaxpar.models.hf.config import _arch, _hf_config, _read_config, gpt2_config, llama_config
-from jaxpar.models.hf.files import INDEX, SINGLE, Reader
-from jaxpar.models.llama import Llama, LlamaConfig
 
 # buffers some checkpoints carry that are not weights: rotary frequencies, GPT-2's causal mask
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
-
-def _span(s: slice, n: int) -> tuple[int, int]:
-    start, stop, step = s.indices(n)
-    assert step == 1
-    return start, stop
+ADAPTERS = {adapter.model_type: adapter for adapter in (llama.ADAPTER, gpt2.ADAPTER)}
+"""The weight adapter of each family, by ``config.json``'s ``model_type``."""
 
 
-# A leaf's reader: (reader, index tuple of the jaxpar leaf) -> numpy block. Built per leaf below.
-def _linear(name: Callable[[int], str], view: tuple[int, ...], rows: int, out_axes: tuple[int, ...],
-            layers: int | None):
-    """A jaxpar leaf that is ``HF[out, in]`` (or a stack over layers of them) reshaped to ``view``: its first
-    ``rows`` axes split the HF rows, the rest the columns; the leaf is ``view`` with view axis ``a`` as leaf axis
-    ``out_axes[a]``. A block reads the contiguous rows and columns covering it, then cuts the inner axes."""
-    def covering(vsl: list[slice], dims: tuple[int, ...]) -> slice:
-        lo, hi = _span(vsl[0], dims[0])
-        inner = math.prod(dims[1:])
-        return slice(lo * inner, hi * inner)
+def _adapter_of(model: Any) -> Adapter:
+    """The adapter whose config class is the model's config's.
 
-    def read(reader: Reader, index: tuple[slice, ...], layer: int) -> np.ndarray:
-        idx = index[1:] if layers is not None else index
-        vsl = [idx[out_axes[a]] for a in range(len(view))]
-        r, c = covering(vsl[:rows], view[:rows]), covering(vsl[rows:], view[rows:])
-        lead_r, lead_c = _span(vsl[0], view[0]), _span(vsl[rows], view[rows])
-        shape = (lead_r[1] - lead_r[0],) + view[1:rows] + (lead_c[1] - lead_c[0],) + view[rows + 1:]
-        block = reader.read(name(layer), r, c).reshape(shape)
-        cut = (slice(None),) + tuple(vsl[1:rows]) + (slice(None),) + tuple(vsl[rows + 1:])
-        return np.transpose(block[cut], np.argsort(out_axes))
-
-    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
-        if layers is None:
-            return read(reader, index, 0)
-        lo, hi = _span(index[0], layers)
-        return np.stack([read(reader, index, i) for i in range(lo, hi)])
-    return leaf
-
-
-def _vector(name: Callable[[int], str], layers: int | None):
-    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
-        if layers is None:
-            return reader.read(name(0), index[0])
-        lo, hi = _span(index[0], layers)
-        return np.stack([reader.read(name(i), index[1]) for i in range(lo, hi)])
-    return leaf
-
-
-def _vocab_rows(name: str, vocab: int, transpose: bool):
-    """``[V, D]`` HF table as the padded ``[Vp, D]`` (or, ``transpose``, ``[D, Vp]``) leaf; padding rows are 0."""
-    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
-        vsl, dsl = (index[1], index[0]) if transpose else index
-        lo, hi = vsl.start or 0, vsl.stop
-        d0, d1 = _span(dsl, reader.shape(name)[1])
-        out = np.zeros((hi - lo, d1 - d0), np.float32)
-        if lo < vocab:
-            out[: min(hi, vocab) - lo] = reader.read(name, slice(lo, min(hi, vocab)), slice(d0, d1))
-        return out.T if transpose else out
-    return leaf
-
-
-def _small(name: Callable[[int], str], transform: Callable[[np.ndarray], np.ndarray], layers: int | None):
-    """A small leaf (a bias) read whole, reshaped by ``transform``, then cut to the block."""
-    def leaf(reader: Reader, index: tuple[slice, ...]) -> np.ndarray:
-        if layers is None:
-            return transform(reader.read(name(0), slice(None)))[index]
-        lo, hi = _span(index[0], layers)
-        return np.stack([transform(reader.read(name(i), slice(None)))[index[1:]] for i in range(lo, hi)])
-    return leaf
-
-
-def _llama_leaves(cfg: LlamaConfig, prefix: str) -> dict:
-    N, D, H, G, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_mlp
-    lay = lambda suffix: (lambda i: f"model.layers.{i}.{suffix}")
-    blocks = {
-        "attn_norm_scale": _vector(lay("input_layernorm.weight"), N),
-        "mlp_norm_scale": _vector(lay("post_attention_layernorm.weight"), N),
-        # leaf [D, H, K] from view [H, K, D]: view axes (H, K, D) are leaf axes (1, 2, 0)
-        "q_kernel": _linear(lay("self_attn.q_proj.weight"), (H, K, D), 2, (1, 2, 0), N),
-        "k_kernel": _linear(lay("self_attn.k_proj.weight"), (G, K, D), 2, (1, 2, 0), N),
-        "v_kernel": _linear(lay("self_attn.v_proj.weight"), (G, K, D), 2, (1, 2, 0), N),
-        # leaf [H, K, D] from view [D, H, K]: (D, H, K) -> leaf axes (2, 0, 1)
-        "out_kernel": _linear(lay("self_attn.o_proj.weight"), (D, H, K), 1, (2, 0, 1), N),
-        "gate_kernel": _linear(lay("mlp.gate_proj.weight"), (F, D), 1, (1, 0), N),
-        "up_kernel": _linear(lay("mlp.up_proj.weight"), (F, D), 1, (1, 0), N),
-        "down_kernel": _linear(lay("mlp.down_proj.weight"), (D, F), 1, (1, 0), N),
-    }
-    head = {"norm_scale": _vector(lambda i: "model.norm.weight", None)}
-    if not cfg.tie_embeddings:
-        head["kernel"] = _vocab_rows("lm_head.weight", cfg.vocab_size, transpose=True)
-    return {"embed": {"embedding": _vocab_rows("model.embed_tokens.weight", cfg.vocab_size, transpose=False)},
-            "blocks": blocks, "head": head}
-
-
-def _gpt2_leaves(cfg: GPTConfig, prefix: str) -> dict:
-    N, D, H, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
-    lay = lambda suffix: (lambda i: f"{prefix}h.{i}.{suffix}")
-    one = lambda suffix: (lambda i: prefix + suffix)
-    blocks = {
-        "ln1_scale": _vector(lay("ln_1.weight"), N), "ln1_bias": _vector(lay("ln_1.bias"), N),
-        "ln2_scale": _vector(lay("ln_2.weight"), N), "ln2_bias": _vector(lay("ln_2.bias"), N),
-        # leaf [D, H, 3, K] from view [D, 3, H, K] (Conv1D [in, out], out = q | k | v)
-        "qkv_kernel": _linear(lay("attn.c_attn.weight"), (D, 3, H, K), 1, (0, 2, 1, 3), N),
-        "qkv_bias": _small(lay("attn.c_attn.bias"), lambda b: b.reshape(3, H, K).transpose(1, 0, 2), N),
-        "out_kernel": _linear(lay("attn.c_proj.weight"), (H, K, D), 2, (0, 1, 2), N),
-        "out_bias": _vector(lay("attn.c_proj.bias"), N),
-        "up_kernel": _linear(lay("mlp.c_fc.weight"), (D, F), 1, (0, 1), N), "up_bias": _vector(lay("mlp.c_fc.bias"), N),
-        "down_kernel": _linear(lay("mlp.c_proj.weight"), (F, D), 1, (0, 1), N),
-        "down_bias": _vector(lay("mlp.c_proj.bias"), N),
-    }
-    head = {"ln_scale": _vector(one("ln_f.weight"), None), "ln_bias": _vector(one("ln_f.bias"), None)}
-    if not cfg.tie_embeddings:
-        head["kernel"] = _vocab_rows("lm_head.weight", cfg.vocab_size, transpose=True)
-    return {"embed": {"embedding": _vocab_rows(prefix + "wte.weight", cfg.vocab_size, transpose=False),
-                      "pos_embedding": _linear(one("wpe.weight"), (cfg.max_seq_len, D), 1, (0, 1), None)},
-            "blocks": blocks, "head": head}
-
-
-def _hf_shapes(cfg: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
-    """Every tensor of the HF checkpoint of ``cfg`` and its shape."""
-    D, H, K, V = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.vocab_size
-    if isinstance(cfg, LlamaConfig):
-        G, F = cfg.num_kv_heads, cfg.d_mlp
-        want = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-        per = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-               "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
-               "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K),
-               "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
-        layer = "model.layers."
-    else:
-        F = cfg.mlp_dim
-        want = {prefix + "wte.weight": (V, D), prefix + "wpe.weight": (cfg.max_seq_len, D),
-                prefix + "ln_f.weight": (D,), prefix + "ln_f.bias": (D,)}
-        per = {"ln_1.weight": (D,), "ln_1.bias": (D,), "ln_2.weight": (D,), "ln_2.bias": (D,),
-               "attn.c_attn.weight": (D, 3 * H * K), "attn.c_attn.bias": (3 * H * K,),
-               "attn.c_proj.weight": (H * K, D), "attn.c_proj.bias": (D,), "mlp.c_fc.weight": (D, F),
-               "mlp.c_fc.bias": (F,), "mlp.c_proj.weight": (F, D), "mlp.c_proj.bias": (D,)}
-        layer = prefix + "h."
-    if not cfg.tie_embeddings:
-        want["lm_head.weight"] = (V, D)
-    for i in range(cfg.num_layers):
-        want.update({f"{layer}{i}.{k}": v for k, v in per.items()})
-    return want
+    Raises:
+      ValueError: a model of no family with a Hugging Face adapter.
+    """
+    cfg = getattr(model, "cfg", None)
+    for adapter in ADAPTERS.values():
+        if type(cfg) is adapter.config_type and isinstance(model, adapter.model):
+            return adapter
+    names = " or ".join(a.model.__name__ for a in ADAPTERS.values())
+    raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.{names}, got {type(model).__name__}")
 
 
 def _fix_index(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(*_span(s, n)) for s, n in zip(index, shape))
+    return tuple(slice(*span(s, n)) for s, n in zip(index, shape))
 
 
 def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_RULES, dtype: Any = None,
@@ -221,16 +90,12 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     """
     hf_files.recover(path_or_dir)
     hf_cfg = _read_config(path_or_dir)
-    if _arch(hf_cfg) == "llama":
-        cfg = llama_config(hf_cfg, **config_overrides)
-        model, leaves = Llama(cfg), _llama_leaves
-    else:
-        cfg = gpt2_config(hf_cfg, **config_overrides)
-        model, leaves = GPT(cfg), _gpt2_leaves
+    adapter = ADAPTERS[_arch(hf_cfg)]
+    cfg = adapter.from_hf(hf_cfg, **config_overrides)
+    model = adapter.model(cfg)
     reader = Reader(path_or_dir)
-    # GPT-2 checkpoints name their tensors "transformer.h.0..." (save_pretrained) or "h.0..." (the original ones)
-    prefix = "transformer." if isinstance(cfg, GPTConfig) and "transformer.wte.weight" in reader.files else ""
-    expected = _hf_shapes(cfg, prefix)
+    prefix = adapter.prefix(reader.files)
+    expected = adapter.hf_shapes(cfg, prefix)
     for name, shape in expected.items():
         got = reader.shape(name)
         if got != shape:
@@ -255,7 +120,7 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     def make(leaf_fn, shape, sharding):
         cb = lambda index: np.asarray(leaf_fn(reader, _fix_index(index, shape)), out_dtype)
         return jax.make_array_from_callback(shape, sharding, cb)
-    params = jax.tree.map(make, leaves(cfg, prefix), shapes, shardings,
+    params = jax.tree.map(make, adapter.leaves(cfg, prefix), shapes, shardings,
                           is_leaf=lambda x: callable(x) or isinstance(x, tuple))
     return model, params
 
@@ -291,50 +156,6 @@ def _shapes(boxed: dict) -> dict:
     return jax.tree.map(lambda b: tuple(b.value.shape) if is_box(b) else tuple(b.shape), boxed, is_leaf=is_box)
 
 
-def _export(cfg: Any, params: dict) -> dict[str, Callable[[], np.ndarray]]:
-    """Each HF tensor of ``params`` as a thunk (so a shard's tensors are gathered to the host one shard at a time)."""
-    host = lambda a: np.asarray(jax.device_get(a), np.float32)
-    V, D, b = cfg.vocab_size, cfg.d_model, params["blocks"]
-    lay = lambda k, i: (lambda: host(b[k][i]))
-    if isinstance(cfg, LlamaConfig):
-        out = {"model.embed_tokens.weight": lambda: host(params["embed"]["embedding"])[:V],
-               "model.norm.weight": lambda: host(params["head"]["norm_scale"])}
-        for i in range(cfg.num_layers):
-            p, L = f"model.layers.{i}.", (lambda k, i=i: host(b[k][i]))
-            out.update({
-                p + "input_layernorm.weight": lay("attn_norm_scale", i),
-                p + "post_attention_layernorm.weight": lay("mlp_norm_scale", i),
-                p + "self_attn.q_proj.weight": lambda L=L: L("q_kernel").reshape(D, -1).T,
-                p + "self_attn.k_proj.weight": lambda L=L: L("k_kernel").reshape(D, -1).T,
-                p + "self_attn.v_proj.weight": lambda L=L: L("v_kernel").reshape(D, -1).T,
-                p + "self_attn.o_proj.weight": lambda L=L: L("out_kernel").reshape(-1, D).T,
-                p + "mlp.gate_proj.weight": lambda L=L: L("gate_kernel").T,
-                p + "mlp.up_proj.weight": lambda L=L: L("up_kernel").T,
-                p + "mlp.down_proj.weight": lambda L=L: L("down_kernel").T})
-    else:
-        t = "transformer."
-        out = {t + "wte.weight": lambda: host(params["embed"]["embedding"])[:V],
-               t + "wpe.weight": lambda: host(params["embed"]["pos_embedding"]),
-               t + "ln_f.weight": lambda: host(params["head"]["ln_scale"]),
-               t + "ln_f.bias": lambda: host(params["head"]["ln_bias"])}
-        for i in range(cfg.num_layers):
-            p, L = f"{t}h.{i}.", (lambda k, i=i: host(b[k][i]))
-            qkv_bias = (lambda L=L: L("qkv_bias").transpose(1, 0, 2).reshape(-1)) if cfg.qkv_bias else \
-                (lambda: np.zeros(3 * cfg.num_heads * cfg.head_dim, np.float32))
-            out.update({
-                p + "ln_1.weight": lay("ln1_scale", i), p + "ln_1.bias": lay("ln1_bias", i),
-                p + "ln_2.weight": lay("ln2_scale", i), p + "ln_2.bias": lay("ln2_bias", i),
-                p + "attn.c_attn.weight": lambda L=L: L("qkv_kernel").transpose(0, 2, 1, 3).reshape(D, -1),
-                p + "attn.c_attn.bias": qkv_bias,
-                p + "attn.c_proj.weight": lambda L=L: L("out_kernel").reshape(-1, D),
-                p + "attn.c_proj.bias": lay("out_bias", i),
-                p + "mlp.c_fc.weight": lay("up_kernel", i), p + "mlp.c_fc.bias": lay("up_bias", i),
-                p + "mlp.c_proj.weight": lay("down_kernel", i), p + "mlp.c_proj.bias": lay("down_bias", i)})
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = lambda: host(params["head"]["kernel"])[:, :V].T
-    return out
-
-
 # files of a checkpoint directory that save() writes (others, e.g. a tokenizer's, are kept)
 _WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json)$")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -367,12 +188,9 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
         than its config's, ``dir`` an existing file, ``like`` not a checkpoint directory, a file to carry over
         that is a link out of its directory.
     """
-    if not isinstance(model, GPT):
-        raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.Llama or GPT, got {type(model).__name__}")
+    adapter = _adapter_of(model)
     cfg = model.cfg
-    if isinstance(cfg, GPTConfig) and cfg.positions != "learned":
-        raise ValueError("a GPT with positions='rotary' has no GPT-2 checkpoint (GPT-2 learns its positions); "
-                         "save a GPTConfig(positions='learned') model")
+    adapter.check_save(cfg)
     dir = os.path.realpath(dir)   # a link to a checkpoint stays a link: the save goes to (and swaps) its target
     hf_files.recover(dir)
     if os.path.exists(dir) and not os.path.isdir(dir):
@@ -381,8 +199,8 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     from safetensors.numpy import save_file
     params = nn.meta.unbox(params)   # model.init's Flax-boxed params are accepted as they are
     _check_shapes(_abstract_init(model)[0], params)
-    tensors = _export(cfg, params)
-    shapes = _hf_shapes(cfg, "transformer." if isinstance(cfg, GPTConfig) else "")
+    tensors = adapter.export(cfg, params)
+    shapes = adapter.hf_shapes(cfg, adapter.save_prefix)
     sizes = {k: 4 * math.prod(shapes[k]) for k in tensors}
     shards, current, total = [], [], 0
     for k in tensors:
@@ -416,7 +234,7 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
                      "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
             hf_files.write_json(os.path.join(tmp, INDEX), index)
         hf_files.write_json(os.path.join(tmp, "config.json"),
-                    {**_hf_config(cfg), **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
+                    {**adapter.to_hf(cfg), **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
         hf_files.swap_in(tmp, os.path.join(parent, base))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -174,13 +174,17 @@ def llama_config(hf: dict, **overrides: Any) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-def _hf_config(cfg: Any) -> dict:
-    if isinstance(cfg, GPTConfig):
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-                "n_embd": cfg.d_model, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
-                "n_inner": cfg.mlp_dim, "n_positions": cfg.max_seq_len, "activation_function": "gelu_new",
-                "layer_norm_epsilon": 1e-5, "tie_word_embeddings": cfg.tie_embeddings,
-                "initializer_range": cfg.init_std, "scale_attn_weights": True, "torch_dtype": "float32"}
+def gpt2_hf_config(cfg: GPTConfig) -> dict:
+    """The ``config.json`` (a dict) of a GPT's ``GPT2LMHeadModel`` checkpoint."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_embd": cfg.d_model, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+            "n_inner": cfg.mlp_dim, "n_positions": cfg.max_seq_len, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std, "scale_attn_weights": True, "torch_dtype": "float32"}
+
+
+def llama_hf_config(cfg: LlamaConfig) -> dict:
+    """The ``config.json`` (a dict) of a Llama's ``LlamaForCausalLM`` checkpoint."""
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.num_layers,
            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,

@@ -1,0 +1,307 @@
+"""The decoder's Linen modules: token embedding, one pre-norm block and the head, each shaped by the family's
+:class:`Architecture` (:mod:`jaxpar.models.decoder` runs them as pure functions over one params tree).
+
+Shape legend (suffixes in variable names): B batch, L sequence, D embed (``d_model``), H query heads, G key/value
+heads, K head dim, F MLP width, V padded vocabulary, S cache slots, T tokens (``B * L`` rows).
+
+Speed notes (measured, ``benchmarks/README.md``): matmul operands stay 2-D (``[B * L, D]``), which XLA:CPU's
+backward handles much better than 3-D; LayerNorm and GELU are rematerialised inside :mod:`jaxpar.layers.norms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpar.layers import attention as cp
+from jaxpar.layers.attention import attend
+from jaxpar.layers.norms import gelu, layer_norm, rms_norm, silu
+from jaxpar.layers.rotary import rope
+from jaxpar.layers.per_token import token_names, tokens
+from jaxpar.precision import fp8
+from jaxpar.sharding.rules import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What makes a decoder family: its attention variant, norm, MLP activation and projection biases. Positions
+    (``cfg.positions``: learned or rotary, ``cfg.rotary_freq()`` for scaled frequencies) and the tied head
+    (``cfg.tie_embeddings``) are config fields of their own.
+
+    The parameter names follow from it (checkpoints, weight adapters and pruning read them): the norms are
+    ``ln1``/``ln2``/``ln`` (LayerNorm: ``_scale`` and ``_bias``) or ``attn_norm``/``mlp_norm``/``norm`` (RMSNorm:
+    ``_scale``) before attention, before the MLP and in the head.
+    """
+    attention: str = "mha"   # "mha": one fused [D, H, 3, K] q/k/v kernel (qkv_kernel; qkv_bias when cfg.qkv_bias);
+                             # "gqa": q_kernel [D, H, K], k_kernel / v_kernel [D, G, K] with G = cfg.kv_heads
+    norm: str = "layer"      # "layer": LayerNorm (scale and bias); "rms": RMSNorm (scale; epsilon cfg.norm_eps)
+    mlp: str = "gelu"        # "gelu": down(gelu(up h)); "swiglu": down(silu(gate h) * up h) (Shazeer 2020)
+    bias: bool = True        # biases on the out, gate, up and down projections
+
+    def __post_init__(self):
+        for name, allowed in (("attention", ("mha", "gqa")), ("norm", ("layer", "rms")), ("mlp", ("gelu", "swiglu"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Architecture.{name}={getattr(self, name)!r}; use one of {list(allowed)}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"Architecture.bias={self.bias!r} must be True or False")
+
+    @property
+    def norm_names(self) -> tuple[str, str, str]:
+        """The norms' name prefixes: before attention, before the MLP, in the head."""
+        return ("ln1", "ln2", "ln") if self.norm == "layer" else ("attn_norm", "mlp_norm", "norm")
+
+    @property
+    def qkv_names(self) -> tuple[str, ...]:
+        return ("qkv",) if self.attention == "mha" else ("q", "k", "v")
+
+    @property
+    def mlp_names(self) -> tuple[str, ...]:
+        return ("up", "down") if self.mlp == "gelu" else ("gate", "up", "down")
+
+
+def kv_heads(cfg: Any) -> int:
+    """The key/value heads a block computes and a cache keeps: ``cfg.kv_heads`` under grouped-query attention,
+    else one per query head."""
+    return cfg.kv_heads if cfg.architecture.attention == "gqa" else cfg.num_heads
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, std: float | None):
+    init = nn.initializers.normal(std) if std is not None else (
+        nn.initializers.ones if name.endswith("scale") else nn.initializers.zeros)
+    return module.param(name, nn.with_logical_partitioning(init, names), shape,
+                        jnp.float32 if module.cfg.param_dtype is None else module.cfg.param_dtype)
+
+
+def compute_dtype(cfg: Any, like: jax.Array) -> Any:
+    """The configured compute dtype, or (None) the dtype of ``like``: params already cast by the policy."""
+    return cfg.dtype if cfg.dtype is not None else like.dtype
+
+
+def _norm_params(module: nn.Module, prefix: str) -> dict:
+    D = module.cfg.d_model
+    out = {"scale": _param(module, f"{prefix}_scale", (D,), ("embed",), None)}
+    if module.cfg.architecture.norm == "layer":
+        out["bias"] = _param(module, f"{prefix}_bias", (D,), ("embed",), None)
+    return out
+
+
+def _normalize(cfg: Any, x_BLD: jax.Array, p: dict) -> jax.Array:
+    if cfg.architecture.norm == "layer":
+        return layer_norm(x_BLD, p["scale"], p["bias"])
+    return rms_norm(x_BLD, p["scale"], cfg.norm_eps)
+
+
+class Embed(nn.Module):
+    """Token (and learned position) embedding: ``tokens_BL -> x_BLD``."""
+    cfg: Any
+
+    def setup(self):
+        c = self.cfg
+        self.embedding = _param(self, "embedding", (c.padded_vocab, c.d_model), ("vocab", "embed"), c.init_std)
+        if c.positions == "learned":
+            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("position", "embed"),
+                                        c.init_std / 2)
+
+    def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0,
+                 positions_BL: jax.Array | None = None) -> jax.Array:
+        """``offset``: the position of ``tokens_BL[:, 0]`` (a decode step's; 0 for a whole sequence), an int32 scalar
+        or ``[B]`` (one per row); ``positions_BL`` (int ``[B, L]``, packed documents): each token's own position
+        instead (one out of ``[0, max_seq_len)`` gives NaN: ``jnp.take``'s fill)."""
+        c = self.cfg
+        dtype = compute_dtype(c, self.embedding)
+        # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
+        # is a vocab-parallel gather whose output can take the batch sharding directly.
+        table_VD = constrain(self.embedding.astype(dtype), "vocab", None)
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
+        if c.positions == "learned":
+            L = tokens_BL.shape[1]
+            if positions_BL is not None:
+                # a negative index would wrap to the table's end: send it out of range, so it fills NaN too
+                safe_BL = jnp.where(positions_BL < 0, c.max_seq_len, positions_BL)
+                pos_BLD = jnp.take(self.pos_embedding, safe_BL, axis=0, mode="fill", fill_value=jnp.nan)
+            elif isinstance(offset, int) and offset == 0:   # a context axis: the slots' own positions
+                zz = cp.positions(L)
+                pos_BLD = (self.pos_embedding[:L] if zz is None else jnp.take(self.pos_embedding, zz, axis=0))[None]
+            else:   # per-row offsets (left-padded prompts): padding slots' negative positions clip to 0
+                pos_BL = jnp.clip(jnp.reshape(offset, (-1, 1)) + jnp.arange(L), 0, c.max_seq_len - 1)
+                pos_BLD = jnp.take(self.pos_embedding, pos_BL, axis=0)
+            x_BLD = x_BLD + pos_BLD.astype(dtype)
+        return constrain(x_BLD, "batch", "seq", "embed")
+
+
+class Block(nn.Module):
+    """One pre-norm block ``x_BLD -> x_BLD`` (Megatron split: q/k/v, gate/up by column; out/down by row).
+
+    Params are declared in one order for every family (norm, attention, out, norm, MLP), which fixes each one's
+    initialisation key."""
+    cfg: Any
+
+    def setup(self):
+        c, a = self.cfg, self.cfg.architecture
+        D, H, G, K, F = c.d_model, c.num_heads, kv_heads(c), c.head_dim, c.mlp_dim
+        out_std = c.init_std / math.sqrt(2 * c.num_layers)
+        norm1, norm2, _ = a.norm_names
+        self.norm1 = _norm_params(self, norm1)
+        if a.attention == "mha":
+            w = {"qkv": _param(self, "qkv_kernel", (D, H, 3, K), ("embed", "heads", None, "kv"), c.init_std)}
+            if c.qkv_bias:
+                w["qkv_bias"] = _param(self, "qkv_bias", (H, 3, K), ("heads", None, "kv"), None)
+        else:
+            w = {"q": _param(self, "q_kernel", (D, H, K), ("embed", "heads", "kv"), c.init_std),
+                 "k": _param(self, "k_kernel", (D, G, K), ("embed", "kv_heads", "kv"), c.init_std),
+                 "v": _param(self, "v_kernel", (D, G, K), ("embed", "kv_heads", "kv"), c.init_std)}
+        w["out"] = _param(self, "out_kernel", (H, K, D), ("heads", "kv", "embed"), out_std)
+        if a.bias:
+            w["out_bias"] = _param(self, "out_bias", (D,), ("embed",), None)
+        self.norm2 = _norm_params(self, norm2)
+        shapes = {"gate": ((D, F), ("embed", "mlp"), (F,), ("mlp",), c.init_std),
+                  "up": ((D, F), ("embed", "mlp"), (F,), ("mlp",), c.init_std),
+                  "down": ((F, D), ("mlp", "embed"), (D,), ("embed",), out_std)}
+        for name in a.mlp_names:
+            shape, names, bias_shape, bias_names, std = shapes[name]
+            w[name] = _param(self, f"{name}_kernel", shape, names, std)
+            if a.bias:
+                w[f"{name}_bias"] = _param(self, f"{name}_bias", bias_shape, bias_names, None)
+        self.weights = w
+        self.fp8_meta = fp8.declare(self, a.qkv_names + ("out",) + a.mlp_names)   # None unless dot=fp8
+
+    def declare(self) -> None:
+        """Creates the parameters without running the block (used by ``init``)."""
+        self.weights  # noqa: B018  (touching an attribute runs setup, which declares every param)
+
+    def _dot(self, name: str, x_TD: jax.Array, w_DF: jax.Array) -> jax.Array:   # x_TD @ w_DF (fp8: jaxpar.precision.fp8)
+        return fp8.matmul(x_TD, w_DF, None if self.fp8_meta is None else self.fp8_meta[name])
+
+    def _w(self, name: str, x: jax.Array) -> jax.Array:
+        """A weight in the compute dtype (the configured one, or the activation ``x``'s)."""
+        return self.weights[name].astype(compute_dtype(self.cfg, x))
+
+    def _proj(self, name: str, x_TD: jax.Array, w_DF: jax.Array, x: jax.Array) -> jax.Array:
+        """``x_TD @ w_DF`` plus the projection's bias where the architecture has one."""
+        y = self._dot(name, x_TD, w_DF)
+        return y + self._w(f"{name}_bias", x) if self.cfg.architecture.bias else y
+
+    def _qkv(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The first norm, then ``q [B, L, H, K]`` and ``k, v [B, L, G, K]`` (compute dtype)."""
+        c = self.cfg
+        B, L, D = x_BLD.shape
+        H, K = c.num_heads, c.head_dim
+        h_TD = tokens(_normalize(c, x_BLD, self.norm1))
+        if c.architecture.attention == "mha":
+            qkv_flat = self._dot("qkv", h_TD, self._w("qkv", x_BLD).reshape(D, H * 3 * K))
+            if c.qkv_bias:
+                qkv_flat = qkv_flat + self._w("qkv_bias", x_BLD).reshape(H * 3 * K)
+            qkv = qkv_flat.reshape(B, L, H, 3, K)
+            return tuple(constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
+        w = lambda n: self._w(n, x_BLD).reshape(D, -1)
+        q = constrain(self._dot("q", h_TD, w("q")).reshape(B, L, H, K), "batch", "seq", "heads", "kv")
+        k, v = (self._dot(n, h_TD, w(n)).reshape(B, L, c.kv_heads, K) for n in ("k", "v"))
+        return q, constrain(k, "batch", "seq", "kv_heads", "kv"), constrain(v, "batch", "seq", "kv_heads", "kv")
+
+    def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0,
+                   positions_BL: jax.Array | None = None):
+        """Rotary positions on queries and keys (learned positions: unchanged); row 0 is position ``offset``, or
+        each token is at ``positions_BL`` when given. ``cfg.rotary_freq()``: the inverse frequencies (None:
+        ``rope_base``'s)."""
+        c = self.cfg
+        if c.positions != "rotary":
+            return q_BLHK, k_BLGK
+        freq = c.rotary_freq()
+        return (rope(q_BLHK, c.rope_base, offset, freq, positions_BL),
+                rope(k_BLGK, c.rope_base, offset, freq, positions_BL))
+
+    def _expand_kv(self, t_BLGK: jax.Array) -> jax.Array:
+        """Keys or values for every query head: ``[B, L, G, K] -> [B, L, H, K]``, query head ``h`` reading key/value
+        head ``h // (H // G)`` (HF's ``repeat_kv``); multi-head attention has one per head already."""
+        c = self.cfg
+        if c.architecture.attention == "mha":
+            return t_BLGK
+        rep = c.num_heads // c.kv_heads
+        t = t_BLGK if rep == 1 else jnp.repeat(t_BLGK, rep, axis=2)
+        return constrain(t, "batch", "seq", "heads", "kv")
+
+    def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array) -> jax.Array:
+        """The attention output projection and residual, then the MLP and its residual: ``x_BLD -> x_BLD``."""
+        c = self.cfg
+        B, L, D = x_BLD.shape
+        o_TD = self._proj("out", tokens(a_BLHK), self._w("out", x_BLD).reshape(-1, D), x_BLD)
+        x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
+        h_TD = tokens(_normalize(c, x_BLD, self.norm2))
+        mlp = lambda u_TF: constrain(u_TF, *token_names(), "mlp")
+        if c.architecture.mlp == "gelu":
+            u_TF = mlp(gelu(self._proj("up", h_TD, self._w("up", x_BLD), x_BLD)))
+        else:
+            g_TF = mlp(silu(self._proj("gate", h_TD, self._w("gate", x_BLD), x_BLD)))
+            u_TF = mlp(g_TF * self._proj("up", h_TD, self._w("up", x_BLD), x_BLD))
+        m_TD = self._proj("down", u_TF, self._w("down", x_BLD), x_BLD)
+        return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
+
+    def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+                 positions_BL: jax.Array | None = None) -> jax.Array:
+        """``x_BLD -> x_BLD``; packed documents: attention within each segment of ``segment_ids_BL``, rotary
+        positions from ``positions_BL`` (both int ``[B, L]``, optional)."""
+        q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
+        q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, positions_BL=positions_BL)
+        a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv)
+        a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
+        return self._finish(x_BLD, a_BLHK)
+
+    def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
+               start_B: jax.Array | None = None):
+        """``L`` cache slots ``pos .. pos + L - 1`` of the block with a key/value cache of ``S`` slots:
+        ``(x_BLD, k_BSGK, v_BSGK) -> (x_BLD, k_BSGK, v_BSGK)``, these slots' keys and values written.
+
+        Row ``b``'s sequence starts at slot ``start_B[b]`` (int32 ``[B]``, default 0: left-padded prompts start
+        later), so slot ``t`` is its position ``t - start_B[b]``, and a query at slot ``t`` attends to slots
+        ``start_B[b] <= s <= t`` (float32 logits and softmax, as :func:`jaxpar.layers.attention.causal_attention`).
+        ``L = 1`` is one decode step; ``L > 1`` at ``pos = 0`` is a prompt's prefill in one pass. The cache keeps
+        the G key/value heads.
+        """
+        c = self.cfg
+        B, L, _ = x_BLD.shape
+        S = k_BSGK.shape[1]
+        start_B = jnp.zeros((B,), jnp.int32) if start_B is None else start_B
+        q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
+        q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, pos - start_B)
+        k_BSGK = jax.lax.dynamic_update_slice_in_dim(k_BSGK, k_BLGK.astype(k_BSGK.dtype), pos, axis=1)
+        v_BSGK = jax.lax.dynamic_update_slice_in_dim(v_BSGK, v_BLGK.astype(v_BSGK.dtype), pos, axis=1)
+        k_all, v_all = self._expand_kv(k_BSGK), self._expand_kv(v_BSGK)
+        s_BHLS = jnp.einsum("blhk,bshk->bhls", q_BLHK, k_all.astype(q_BLHK.dtype),
+                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
+        slot_S, slot_L = jnp.arange(S), pos + jnp.arange(L)
+        visible_BLS = (slot_S[None, None, :] <= slot_L[None, :, None]) & (slot_S[None, None, :] >= start_B[:, None, None])
+        p_BHLS = jax.nn.softmax(jnp.where(visible_BLS[:, None], s_BHLS, jnp.finfo(jnp.float32).min / 2), axis=-1)
+        a_BLHK = jnp.einsum("bhls,bshk->blhk", p_BHLS.astype(v_all.dtype), v_all).astype(x_BLD.dtype)
+        return self._finish(x_BLD, a_BLHK), k_BSGK, v_BSGK
+
+
+class Head(nn.Module):
+    """Final norm and unembedding: ``x_BLD -> logits_BLV`` (``output_dtype``)."""
+    cfg: Any
+
+    def setup(self):
+        c = self.cfg
+        self.norm = _norm_params(self, c.architecture.norm_names[2])
+        if not c.tie_embeddings:
+            self.kernel = _param(self, "kernel", (c.d_model, c.padded_vocab), ("embed", "vocab"), c.init_std)
+
+    def declare(self) -> None:
+        """Creates the parameters without running the head (used by ``init``)."""
+        self.norm  # noqa: B018
+
+    def __call__(self, x_BLD: jax.Array, embedding_VD: jax.Array | None = None) -> jax.Array:
+        c = self.cfg
+        B, L, D = x_BLD.shape
+        dtype = compute_dtype(c, x_BLD)
+        h_TD = tokens(_normalize(c, x_BLD, self.norm))
+        if c.tie_embeddings:
+            logits_TV = h_TD @ embedding_VD.astype(dtype).T
+        else:
+            logits_TV = h_TD @ self.kernel.astype(dtype)
+        out_dtype = dtype if c.output_dtype is None else c.output_dtype
+        return constrain(logits_TV.reshape(B, L, -1).astype(out_dtype), "batch", "seq", "vocab")

@@ -1,0 +1,318 @@
+"""The decoder base every built-in decoder family is a configuration of (torchtitan's ``models/common/decoder.py``
+shape): token embedding, ``num_layers`` stacked pre-norm blocks and a head, as pure functions over one params tree
+``{"embed", "blocks", "head"}``, so a pipeline can run the layer stack as stages:
+
+* ``embed(params, tokens_BL) -> x_BLD``
+* ``stage(blocks, x_BLD) -> x_BLD`` over any slice of the stacked ``[layers, ...]`` block params
+* ``head_loss(params, x_BLD, targets_BL) -> (loss, aux)``
+
+A family (:mod:`jaxpar.models.gpt`, :mod:`jaxpar.models.llama`) is a config whose ``architecture``
+(:class:`jaxpar.models.blocks.Architecture`) picks the attention variant (multi-head with a fused q/k/v kernel, or
+grouped-query), the norm (LayerNorm or RMSNorm), the MLP (GELU or SwiGLU) and the projection biases; its fields
+pick positions (learned, or rotary with optional scaled frequencies), a tied or untied head, the attention kernel
+(:func:`jaxpar.layers.attention.attend`), remat and ``scan_layers``. The Linen modules are in
+:mod:`jaxpar.models.blocks`.
+
+The config fields the base reads: ``architecture``, ``vocab_size``, ``padded_vocab``, ``num_layers``,
+``num_heads``, ``head_dim``, ``d_model``, ``mlp_dim``, ``max_seq_len``, ``positions`` (``"learned"`` or
+``"rotary"``), ``tie_embeddings``, ``scan_layers``, ``remat``, ``attention``, ``attention_blocks``,
+``context_attention``, ``dtype``, ``param_dtype``, ``output_dtype``, ``init_std``; with rotary positions
+``rope_base`` and ``rotary_freq()`` (None: ``rope_base``'s frequencies); with ``"mha"`` ``qkv_bias``; with
+``"gqa"`` ``kv_heads``; with ``"rms"`` ``norm_eps``. Compaction's ``replace`` (the smaller config) is the
+family class's: it knows its config's field names.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.layers import attention as cp
+from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
+from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_packed_shapes
+from jaxpar.models import generation
+from jaxpar.models.blocks import Block, Embed, Head, kv_heads
+from jaxpar.sharding.rules import constrain, has_explicit_axes
+
+REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+"""Activation checkpointing per block (``cfg.remat``) -> its ``jax.checkpoint`` policy."""
+ATTENTION = ("blocked", "xla", "cudnn")
+"""The attention kernels a config may name (``cfg.attention``; :func:`jaxpar.layers.attention.attend`)."""
+
+
+def rotary_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> np.ndarray:
+    """The ``head_dim // 2`` rotary inverse frequencies (float64 numpy): ``base ** (-2 i / head_dim)``, with Llama
+    3's scaling when ``scaling`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``) is given (Grattafiori et al. 2024, sec. 4.3; HF's
+    ``_compute_llama3_parameters``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are divided by ``factor``, shorter than ``... / high_freq_factor`` kept, and those between
+    interpolated linearly in ``original_max_position_embeddings / wavelength``."""
+    half = head_dim // 2
+    inv = base ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv
+    factor, low, high, old = (float(scaling[k]) for k in
+                              ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    out = np.where(wavelen > old / low, inv / factor, inv)
+    between = (wavelen <= old / low) & (wavelen >= old / high)
+    return np.where(between, mid, out)
+
+
+def _check_auto_mesh(name: str) -> None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and has_explicit_axes(mesh):
+        raise ValueError(f"the {name} runs on meshes with Auto axes only (its gathers and matmuls leave output "
+                         f"shardings to the compiler); got axis_types {tuple(mesh.axis_types)}: build the mesh "
+                         "with jp.make_mesh(...)'s default axis_types (all jax.sharding.AxisType.Auto)")
+
+
+_WARNED: set = set()
+
+
+def _warn_replicated_kv(name: str, cfg: Any) -> None:
+    """Warns once per config and mesh when grouped-query key/value heads are replicated over a ``tensor`` axis of
+    more than one device (the rules leave ``kv_heads`` unmapped, or it does not divide them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
+    # Flax takes the first rule naming an axis (DEFAULT_RULES has ("kv_heads", None): a later one is never read)
+    rule = next((axis for n, axis in nn.get_logical_axis_rules() if n == "kv_heads"), None)
+    if tensor == 1 or rule is not None or (cfg, tensor) in _WARNED:
+        return
+    _WARNED.add((cfg, tensor))
+    why = (f"tensor={tensor} exceeds num_kv_heads={cfg.kv_heads}" if tensor > cfg.kv_heads else
+           "the rules leave kv_heads unmapped; rules whose first kv_heads entry is ('kv_heads', 'tensor'), given "
+           "to init_state and make_train_step, split them: e.g. (('kv_heads', 'tensor'),) + jp.sharding.DEFAULT_RULES")
+    warnings.warn(f"the {name}'s {cfg.kv_heads} key/value heads are replicated over the tensor axis ({why}): "
+                  f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split (correct, "
+                  "some duplicated work)", stacklevel=3)
+
+
+def _add_layers_axis(tree: Any) -> Any:
+    box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if box(b) else b, tree, is_leaf=box)
+
+
+class Decoder:
+    """A decoder as pure functions over a params tree ``{"embed", "blocks", "head"}``: every part of the model
+    protocol (:mod:`jaxpar.protocol`) but ``replace`` (compaction; the family's, which knows its config's fields).
+
+    ``blocks`` leaves carry a leading ``layers`` axis of size ``num_layers``. A decoder is its config: equal
+    configs compute the same functions (compiled programs are shared between equal models).
+    """
+    stage_key = "blocks"
+    shards_activations = True   # every layer constrains its activations by logical names: the step gathers nothing
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is type(self) and other.cfg == self.cfg
+
+    def __hash__(self) -> int:
+        return hash(self.cfg)
+
+    def init(self, rng: jax.Array) -> dict:
+        """Flax-boxed params (``nn.LogicallyPartitioned`` leaves carrying logical axis names)."""
+        c = self.cfg
+        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
+        block = Block(c)
+        blocks = jax.vmap(lambda k: block.init(k, method=Block.declare)["params"])(
+            jax.random.split(k_blocks, c.num_layers))
+        return {"embed": Embed(c).init(k_embed, method=lambda m: m.embedding)["params"],
+                "blocks": _add_layers_axis(blocks),
+                "head": Head(c).init(k_head, method=Head.declare)["params"]}
+
+    def embed(self, params: dict, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+        """``tokens_BL (int) -> x_BLD``; ``positions_BL`` (int ``[B, L]``, packed documents): each token's position
+        for learned position embeddings (rotary ones take them in :meth:`stage`).
+
+        A token outside ``[0, vocab_size)`` gives NaN activations (so a NaN loss and gradients), not a wrapped
+        or zero row (check host batches first with :meth:`check_batch`).
+
+        Raises:
+          ValueError: sequences longer than ``max_seq_len``; a mesh with Explicit axes in context.
+        """
+        _check_auto_mesh(type(self).__name__)
+        if self.cfg.architecture.attention == "gqa":
+            _warn_replicated_kv(type(self).__name__, self.cfg)
+        if tokens_BL.ndim != 2:
+            raise ValueError(f"tokens have shape {tuple(tokens_BL.shape)}; need [batch, seq]")
+        if tokens_BL.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
+                             f"use shorter sequences or a larger {type(self.cfg).__name__}.max_seq_len")
+        x_BLD = Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, 0, positions_BL)
+        return x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
+
+    def stage(self, blocks: dict, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+              positions_BL: jax.Array | None = None) -> jax.Array:
+        """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers).
+
+        Packed documents: ``segment_ids_BL`` keeps attention within each document, ``positions_BL`` gives rotary
+        positions (int ``[B, L]`` each, optional; see :meth:`loss`)."""
+        block = Block(self.cfg)
+        packed = segment_ids_BL is not None or positions_BL is not None
+        f = (lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL)) if packed else (
+            lambda p, x: block.apply({"params": p}, x))
+        if self.cfg.remat != "none":
+            f = jax.checkpoint(f, policy=REMAT[self.cfg.remat])
+        if self.cfg.scan_layers:
+            return jax.lax.scan(lambda x, p: (f(p, x), None), x_BLD, blocks)[0]
+        for i in range(jax.tree.leaves(blocks)[0].shape[0]):
+            x_BLD = f(jax.tree.map(lambda a: a[i], blocks), x_BLD)
+        return x_BLD
+
+    def logits(self, params: dict, x_BLD: jax.Array) -> jax.Array:
+        """Logits ``[B, L, V]`` (``output_dtype``) with padded vocabulary entries set to a large negative value."""
+        emb = params["embed"]["embedding"] if self.cfg.tie_embeddings else None
+        logits_BLV = Head(self.cfg).apply({"params": params["head"]}, x_BLD, emb)
+        valid = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
+        return jnp.where(valid, logits_BLV, jnp.finfo(logits_BLV.dtype).min / 2)
+
+    def head_loss(self, params: dict, x_BLD: jax.Array, targets_BL: jax.Array,
+                  loss_mask_BL: jax.Array | None = None):
+        """Mean next-token cross-entropy (nats per token, float32) and ``{"weight": token count}``.
+
+        With ``loss_mask_BL`` (``[B, L]``, bool or numbers; 0 drops a target, e.g. padding of packed rows): the
+        masked mean ``sum(mask * ce) / sum(mask)`` (0 when the mask is all 0) with ``weight = sum(mask)``, so the
+        step's weighting of microbatches and batch shards by ``weight`` gives the exact masked mean of the whole
+        global batch. A target outside ``[0, vocab_size)`` makes the loss and gradients NaN (check host batches
+        first with :meth:`check_batch`); a masked one too (mask it by giving it a valid id, e.g. 0)."""
+        logits_BLV = self.logits(params, x_BLD).astype(jnp.float32)
+        ce_BL = cross_entropy(logits_BLV, targets_BL) * _nan_where_invalid(targets_BL, self.cfg.vocab_size)
+        if loss_mask_BL is None:
+            return ce_BL.mean(), {"weight": jnp.asarray(targets_BL.size, jnp.float32)}
+        mask_BL = loss_mask_BL.astype(jnp.float32)
+        weight = mask_BL.sum()   # 0 (not NaN) for a row block with no target left, as jp.grads.weighted_mean
+        loss = jnp.where(weight > 0, (ce_BL * mask_BL).sum() / jnp.where(weight > 0, weight, 1.0), 0.0)
+        return loss, {"weight": weight}
+
+    def _check_layers(self, params: dict) -> None:
+        """Raises ValueError unless every stacked block param has ``num_layers`` layers (at trace time; ``stage``
+        takes any slice of them, the whole model's functions take all)."""
+        counts = {np.shape(leaf)[0] for leaf in jax.tree.leaves(params["blocks"])}
+        if counts != {self.cfg.num_layers}:
+            raise ValueError(f"the params' blocks hold {sorted(counts)} layers; {type(self.cfg).__name__}.num_layers is "
+                             f"{self.cfg.num_layers}: load the params with the config they were made with")
+
+    def apply(self, params: dict, tokens_BL: jax.Array) -> jax.Array:
+        """``tokens_BL (int32) -> logits_BLV`` (``output_dtype``).
+
+        Raises:
+          ValueError: params with another number of layers than the config (as :meth:`embed`).
+        """
+        self._check_layers(params)
+        context = cp.context_axis()[1]   # > 1: the zigzag layout in, logits back in token order
+        x_BLD = self.stage(params["blocks"], self.embed(params, cp.to_zigzag(tokens_BL, context)))
+        return cp.from_zigzag(self.logits(params, x_BLD), context)
+
+    def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
+        """``loss_fn`` for the train step: ``batch = {"inputs": int [B, L], "targets": int [B, L]}``, optionally with
+        packed documents' entries (:data:`PACKED_KEYS`, each ``[B, L]``, e.g. from ``jp.data.grain_batches``):
+        ``"segment_ids"`` (int; attention only within a segment), ``"positions"`` (int; each token's position in
+        its document, for learned or rotary positions), ``"loss_mask"`` (bool or numbers; the loss is the masked
+        mean, see :meth:`head_loss`). Without them, the computation is exactly the plain one.
+
+        Raises:
+          ValueError: a packed entry whose shape is not the inputs' (at trace time).
+        """
+        del rng
+        self._check_layers(params)
+        check_packed_shapes(batch)
+        batch = cp.shard_sequence(batch)   # a sequence sharded over a context axis: the zigzag layout
+        segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)   # None: the plain computation
+        x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"], positions), segment_ids, positions)
+        return self.head_loss(params, x_BLD, batch["targets"], loss_mask)
+
+    def check_batch(self, batch: Any) -> None:
+        """Host-side check of a batch for :meth:`loss`: ``{"inputs", "targets"}`` of integer ids in
+        ``[0, vocab_size)``. Pass it to the step builders (``make_train_step(..., check_batch=model.check_batch)``)
+        so a bad batch raises before it reaches the devices.
+
+        Only host (numpy) leaves are read; a batch already on the devices (``jax.Array`` leaves) is not pulled
+        back: there an out-of-range id makes the step's loss and gradients NaN (see :meth:`embed` and
+        :meth:`head_loss`), never a finite wrong loss.
+
+        Raises:
+          ValueError: a missing key, inputs and targets of different or non-``[batch, seq]`` shapes, a sequence
+            longer than ``max_seq_len``, non-integer ids, or an id outside ``[0, vocab_size)`` (naming its index);
+            packed entries (:data:`PACKED_KEYS`) of another shape than the inputs, ``segment_ids``/``positions``
+            that are not integers >= 0, learned positions >= ``max_seq_len``, a ``loss_mask`` that is not bool or
+            numeric (:func:`check_packed_entries`).
+        """
+        if not isinstance(batch, dict) or not {"inputs", "targets"} <= set(batch):
+            raise ValueError(f"the {type(self).__name__}'s batch is a dict with 'inputs' and 'targets' (int [batch, seq]); got "
+                             f"{sorted(batch) if isinstance(batch, dict) else type(batch).__name__}")
+        shapes = {key: tuple(np.shape(batch[key])) for key in ("inputs", "targets")}
+        if shapes["inputs"] != shapes["targets"] or len(shapes["inputs"]) != 2 or not shapes["inputs"][1]:
+            raise ValueError(f"the {type(self).__name__}'s inputs and targets must both be [batch, seq] with seq >= 1 (targets are the "
+                             f"inputs shifted by one, cut to the same length); got shapes {shapes}")
+        if shapes["inputs"][1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {shapes['inputs'][1]} exceeds max_seq_len {self.cfg.max_seq_len}; "
+                             f"use shorter sequences or a larger {type(self.cfg).__name__}.max_seq_len")
+        for key in ("inputs", "targets"):
+            if not isinstance(batch[key], jax.Array):
+                check_token_ids(f"batch[{key!r}]", batch[key], self.cfg.vocab_size)
+        check_packed_entries(batch, self.cfg.max_seq_len if self.cfg.positions == "learned" else None)
+
+    def prune_groups(self) -> None:
+        """None: the groups follow from the logical names (``blocks`` alone holds ``mlp`` and ``heads``)."""
+        return None
+
+    # ------------------------------------- generation (the protocol; max_seq_len, vocab_size from self.cfg)
+    def init_cache(self, params: dict, batch_size: int, max_len: int) -> dict:
+        """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` (grouped-query
+        attention: its ``kv_heads``) in the compute dtype (``cfg.dtype``, else the params'), logical names ``("layers",
+        "batch", None, "heads" | "kv_heads", "kv")``."""
+        c = self.cfg
+        dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
+        shape = (c.num_layers, batch_size, max_len, kv_heads(c), c.head_dim)
+        names = ("layers", "batch", None, "kv_heads" if c.architecture.attention == "gqa" else "heads", "kv")
+        return {"k": constrain(jnp.zeros(shape, dtype), *names), "v": constrain(jnp.zeros(shape, dtype), *names)}
+
+    def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array,
+                    start: jax.Array | None = None):
+        """``(logits_BV float32, cache)`` after tokens ``tokens_B`` (int32 ``[B]``, or ``[B, L]`` for ``L`` slots at
+        once: a prefill) written at cache slot ``pos`` (int32 scalar; ``pos .. pos + L - 1``): their keys and values
+        written, ``logits_BV`` those after the last of them, equal to ``apply(params, tokens)[:, pos]`` for the
+        tokens written at ``0 .. pos`` (float32 rounding). ``start`` (int32 ``[B]``, default 0): the slot where
+        each row's sequence begins (left-padded prompts), its positions counted from there and the slots before
+        it never attended to. Traceable; ``pos + L <= max_len`` of the cache."""
+        self._check_layers(params)
+        tokens_BL = jnp.asarray(tokens_B, jnp.int32)
+        tokens_BL = tokens_BL[:, None] if tokens_BL.ndim == 1 else tokens_BL
+        start_B = jnp.zeros(tokens_BL.shape[:1], jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        x_BLD = Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, pos - start_B)
+        x_BLD = x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
+        block, ks, vs = Block(self.cfg), [], []
+        for i in range(self.cfg.num_layers):
+            layer = jax.tree.map(lambda a: a[i], params["blocks"])
+            x_BLD, k, v = block.apply({"params": layer}, x_BLD, cache["k"][i], cache["v"][i], pos, start_B,
+                                      method=Block.decode)
+            ks.append(k)
+            vs.append(v)
+        logits_BV = self.logits(params, x_BLD[:, -1:])[:, 0].astype(jnp.float32)
+        return logits_BV, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+
+    def generate(self, params: dict, prompts: Any, max_new_tokens: int, rng: jax.Array,
+                 temperature: float = 0.8, *, top_k: int | None = None, top_p: float | None = None,
+                 eos_id: int | None = None) -> list:
+        """Samples up to ``max_new_tokens`` tokens after ``prompts``: one prompt (a list of ids; returns one list,
+        the window sliding past ``max_seq_len``) or a batch (a list of id lists of any lengths, left-padded; returns
+        a list per prompt). ``temperature=0`` is greedy decoding, through the KV cache; ``top_k``, ``top_p`` and a
+        stop at ``eos_id`` are options (:func:`jaxpar.models.generation.generate_any`).
+
+        Raises:
+          ValueError: as :func:`jaxpar.models.generation.generate_any`; an empty list of prompts.
+        """
+        return generation.generate_any(self, params, prompts, max_new_tokens, rng, temperature, top_k=top_k,
+                                       top_p=top_p, eos_id=eos_id)

@@ -1,0 +1,186 @@
+"""Carried state: what the train step carries that the optimizer does not update, applied by its declaration.
+
+A feature that keeps such state (fp8's scales and amax histories, batch statistics, a token counter, an EMA of
+the weights) declares its collection once (:func:`jaxpar.protocol.declare_carried`: a key, how new values
+combine, how they reach the step). Accumulation (:mod:`jaxpar.train.grads`), the pipeline interpreter, the
+step and checkpoints apply these declarations through this module and never name a feature.
+
+A ``"gradient"`` collection (fp8's ``_overwrite_with_gradient``, a user's counter) sits in the params tree under
+its key at any depth. ``init_state`` takes it out into ``TrainState.carried`` (the same nesting, replicated on
+every device, checkpointed with the state; :func:`split`); the step puts it back (:func:`merge`) and
+differentiates the loss with respect to it; its cotangent is its new value (:func:`overwrite` makes one), which
+never reaches the optimizer. Each microbatch starts from the same old value; their new values combine by the
+declared rule (:data:`jaxpar.protocol.COMBINES`) over accumulation microbatches (:func:`start`, :func:`add`,
+:func:`finish`), over pipeline microbatches (:func:`reduce_microbatches`) and over the batch shards of a manual
+region (:func:`reduce_shards`); under GSPMD a reduction over the batch is already global. ``"sum"``'s value is an
+increment: the step adds it to the old value (:func:`apply`).
+
+A ``"loss"`` collection (a Linen collection beside ``params``, NNX variables that are not ``nnx.Param``) is the
+state's ``model_state``: the loss takes and returns it, and microbatches read it in order (``"last"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import protocol
+from jaxpar.protocol import COMBINES, Carried, declare_carried
+
+BATCH_STATS = declare_carried("batch_stats", "last", what="batch statistics (Linen BatchNorm's running mean and "
+                              "variance)", through="loss")
+"""Linen's ``nn.BatchNorm`` collection (NNX's ``BatchStat`` variables travel the same way, in ``model_state``)."""
+
+
+def split(params: Any) -> tuple[Any, Any]:
+    """``(params without carried state, the carried state)`` (:func:`jaxpar.protocol.split_carried`)."""
+    return protocol.split_carried(params)
+
+
+def merge(params: Any, held: Any) -> Any:
+    """The carried state put back into the params (:func:`jaxpar.protocol.merge_carried`)."""
+    return protocol.merge_carried(params, held)
+
+
+def _rule(path: tuple) -> str:
+    return protocol.carried_of(path).combine
+
+
+def is_carried(path: tuple) -> bool:
+    """Whether a key path leads into a declared ``"gradient"`` collection."""
+    return protocol.carried_of(path) is not None
+
+
+# ------------------------------------------------------------------------------------------ new values
+
+@jax.custom_vjp
+def overwrite(x: Any, old: Any, new: Any) -> Any:
+    """``x`` unchanged; under differentiation the cotangent of the carried leaves ``old`` is ``new`` (their new
+    value, or a ``"sum"`` collection's increment), the gradient of nothing. ``x`` is any value on the loss's path
+    (an activation, the loss itself), so the backward pass runs through here."""
+    return x
+
+
+def _overwrite_fwd(x, old, new):
+    return x, (old, new)
+
+
+def _overwrite_bwd(res, g):
+    old, new = res
+    cast = lambda o, n: jax.lax.stop_gradient(n).astype(o.dtype)
+    return g, jax.tree.map(cast, old, new), jax.tree.map(jnp.zeros_like, new)
+
+
+overwrite.defvjp(_overwrite_fwd, _overwrite_bwd)
+
+
+# ------------------------------------------------------------------------------- combining new values
+
+def start(held: Any) -> Any:
+    """The accumulator of a carried tree before any microbatch: the neutral value of each leaf's rule (0; the
+    maximum's: ``-inf``)."""
+    def neutral(path, x):
+        fill = -jnp.inf if _rule(path) == "max" else 0
+        return jnp.full(x.shape, fill, x.dtype)
+    return jax.tree_util.tree_map_with_path(neutral, held)
+
+
+def add(acc: Any, value: Any) -> Any:
+    """The accumulator after one more microbatch's new values ``value`` (a tree of ``acc``'s structure)."""
+    def one(path, a, v):
+        how = _rule(path)
+        return v if how == "last" else jnp.maximum(a, v) if how == "max" else a + v
+    return jax.tree_util.tree_map_with_path(one, acc, value)
+
+
+def finish(acc: Any, count: int) -> Any:
+    """The combined new values of ``count`` microbatches from their accumulator (``"mean"`` divides)."""
+    return jax.tree_util.tree_map_with_path(lambda p, a: a / count if _rule(p) == "mean" else a, acc)
+
+
+def reduce_microbatches(path: tuple, values: jax.Array, axis: int) -> jax.Array:
+    """A carried leaf's new values of every microbatch (``values``, microbatches along ``axis`` in order)
+    combined by its rule: the pipeline, which holds them per microbatch."""
+    how = _rule(path)
+    if how == "last":
+        return jnp.take(values, values.shape[axis] - 1, axis=axis)
+    return {"mean": jnp.mean, "max": jnp.max, "sum": jnp.sum}[how](values, axis=axis)
+
+
+def reduce_shards(path: tuple, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """A carried leaf's new value combined over the batch shards ``axes`` of a manual region (each shard computed
+    it from its rows): the maximum, the sum of the increments, else the mean."""
+    if not axes:
+        return x
+    how = _rule(path)
+    return jax.lax.pmax(x, axes) if how == "max" else jax.lax.psum(x, axes) if how == "sum" else jax.lax.pmean(x, axes)
+
+
+def apply(old: Any, new: Any) -> Any:
+    """The state's carried tree after a step: ``new`` (the combined new values), the old value plus the
+    increment for ``"sum"`` collections."""
+    if old is None:
+        return new
+    return jax.tree_util.tree_map_with_path(lambda p, o, n: o + n if _rule(p) == "sum" else n, old, new)
+
+
+# --------------------------------------------------------------------------------- the state, checkpoints
+
+def by_attribute(name: str) -> Carried | None:
+    """The ``"gradient"`` collection a ``TrainState`` attribute (``Carried.attribute``, e.g. ``fp8``) reads."""
+    return next((d for d in protocol.carried_declarations() if d.attribute == name), None)
+
+
+def read_attribute(held: Any, name: str, owner: str) -> Any:
+    """``owner.<name>``: the part of the carried tree ``held`` of the collection declaring that attribute.
+
+    Raises:
+      AttributeError: no collection declares ``name``.
+    """
+    declaration = by_attribute(name)
+    if declaration is None:
+        raise AttributeError(f"{owner} has no attribute {name!r}")
+    return part(held, declaration)
+
+
+def attribute_updates(held: Any, updates: dict) -> dict:
+    """``replace(**updates)``'s fields, a collection's attribute (``fp8=``) turned into the new ``carried``."""
+    updates = dict(updates)
+    for name in [n for n in updates if by_attribute(n) is not None]:
+        updates["carried"] = with_part(updates.get("carried", held), by_attribute(name), updates.pop(name))
+    return updates
+
+
+def declarations_in(held: Any) -> tuple[Carried, ...]:
+    """The ``"gradient"`` collections a carried tree holds."""
+    return tuple(d for d in protocol.carried_declarations() if part(held, d) is not None)
+
+
+def part(held: Any, declaration: Carried) -> Any:
+    """One collection's part of a carried tree (None when it holds none)."""
+    return protocol.split_carried(held, (declaration.key,))[1]
+
+
+def with_part(held: Any, declaration: Carried, value: Any) -> Any:
+    """``held`` with one collection's part replaced by ``value`` (None: removed)."""
+    rest = protocol.split_carried(held, (declaration.key,))[0] if held is not None else None
+    rest = merge(rest or {}, value) if value is not None else rest
+    return rest or None
+
+
+def check_checkpoint(saved: set[str], target: set[str], what: str) -> None:
+    """Raises ValueError when a checkpoint's leaf paths (``saved``) and its target's hold different carried
+    collections, naming what is missing and how to build the right target (the collection's ``fix``)."""
+    for d in protocol.carried_declarations():
+        has = lambda paths: any(f"[{d.key!r}]" in p for p in paths)
+        if has(target) and not has(saved):
+            raise ValueError(f"{what} holds no {d.what} but the target has: {d.fix}")
+        if has(saved) and not has(target):
+            raise ValueError(f"{what} holds {d.what} that the target lacks: {d.fix}")
+
+
+__all__ = ["BATCH_STATS", "COMBINES", "Carried", "add", "apply", "attribute_updates", "by_attribute", "check_checkpoint",
+           "declarations_in", "declare_carried", "finish", "is_carried", "merge", "overwrite", "part",
+           "read_attribute", "reduce_microbatches", "reduce_shards", "split", "start", "with_part"]

@@ -1,0 +1,170 @@
+"""jaxpar/train/carried.py: a carried feature defined here, in a test file, with no code in jaxpar/ naming it, is
+carried by the step through gradient accumulation, a 1F1B pipeline and a checkpoint restored onto another mesh.
+
+The feature: statistics of the target ids the model has trained on, in three declared collections, one per rule a
+step must combine differently over microbatches and batch shards: a running count of non-zero targets (``sum``:
+each microbatch gives its increment), the largest id seen (``max``) and an exponential moving average of the
+mean id (``mean``). The reference is numpy over the whole batch of each step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_scalar_close, assert_tree_close, gpt_batch
+
+import jaxpar as jp
+from jaxpar.models import GPT, GPTConfig
+
+carried = jp.train.carried
+SEEN = carried.declare_carried("test_tokens_seen", "sum", what="a count of non-zero targets",
+                               attribute="tokens_seen", fix="build the state with the counting model").key
+LARGEST = carried.declare_carried("test_largest_id", "max", what="the largest target id seen").key
+EMA = carried.declare_carried("test_mean_id_ema", "mean", what="an EMA of the mean target id").key
+DECAY = 0.9
+
+
+def init_stats() -> dict:
+    """The feature's state, kept in the params under the declared keys (at any depth: here under ``stats``)."""
+    zero = jnp.zeros((), jnp.float32)
+    return {"stats": {SEEN: {"n": zero}, LARGEST: {"id": zero}, EMA: {"id": zero}}}
+
+
+def with_stats(loss: jax.Array, params: dict, targets: jax.Array) -> jax.Array:
+    """``loss`` unchanged; the new values of the statistics, from the targets this call sees, as their cotangents."""
+    old, t = params["stats"], targets.astype(jnp.float32)
+    new = {SEEN: {"n": jnp.sum(targets != 0).astype(jnp.float32)},           # sum: the increment
+           LARGEST: {"id": jnp.maximum(old[LARGEST]["id"], jnp.max(t))},
+           EMA: {"id": DECAY * old[EMA]["id"] + (1 - DECAY) * jnp.mean(t)}}
+    return carried.overwrite(loss, old, new)
+
+
+def reference_stats(batches: list) -> dict:
+    """numpy: the statistics after one step per batch."""
+    seen, largest, ema = 0.0, 0.0, 0.0
+    for b in batches:
+        t = np.asarray(b["targets"], np.float64)
+        seen, largest, ema = seen + np.sum(t != 0), max(largest, t.max()), DECAY * ema + (1 - DECAY) * t.mean()
+    return {SEEN: {"n": seen}, LARGEST: {"id": largest}, EMA: {"id": ema}}
+
+
+def check_stats(state, batches, what):
+    got = jax.device_get(state.carried["stats"])
+    want = reference_stats(batches)
+    for key in (SEEN, LARGEST):   # integers below 2**24: float32 holds them exactly
+        name = next(iter(want[key]))
+        assert float(got[key][name]) == want[key][name], (what, key, got[key], want[key])
+    assert_scalar_close(got[EMA]["id"], want[EMA]["id"], rtol=1e-6, what=f"{what}: EMA of the mean id")
+
+
+# ------------------------------------------------------------------------------ a small model, accumulation
+
+D, C = 8, 11
+
+
+def linear_init(key):
+    return {"w": jax.random.normal(key, (D, C), jnp.float32) / np.sqrt(D), **init_stats()}
+
+
+def linear_loss(params, batch, rng):
+    logits = batch["x"] @ params["w"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return with_stats(loss, params, batch["targets"]), {}
+
+
+def plain_loss(params, batch, rng):   # the same model without the feature
+    return linear_loss({**params, **init_stats()}, batch, rng)
+
+
+def linear_batches(seed, n, rows=16):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(rows, D)).astype(np.float32), "targets": rng.integers(0, C, rows, dtype=np.int32)}
+            for _ in range(n)]
+
+
+def train(init_fn, loss_fn, tx, mesh, batches, state=None, **kwargs):
+    state = state or jp.train.init_state(init_fn, tx, 0, mesh=mesh, report=False)
+    step = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False, **kwargs)
+    for b in batches:
+        state, metrics = step(state, b)
+    return state, metrics
+
+
+def test_carried_feature_under_accumulation_equals_numpy_and_leaves_the_update_alone():
+    mesh = jp.make_mesh(data=2, devices=jax.devices()[:2])
+    batches, tx = linear_batches(0, 2), optax.sgd(0.1)
+    state, metrics = train(linear_init, linear_loss, tx, mesh, batches, grad_accum_steps=4)
+    check_stats(state, batches, "accumulation over 4 microbatches")
+    assert set(state.params) == {"w"}                              # out of the params, never seen by the optimizer
+    assert float(state.tokens_seen["stats"][SEEN]["n"]) == reference_stats(batches)[SEEN]["n"]   # its attribute
+    plain, plain_metrics = train(lambda k: {"w": linear_init(k)["w"]}, plain_loss, tx, mesh, batches,
+                                 grad_accum_steps=4)
+    assert_tree_close(state.params, plain.params, rtol=0.0, what="params beside the carried feature")
+    assert float(metrics["loss"]) == float(plain_metrics["loss"])
+
+
+@pytest.mark.slow   # ~10 s: two meshes and an orbax save and restore
+def test_carried_feature_restored_onto_another_mesh_continues(tmp_path):
+    batches, tx = linear_batches(1, 3), optax.adam(1e-2)
+    mesh_a, mesh_b = jp.make_mesh(data=2, devices=jax.devices()[:2]), jp.make_mesh(data=4, devices=jax.devices()[4:])
+    state, _ = train(linear_init, linear_loss, tx, mesh_a, batches[:1])
+    with jp.checkpoint.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, state, force=True)
+        ckpt.wait()
+        target = jp.train.abstract_state(linear_init, tx, mesh=mesh_b)
+        restored = ckpt.restore(target=target)
+        assert_tree_close(restored.carried, state.carried, rtol=0.0, what="restored carried state")
+        assert all(x.sharding.mesh == mesh_b for x in jax.tree.leaves(restored.carried))
+        with pytest.raises(ValueError, match="holds a count of non-zero targets that the target lacks"):
+            ckpt.restore(target=jp.train.abstract_state(lambda k: {"w": linear_init(k)["w"]}, tx, mesh=mesh_b))
+    restored, _ = train(linear_init, linear_loss, tx, mesh_b, batches[1:], state=restored)
+    check_stats(restored, batches, "restored on data=4 and trained on")
+
+
+# ------------------------------------------------------------------------------------ the GPT, 1F1B pipeline
+
+class CountingGPT:
+    """The GPT with the feature: its params hold the statistics, its loss and pipeline head report them."""
+    stage_key = "blocks"
+
+    def __init__(self, cfg: GPTConfig):
+        self.gpt = GPT(cfg)
+
+    def init(self, key):
+        return {**self.gpt.init(key), **init_stats()}
+
+    def loss(self, params, batch, rng=None):
+        loss, aux = self.gpt.loss(params, batch, rng)
+        return with_stats(loss, params, batch["targets"]), aux
+
+    def embed(self, params, tokens):
+        return self.gpt.embed(params, tokens)
+
+    def stage(self, blocks, x):
+        return self.gpt.stage(blocks, x)
+
+    def head_loss(self, params, x, targets):
+        loss, aux = self.gpt.head_loss(params, x, targets)
+        return with_stats(loss, params, targets), aux
+
+
+@pytest.mark.slow   # ~40 s: the GPT through a 1F1B pipeline on data=2 x pipe=2 and on one device
+def test_carried_feature_through_a_1f1b_pipeline_equals_one_device():
+    cfg = GPTConfig(vocab_size=61, num_layers=2, num_heads=4, d_model=32, max_seq_len=16)
+    model, tx = CountingGPT(cfg), optax.sgd(0.1)
+    rng = np.random.default_rng(2)
+    batches = [gpt_batch(rng, 8, cfg) for _ in range(2)]
+    for b in batches:
+        b["targets"][b["targets"] < 8] = 0   # zeros the counter skips
+    mesh = jp.make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 4))
+    state, metrics = train(model.init, pipe, tx, mesh, batches)
+    check_stats(state, batches, "1F1B, 4 microbatches over data=2 x pipe=2")
+    one = jp.make_mesh(data=1, devices=jax.devices()[:1])
+    ref, ref_metrics = train(model.init, model.loss, tx, one, batches)
+    check_stats(ref, batches, "one device")
+    assert_scalar_close(metrics["loss"], ref_metrics["loss"], rtol=1e-5, what="pipelined loss")
+    assert_tree_close(state.params, ref.params, rtol=1e-4, what="pipelined params after two steps")
