@@ -161,3 +161,6 @@ def estimate(cfg: Any, state: Any, mesh: Any, global_batch: int, seq_len: int, s
             "grad_accumulator": P * 4 / param_bytes if k > 1 else 0.0,
             "compute_params": P * c / param_bytes if c < param_bytes else 0.0,
             "activations": tokens * (stash * layers * r_saved + r_live + h), "pipeline_buffers": pipeline}
+
+
+__all__ = ["SIZES", "estimate", "model_and_config", "sharded_bytes"]
