@@ -24,6 +24,7 @@ from jaxpar.precision import fp8
 from jaxpar.train import grads as gr
 from jaxpar.train import model_init
 from jaxpar.sharding import params as placement
+from jaxpar.precision.loss_scale import loss_scale, skipped
 from jaxpar.precision import policy as precision
 from jaxpar.sharding import rules as shd
 from jaxpar.sharding.batches import Batches, shard_batch
@@ -336,8 +337,8 @@ def _global_norm(tree: Any) -> jax.Array:
 
 def _scale_metrics(scale: jax.Array, new_opt_state: Any) -> dict[str, jax.Array]:
     """With loss scaling: the scale this step used and whether its update was skipped."""
-    skipped = precision.skipped(new_opt_state)
-    return {} if skipped is None else {"loss_scale": scale, "skipped": skipped.astype(jnp.float32)}
+    was_skipped = skipped(new_opt_state)
+    return {} if was_skipped is None else {"loss_scale": scale, "skipped": was_skipped.astype(jnp.float32)}
 
 
 def _apply_update(tx: optax.GradientTransformation, state: TrainState, grads: Any) -> TrainState:
@@ -494,7 +495,7 @@ def make_train_step(grad_fn: GradFn | LossFn, tx: optax.GradientTransformation, 
     gather_weights = gr.check_gather_weights(gather_weights, grad_fn)
 
     def _step(shardings: tuple, state: TrainState, batch: Any):
-        scale = precision.loss_scale(state.opt_state)
+        scale = loss_scale(state.opt_state)
         scale = jnp.ones((), jnp.float32) if scale is None else scale.astype(jnp.float32)
         rng = jax.random.fold_in(state.rng, state.step)
         ctx = gr.with_weight_gather(_context(mesh, rules, state, param_specs(fp8.merge(
