@@ -506,7 +506,8 @@ def collective_counts(text: str) -> dict[str, int]:
 
 def loop_depths(text: str) -> dict[str, tuple[list[Instr], int]]:
     """``{computation: (instructions, loop depth)}`` of an HLO module: how many ``while`` bodies enclose each
-    computation reached from the entry (0: outside every loop; computations not reached are left out)."""
+    computation reached from the entry (0: outside every loop; a loop's condition is at the loop's depth;
+    reducers and computations not reached are left out)."""
     comps, entry = parse_module(text)
     return {name: (comps[name], depth) for name, (_, depth) in runs_per_computation(comps, entry).items()
             if name in comps}

@@ -208,12 +208,13 @@ def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarra
 
 # ---------------------------------------------------------------------------------------------- the kernel
 #
-# One online softmax (Milakov & Gimelshein 2018, alg. 3) serves every jaxpar path: a device's queries are cut into
-# blocks, each block meets key blocks one at a time, and the partial outputs with their row maxima and sums are
-# merged. Step 0 is the device's own keys, attended causally in query blocks that skip the keys above the
-# diagonal; context parallelism adds one key block per other device (:func:`_kernel`). With one device there is
-# no other step: every query block meets all its keys in one block, where the online softmax is the softmax
-# itself, so the block is normalised in place (jax's softmax and its JVP) and nothing is merged.
+# One online softmax (Milakov & Gimelshein 2018, alg. 3) serves "blocked", "ring" and "all_gather" ("xla" and
+# "cudnn" are jax's own kernels): a device's queries are cut into blocks, each block meets key blocks one at a
+# time, and the partial outputs with their row maxima and sums are merged. Step 0 is the device's own keys,
+# attended causally in query blocks that skip the keys above the diagonal; context parallelism adds one key block
+# per other device (:func:`_kernel`). With one device there is no other step: every query block meets all its
+# keys in one block, where the online softmax is the softmax itself, so the block is normalised in place (jax's
+# softmax and its JVP) and nothing is merged.
 
 # The two products per query layout: [B, Q, H, K] against keys and values with the queries' heads (scores
 # [B, H, Q, S]), or grouped queries [B, Q, G, R, K] against the G key/value heads themselves (scores
