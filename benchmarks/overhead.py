@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 
@@ -46,16 +45,10 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
+from jaxpar._hlo import collective_counts  # noqa: E402
 from jaxpar.models import GPT, GPTConfig  # noqa: E402
 
 LAYOUTS = {"data=8": dict(data=8), "fsdp=8": dict(data=1, fsdp=8), "2x2x2": dict(data=2, fsdp=2, tensor=2)}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-
-
-def collective_counts(hlo_text: str) -> dict[str, int]:
-    """Collective ops by kind in an HLO module's text (``x-start`` counted, its ``x-done`` not)."""
-    ops = re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text)
-    return {k: ops.count(k) for k in COLLECTIVES}
 
 
 def cost(compiled) -> dict[str, float]:

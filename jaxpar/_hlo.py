@@ -1,4 +1,6 @@
-"""Static analysis of a compiled XLA program's HLO text: FLOPs, bytes accessed and collectives by mesh axis.
+"""The one reader of XLA programs' text: a compiled program's HLO (FLOPs, bytes accessed and collectives by mesh
+axis; instructions, loop depths, named scopes) and a lowered program's StableHLO (its dots' operand types, its
+sharding constraints).
 
 ``compiled.cost_analysis()`` counts the body of a ``while`` loop once, whatever its trip count; a GPT with
 ``scan_layers=True`` or a pipeline (one ``lax.scan`` step per tick) then looks many times cheaper than it is.
@@ -144,7 +146,7 @@ def _parse_iota(text: str) -> tuple[np.ndarray, list[int]]:
     return _iota(dims, perm), shape
 
 
-def _attr(attrs: str, key: str) -> str | None:
+def attribute(attrs: str, key: str) -> str | None:
     """The raw text of attribute ``key=...`` (a bracketed value, or up to the next comma)."""
     i = attrs.find(key + "=")
     if i < 0:
@@ -169,7 +171,7 @@ def _attr(attrs: str, key: str) -> str | None:
 
 def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
     """The groups of logical device ids of a collective's ``replica_groups`` (every device when empty)."""
-    text = _attr(attrs, "replica_groups")
+    text = attribute(attrs, "replica_groups")
     if text is None or text in ("{}", "{{}}"):
         return [list(range(num_devices))]
     if text.startswith("{"):
@@ -193,7 +195,7 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
 
 
 def permute_pairs(attrs: str) -> list[list[int]]:
-    text = _attr(attrs, "source_target_pairs") or "{}"
+    text = attribute(attrs, "source_target_pairs") or "{}"
     return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", text)]
 
 
@@ -233,7 +235,7 @@ def _dot_flops(instr: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(out[0][1]) * contracted
 
 
-def _callees(instr: Instr) -> list[tuple[str, str]]:
+def callees(instr: Instr) -> list[tuple[str, str]]:
     """``[(role, computation)]`` of the computations an instruction calls (reducers excluded)."""
     out = []
     for role in ("calls", "body", "condition", "true_computation", "false_computation"):
@@ -296,7 +298,7 @@ class _Walker:
             return 2 * shape_bytes(shapes.get(instr.operands[1], ""))
         operand = [shape_bytes(shapes.get(o, "")) for o in instr.operands]
         out = shape_bytes(instr.shape)
-        body = self.comps.get(dict(_callees(instr)).get("calls", ""), []) if instr.opcode == "fusion" else []
+        body = self.comps.get(dict(callees(instr)).get("calls", ""), []) if instr.opcode == "fusion" else []
         if body:
             users: dict[str, list[Instr]] = defaultdict(list)
             for i in body:
@@ -331,9 +333,9 @@ class _Walker:
         total[("coll_count", kind, label, size)] += 1
 
     def _add_callees(self, instr: Instr, total: dict) -> None:
-        callees = _callees(instr)
-        branches = [c for role, c in callees if role in ("branch", "true_computation", "false_computation")]
-        for role, comp in callees:
+        called = callees(instr)
+        branches = [c for role, c in called if role in ("branch", "true_computation", "false_computation")]
+        for role, comp in called:
             if role in ("branch", "true_computation", "false_computation"):
                 continue
             times = 1.0
@@ -407,7 +409,7 @@ class CollectiveSite:
     scalar: bool                 # a result of at most 8 bytes (a loss or metric reduction)
 
 
-def _runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str, tuple[float, int]]:
+def runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str, tuple[float, int]]:
     """``{computation: (runs per program run, loop depth)}``. A ``while`` body runs its trip count times per run
     of its caller; every branch of a ``conditional`` is counted on each run (an upper bound for one branch)."""
     out: dict[str, tuple[float, int]] = {}
@@ -416,7 +418,7 @@ def _runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str
         old = out.get(name, (0.0, 0))
         out[name] = (old[0] + runs, max(old[1], depth))
         for instr in comps.get(name, []):
-            for role, callee in _callees(instr):
+            for role, callee in callees(instr):
                 if callee not in comps:
                     continue
                 times, deeper = 1.0, 0
@@ -436,7 +438,7 @@ def collective_sites(text: str, mesh_shape: dict[str, int]) -> list[CollectiveSi
       ValueError: as for :func:`analyze`.
     """
     comps, entry = parse_module(text)
-    runs = _runs_per_computation(comps, entry)
+    runs = runs_per_computation(comps, entry)
     num_devices = math.prod(mesh_shape.values())
     sites = []
     for comp, instrs in comps.items():
@@ -458,17 +460,71 @@ def upcast_copies(text: str) -> list[float]:
     a fusion that only converts), largest first. XLA:CPU computes bf16 work in float32 and materialises such
     copies (e.g. of a scanned stack of saved activations); a GPU program keeps them in bf16."""
     comps, _ = parse_module(text)
-    fused = {c for instrs in comps.values() for i in instrs if i.opcode == "fusion" for _, c in _callees(i)}
+    fused = {c for instrs in comps.values() for i in instrs if i.opcode == "fusion" for _, c in callees(i)}
     out = []
     for name, instrs in comps.items():
         if name in fused:
             continue
         shapes = {i.name: i.shape for i in instrs}
         for i in instrs:
-            body = [j for j in comps.get(dict(_callees(i)).get("calls", ""), []) if j.opcode != "parameter"]
+            body = [j for j in comps.get(dict(callees(i)).get("calls", ""), []) if j.opcode != "parameter"]
             only_convert = i.opcode == "convert" or (i.opcode == "fusion" and len(body) == 1 and body[0].opcode == "convert")
             src = array_dims(shapes.get(i.operands[0], "")) if i.operands else []
             dst = array_dims(i.shape)
             if only_convert and len(dst) == 1 and dst[0][0] == "f32" and src and src[0][0] == "bf16":
                 out.append(shape_bytes(i.shape))
     return sorted(out, reverse=True)
+
+
+# ------------------------------------------------------------------------------------- the text as a whole
+
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# StableHLO (``lowered.as_text()``): one op a line, its operand types after the last " : ".
+_STABLE_DOT = re.compile(r"stablehlo\.dot_general\b.*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
+_STABLE_CONSTRAINT = re.compile(r"sharding_constraint %[\w#.]+ (<@[^>]*>) : tensor<(?:([\dx]*)x)?([a-z]\w*)>")
+
+
+def program_text(text: str) -> str:
+    """An HLO module's text without its debug tables (``FileNames`` onwards) and instruction metadata: what the
+    program computes, so two compiles compare equal across edits that only move source lines."""
+    return _METADATA.sub("", text.split("\nFileNames")[0])
+
+
+def scopes(text: str) -> set[str]:
+    """Every ``jax.named_scope`` name in the instructions' metadata (the parts of their ``op_name`` paths)."""
+    return {part for name in _OP_NAME.findall(text) for part in name.split("/")}
+
+
+def collective_counts(text: str) -> dict[str, int]:
+    """Collective instructions of an HLO module by kind (:data:`COLLECTIVES`; an async ``-start`` counted, its
+    ``-done`` not), over every computation."""
+    comps, _ = parse_module(text)
+    ops = [i.opcode.removesuffix("-start") for instrs in comps.values() for i in instrs]
+    return {k: ops.count(k) for k in COLLECTIVES}
+
+
+def loop_depths(text: str) -> dict[str, tuple[list[Instr], int]]:
+    """``{computation: (instructions, loop depth)}`` of an HLO module: how many ``while`` bodies enclose each
+    computation reached from the entry (0: outside every loop; a loop's condition is at the loop's depth;
+    reducers and computations not reached are left out)."""
+    comps, entry = parse_module(text)
+    return {name: (comps[name], depth) for name, (_, depth) in runs_per_computation(comps, entry).items()
+            if name in comps}
+
+
+def _element_type(tensor: str) -> str:
+    """``"bf16"`` of ``tensor<16x64xbf16>`` (or of the scalar ``tensor<bf16>``)."""
+    return tensor[len("tensor<"):-1].split("x")[-1]
+
+
+def stablehlo_dots(text: str) -> list[tuple[str, str]]:
+    """The operand element types ``(lhs, rhs)`` of every ``stablehlo.dot_general`` of a lowered program's text
+    (``lowered.as_text()``), in program order, e.g. ``("bf16", "bf16")`` or ``("f8E4M3FN", "f8E5M2")``."""
+    return [(_element_type(a), _element_type(b)) for a, b in _STABLE_DOT.findall(text)]
+
+
+def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
+    """``(sharding, dims, element type)`` of every ``sharding_constraint`` of a lowered program's text, e.g.
+    ``('<@mesh, [{}, {"tensor"}]>', "64x256", "bf16")`` (dims ``""`` for a scalar)."""
+    return _STABLE_CONSTRAINT.findall(text)

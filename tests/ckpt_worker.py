@@ -147,7 +147,6 @@ def step_fn(spec: Spec, mesh=None):
 
 def _build(spec: Spec, mesh=None):
     import jax
-    import optax
 
     import jaxpar as jp
     from helpers import gpt_parts

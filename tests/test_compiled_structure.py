@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ import optax
 import pytest
 
 import jaxpar as jp
+from jaxpar import _hlo as plan_hlo
 from helpers import gpt_batch
 from jaxpar.models import GPT, GPTConfig
 
@@ -24,51 +24,22 @@ CFG = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, d_mlp=320,
 BATCH, SEQ = 16, 16
 D, F, H, K, V, N = CFG.d_model, CFG.mlp_dim, CFG.num_heads, CFG.head_dim, CFG.padded_vocab, CFG.num_layers
 
-_COLLECTIVE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                         r"(?:-start)?\(")
-_SHAPE = re.compile(r"[a-z]\w*\[([\d,]*)\]")
-
-
 def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     """``(kind, [result shapes])`` of every collective in an HLO module's text (tuple results expanded)."""
-    out = []
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(m.group(1))]
-            out.append((m.group(2), shapes))
-    return out
-
-
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) \(.*\{\s*$")
+    return [(i.opcode.removesuffix("-start"), [dims for _, dims in plan_hlo.array_dims(i.shape)])
+            for instrs in plan_hlo.parse_module(hlo)[0].values() for i in instrs
+            if i.opcode.removesuffix("-start") in plan_hlo.COLLECTIVES]
 
 
 def _parse_hlo(hlo: str) -> dict[str, dict[str, dict]]:
     """``{computation: {instruction: {op, shapes, tuple, operands, calls, index, param}}}`` of an HLO module."""
-    comps, cur = {}, None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            cur = comps[m.group(1)] = {}
-            continue
-        m = _INSTR.match(line) if cur is not None else None
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
-        depth, i = 1, 0
-        while depth and i < len(rest):          # the operand list ends at the matching parenthesis
-            depth += {"(": 1, ")": -1}.get(rest[i], 0)
-            i += 1
-        attrs = rest[i:]
-        calls = re.search(r"calls=%([\w.\-]+)", attrs)
-        index = re.search(r"index=(\d+)", attrs)
-        cur[name] = dict(op=op, tuple=shape.startswith("("), operands=re.findall(r"%([\w.\-]+)", rest[:i - 1]),
-                         shapes=[tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(shape)],
-                         calls=calls.group(1) if calls else None,
-                         index=int(index.group(1)) if index and op == "get-tuple-element" else None,
-                         param=int(re.match(r"\d+", rest).group(0)) if op == "parameter" else None)
-    return comps
+    def entry(i):
+        index = plan_hlo.attribute(i.attrs, "index") if i.opcode == "get-tuple-element" else None
+        return dict(op=i.opcode, tuple=i.shape.startswith("("), operands=i.operands,
+                    shapes=[dims for _, dims in plan_hlo.array_dims(i.shape)],
+                    calls=dict(plan_hlo.callees(i)).get("calls"), index=None if index is None else int(index),
+                    param=int(i.args) if i.opcode == "parameter" else None)
+    return {name: {i.name: entry(i) for i in instrs} for name, instrs in plan_hlo.parse_module(hlo)[0].items()}
 
 
 def _users(comp: dict, name: str) -> list[tuple[str, dict]]:

@@ -382,3 +382,35 @@ def test_readme_code_map_names_every_module():
 @pytest.mark.parametrize("section", ["Public API", "Code map"])
 def test_readme_sections_exist(section):
     assert readme_section((ROOT / "README.md").read_text(), section).strip()
+
+
+# ---------------------------------------------------------------------------------------------- HLO text
+
+HLO_READER = "jaxpar/_hlo.py"
+_REGEX_CALL = re.compile(r"\bre\.(?:compile|search|match|fullmatch|findall|finditer|sub|split)\(")
+# Words on a line that applies a regular expression to a program's text (HLO or StableHLO) or names it.
+_PROGRAM_WORDS = ("hlo", "tensor<", "metadata=", "op_name", "dot_general", "sharding_constraint", "calls=", "body=",
+                  "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def program_regexes(root: Path) -> list[str]:
+    """``path:line`` of every regular expression on program text outside the one reader (:data:`HLO_READER`)
+    in the package, the tests, the benchmarks and the experiments: a ``re`` call on a line naming HLO."""
+    found = []
+    for folder in ("jaxpar", "tests", "benchmarks", "experiments"):
+        for f in sorted((root / folder).rglob("*.py")):
+            if f.relative_to(root).as_posix() in (HLO_READER, "tests/test_package.py"):   # this file: its examples
+                continue
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                if _REGEX_CALL.search(line) and any(w in line.lower() for w in _PROGRAM_WORDS):
+                    found.append(f"{f.relative_to(root).as_posix()}:{n}")
+    return found
+
+
+def test_only_the_hlo_reader_parses_program_text(tmp_path):
+    assert program_regexes(ROOT) == []
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("import re\nn = len(re.findall(r'all-gather', hlo_text))\n")
+    (tmp_path / "jaxpar").mkdir()
+    (tmp_path / "jaxpar" / "_hlo.py").write_text("import re\nOPS = re.compile(r'all-gather')\n")
+    assert program_regexes(tmp_path) == ["tests/test_x.py:2"]

@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
+from jaxpar import _hlo as plan_hlo
 from jaxpar.models import GPT, GPTConfig
 from jaxpar import Policy
 from jaxpar.precision import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale, loss_scaling
@@ -178,8 +179,8 @@ def test_bf16_step_computes_dots_in_bf16_and_keeps_f32_state(mesh_factory):
     state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy)
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh)     # the policy travels on the state
     text = step.lower(state, _gpt_batch()).as_text()
-    dots = [line for line in text.splitlines() if "dot_general" in line]
-    bf16_dots = [d for d in dots if re.search(r"tensor<[0-9x]*bf16>.*tensor<[0-9x]*bf16>", d)]
+    dots = plan_hlo.stablehlo_dots(text)
+    bf16_dots = [d for d in dots if d == ("bf16", "bf16")]
     assert dots and len(bf16_dots) >= 0.8 * len(dots), f"{len(bf16_dots)} of {len(dots)} dots take bf16 operands"
     state, metrics = step(state, _gpt_batch())
     for leaf in jax.tree.leaves((state.params, state.opt_state)):
@@ -789,8 +790,8 @@ def plain_batch(rng, n=32):
 
 def dot_dtypes(step, state, batch):
     """(number of dot_general ops, number whose two operands are both bf16) in the lowered step."""
-    dots = [line for line in step.lower(state, batch).as_text().splitlines() if "dot_general" in line]
-    bf16 = [d for d in dots if re.search(r"\(tensor<[0-9x]*bf16>, tensor<[0-9x]*bf16>\)", d)]
+    dots = plan_hlo.stablehlo_dots(step.lower(state, batch).as_text())
+    bf16 = [d for d in dots if d == ("bf16", "bf16")]
     return len(dots), len(bf16)
 
 

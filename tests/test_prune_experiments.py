@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-import jaxpar as jp
 from jaxpar.cli import experiment
 from test_experiments import load
 

@@ -12,7 +12,6 @@ DESIGN.md "Tests": per leaf ``max|got - ref| <= 1e-5 * max|ref|``. Run with ``-s
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 
 import flax.linen as nn
@@ -403,7 +402,7 @@ def test_step_phases_are_named_in_the_compiled_program(mesh_factory):
     state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh, grad_accum_steps=2)
     text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, CHECK_CFG)).compile().as_text()
-    scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
+    scopes = plan_hlo.scopes(text)
     assert {"forward_backward", "optimizer_update", "accumulation"} <= scopes, sorted(scopes)[:40]
 
 
@@ -488,7 +487,8 @@ def test_the_weight_gather_comes_after_the_cast_to_the_compute_dtype(mesh_factor
                                     policy=policy)
     text = jp.train.make_train_step(unconstrained_loss, KEEP_GRADS, mesh=mesh).lower(
         state, {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)}).as_text()
-    gathers = re.findall(r'sharding_constraint %\w+ <@mesh, \[\{\}, \{"tensor"\}\]> : tensor<(\d+x\d+)x(\w+)>', text)
+    gathers = [(dims, dtype) for sharding, dims, dtype in plan_hlo.sharding_constraints(text)
+               if sharding == '<@mesh, [{}, {"tensor"}]>' and dims.count("x") == 1]
     # each weight gathered in the forward, its gradient reduce-scattered by the transpose in the backward
     assert sorted(gathers) == [("64x256", "bf16")] * 2 + [("64x64", "bf16")] * 2, gathers
 

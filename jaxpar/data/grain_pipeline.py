@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxpar.layers.per_token import BATCH_KEYS
 from jaxpar.sharding import rules as shd
 from jaxpar._optional import require
 from jaxpar.sharding.batches import Batches
@@ -45,7 +46,7 @@ from jaxpar._validate import nonnegative_int, positive_int
 
 FORMAT = "jaxpar.grain_batches/1"
 PACKINGS = ("first_fit", "concat_then_split")
-KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+KEYS = BATCH_KEYS
 
 
 def _grain():

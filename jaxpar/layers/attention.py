@@ -20,8 +20,11 @@ is ever computed. :func:`to_zigzag` / :func:`from_zigzag` reorder per-token arra
 masks; outputs back); :func:`shard_sequence` reorders a batch, :func:`positions` gives the original positions
 of the slots; :func:`work_per_device` counts each device's blocks.
 
-With the ``seq`` axis unsharded (``context == 1``), :func:`causal` is the single-device block-skipping attention
-(:func:`causal_attention`, the models' attention), unchanged.
+One kernel serves every path: with the ``seq`` axis unsharded (``context == 1``) the kernel's only step is the
+device's own keys, attended in query blocks that skip the keys above the diagonal (:func:`causal_attention`, the
+models' ``"blocked"`` attention). :data:`BACKENDS` names every way to attend: ``"blocked"``, ``"xla"`` and
+``"cudnn"`` on one device's sequence (:data:`ONE_DEVICE`, ``GPTConfig.attention``), ``"ring"`` and
+``"all_gather"`` over a context axis (:data:`STRATEGIES`); :func:`attend` picks one from a model's config.
 
 Shape legend: B batch, L sequence (the whole one; ``n`` on one device), H query heads, G key/value heads (``H``
 a multiple of ``G``: grouped-query attention), K head dim.
@@ -43,7 +46,7 @@ from jaxpar.sharding.names import CONTEXT, PIPE, SEQ, Rules
 
 STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
 LAYOUTS = ("zigzag", "contiguous")      # which chunks of the sequence a device holds
-_NEG = -1e30                            # a finite "minus infinity" for masked scores (no inf - inf = NaN)
+_NEG = jnp.finfo(jnp.float32).min / 2    # a finite "minus infinity" for masked scores (no inf - inf = NaN)
 
 
 # ---------------------------------------------------------------------------------------------- the mesh axis
@@ -210,55 +213,68 @@ def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarra
     return {"computed": 4 * i + 4, "unmasked": 4 * i + 2}
 
 
-# -------------------------------------------------------------------------------- one device's attention
-
-def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
-                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
-    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``.
-
-    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
-    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
-    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
-    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
-    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
-    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
-    and heads) on any backend.
-
-    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
-    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
-    padding (any id, e.g. 0) never gives an all-masked, NaN row.
-    """
-    L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
-    n = max(1, min(num_blocks, L))
-    bounds = [round(i * L / n) for i in range(n + 1)]
-    out = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        s_BHQS = jnp.einsum("bqhk,bshk->bhqs", q_BLHK[:, start:end], k_BLHK[:, :end],
-                            preferred_element_type=jnp.float32) * (1.0 / math.sqrt(K))
-        visible_QS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        if segment_ids_BL is not None:   # [B, 1, Q, S]: causal and within the query's own document
-            same_BQS = segment_ids_BL[:, start:end, None] == segment_ids_BL[:, None, :end]
-            visible_QS = (visible_QS[None] & same_BQS)[:, None]
-        p_BHQS = jax.nn.softmax(jnp.where(visible_QS, s_BHQS, jnp.finfo(jnp.float32).min / 2), axis=-1)
-        out.append(jnp.einsum("bhqs,bshk->bqhk", p_BHQS.astype(v_BLHK.dtype), v_BLHK[:, :end]))
-    return (out[0] if n == 1 else jnp.concatenate(out, axis=1)).astype(q_BLHK.dtype)
-
-
-
 # ---------------------------------------------------------------------------------------------- the kernel
+#
+# One online softmax (Milakov & Gimelshein 2018, alg. 3) serves "blocked", "ring" and "all_gather" ("xla" and
+# "cudnn" are jax's own kernels): a device's queries are cut into blocks, each block meets key blocks one at a
+# time, and the partial outputs with their row maxima and sums are merged. Step 0 is the device's own keys,
+# attended causally in query blocks that skip the keys above the diagonal; context parallelism adds one key block
+# per other device (:func:`_kernel`). With one device there is no other step: every query block meets all its
+# keys in one block, where the online softmax is the softmax itself, so the block is normalised in place (jax's
+# softmax and its JVP) and nothing is merged.
 
-def _block(q_BQGRK, k_BSGK, v_BSGK, visible):
-    """One block's unnormalised output, row max and row sum: ``(o [B,Q,G,R,K], m [B,Q,G,R], l [B,Q,G,R])``,
-    float32; ``visible`` a bool mask broadcastable to ``[B, Q, G, R, S]`` or None (all visible)."""
-    s = jnp.einsum("bqgrk,bsgk->bqgrs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32)
-    s = s * (1.0 / math.sqrt(q_BQGRK.shape[-1]))
-    if visible is not None:
-        s = jnp.where(visible, s, _NEG)
+# The two products per query layout: [B, Q, H, K] against keys and values with the queries' heads (scores
+# [B, H, Q, S]), or grouped queries [B, Q, G, R, K] against the G key/value heads themselves (scores
+# [B, Q, G, R, S]: grouped-query attention that never repeats K and V).
+_PRODUCTS = {4: ("bqhk,bshk->bhqs", "bhqs,bshk->bqhk"), 5: ("bqgrk,bsgk->bqgrs", "bqgrs,bsgk->bqgrk")}
+
+
+def _bounds(length: int, num_blocks: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of ``num_blocks`` contiguous query blocks of ``length`` rows (at least 1, at most one a row)."""
+    n = max(1, min(num_blocks, length))
+    cuts = [round(i * length / n) for i in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _visible(seg_q_BQ, seg_k_BS, diagonal: int | None, q_len: int, k_len: int, rank: int):
+    """Which keys each query of a block sees, broadcastable to the scores of a rank-``rank`` query block
+    (:data:`_PRODUCTS`), or None (all): key ``j`` at or before query ``i`` counted from ``diagonal`` (a block on the
+    diagonal, ``j <= diagonal + i``; None: every key precedes every query) and, with segment ids (int ``[B, Q]`` and
+    ``[B, S]``), in the query's own segment."""
+    vis = None
+    if diagonal is not None:
+        vis = jnp.arange(k_len)[None, :] <= jnp.arange(diagonal, diagonal + q_len)[:, None]
+    if seg_q_BQ is not None:
+        same = seg_q_BQ[:, :, None] == seg_k_BS[:, None, :]
+        vis = same if vis is None else vis[None] & same
+    if vis is None or (rank == 4 and vis.ndim == 2):   # [Q, S] broadcasts over batch and heads as it is
+        return vis
+    vis = vis if vis.ndim == 3 else vis[None]
+    return vis[:, None] if rank == 4 else vis[:, :, None, None, :]
+
+
+def _scores(q, k, visible):
+    """Float32 ``q k^T / sqrt(K)`` (Vaswani et al. 2017, eq. 1), masked scores set to a finite minimum."""
+    s = jnp.einsum(_PRODUCTS[q.ndim][0], q, k, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))
+    return s if visible is None else jnp.where(visible, s, _NEG)
+
+
+def _whole(q, k, v, visible):
+    """A query block that meets all its keys in this one block: the softmax, its probabilities cast to ``v``'s
+    dtype for the second product (the output has ``v``'s dtype, as ``jax.nn.dot_product_attention``'s XLA path)."""
+    p = jax.nn.softmax(_scores(q, k, visible), axis=-1)
+    return jnp.einsum(_PRODUCTS[q.ndim][1], p.astype(v.dtype), v)
+
+
+def _partial(q_BQGRK, k_BSGK, v_BSGK, visible):
+    """One key block of several: the unnormalised output, row max and row sum ``(o [B,Q,G,R,K], m [B,Q,G,R],
+    l [B,Q,G,R])``, float32."""
+    s = _scores(q_BQGRK, k_BSGK, visible)
     m = jax.lax.stop_gradient(s.max(-1))    # the softmax does not depend on it: no gradient through the max
     p = jnp.exp(s - m[..., None])
     if visible is not None:
         p = jnp.where(visible, p, 0.0)      # a row with nothing visible contributes nothing (l = 0)
-    o = jnp.einsum("bqgrs,bsgk->bqgrk", p.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32)
+    o = jnp.einsum(_PRODUCTS[5][1], p.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32)
     return o, m, p.sum(-1)
 
 
@@ -276,41 +292,44 @@ def _merge(acc, blk):
     return o1 * a[..., None] + o2 * b[..., None], m, l1 * a + l2 * b
 
 
-def _mask(seg_q_BQ, seg_k_BS, diagonal: bool, q_len: int, k_len: int):
-    """``[B or 1, Q, 1, 1, S]`` visibility: same segment (if given) and, on a diagonal block, key <= query."""
-    vis = None
-    if diagonal:
-        vis = (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])[None]
-    if seg_q_BQ is not None:
-        same = seg_q_BQ[:, :, None] == seg_k_BS[:, None, :]
-        vis = same if vis is None else vis & same
-    return None if vis is None else vis[:, :, None, None, :]
-
-
 def _rows(x, start, stop):
     return None if x is None else x[:, start:stop]
 
 
-def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str, context: int, strategy: str, layout: str):
-    """The per-device body (inside a ``shard_map`` manual over ``axis``): local queries against every block."""
+def _join(blocks):
+    return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+
+
+def _own_keys(q, k, v, seg, bounds, whole: bool):
+    """Step 0: query block ``[s, e)`` against the keys ``[0, e)`` of the same local sequence, causally (the block
+    skipping of FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): a list of outputs
+    (``whole``) or of ``(o, m, l)`` partials, one per block."""
+    block = _whole if whole else _partial
+    return [block(q[:, s:e], k[:, :e], v[:, :e], _visible(_rows(seg, s, e), _rows(seg, 0, e), s, e - s, e, q.ndim))
+            for s, e in bounds]
+
+
+def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str | None = None, context: int = 1, strategy: str = "ring",
+            layout: str = "contiguous", num_blocks: int = 1):
+    """One device's causal attention: its ``n`` local queries against its own keys (step 0), then, inside a
+    ``shard_map`` manual over ``axis`` (``context > 1``), against every other device's K/V block. ``context == 1``
+    takes keys and values with the queries' ``H`` heads and cuts the queries into ``num_blocks`` blocks; over a
+    context axis K/V keep their ``G`` heads (only they travel) and the queries are grouped instead."""
+    if context == 1:
+        return _join(_own_keys(q_BnHK, k_BnGK, v_BnGK, seg_Bn, _bounds(q_BnHK.shape[1], num_blocks), True)) \
+            .astype(q_BnHK.dtype)
     B, n, H, K = q_BnHK.shape
     G = k_BnGK.shape[2]
     q = q_BnHK.reshape(B, n, G, H // G, K)
+    zig = layout == "zigzag"
+    # Zigzag: rows [0, n/2) are chunk `me` (its diagonal), rows [n/2, n) chunk 2C-1-me (chunk `me` wholly below
+    # them, then their diagonal): the two query blocks of a blocked step over the local keys.
+    accs = _own_keys(q, k_BnGK, v_BnGK, seg_Bn, _bounds(n, 2 if zig else 1), False)
     kv = jnp.stack([k_BnGK, v_BnGK])          # one transfer of K and V per hop
     me = jax.lax.axis_index(axis)
     if strategy == "all_gather":
         every_kv = jax.lax.all_gather(kv, axis)
         every_seg = None if seg_Bn is None else jax.lax.all_gather(seg_Bn, axis)
-    zig = layout == "zigzag"
-    c = n // 2 if zig else n
-    # Step 0: the device's own keys. Zigzag: rows [0, c) are chunk me (its diagonal), rows [c, n) chunk 2C-1-me
-    # (chunk me wholly below it, then its diagonal).
-    accs = [_block(q[:, :c], kv[0][:, :c], kv[1][:, :c], _mask(_rows(seg_Bn, 0, c), _rows(seg_Bn, 0, c), True, c, c))]
-    if zig:
-        vis2 = _mask(_rows(seg_Bn, c, n), seg_Bn, False, c, n)
-        diag = jnp.concatenate([jnp.ones((c, c), bool), jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]], 1)
-        vis2 = diag[None, :, None, None, :] if vis2 is None else vis2 & diag[None, :, None, None, :]
-        accs.append(_block(q[:, c:], kv[0], kv[1], vis2))
     hop = [(j, (j + 1) % context) for j in range(context)]
     held_kv, held_seg = kv, seg_Bn
     for step in range(1, context):
@@ -325,8 +344,7 @@ def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str, context: int, strategy
         blks = jax.lax.cond(below, functools.partial(_below, zig=zig), functools.partial(_above, zig=zig), q, held_kv,
                             seg_Bn, held_seg)
         accs = [_merge(a, b) for a, b in zip(accs, blks)]
-    out = [o / l[..., None] for o, _, l in accs]
-    return jnp.concatenate(out, 1).reshape(B, n, H, K).astype(q_BnHK.dtype)
+    return _join([o / l[..., None] for o, _, l in accs]).reshape(B, n, H, K).astype(q_BnHK.dtype)
 
 
 def _below(q, kv, seg_q, seg_k, zig: bool):
@@ -334,7 +352,7 @@ def _below(q, kv, seg_q, seg_k, zig: bool):
     second chunk lies above every local row); contiguous: the source's whole chunk."""
     n = q.shape[1]
     c = kv.shape[2] // 2 if zig else kv.shape[2]
-    o, m, l = _block(q, kv[0][:, :c], kv[1][:, :c], _mask(seg_q, _rows(seg_k, 0, c), False, n, c))
+    o, m, l = _partial(q, kv[0][:, :c], kv[1][:, :c], _visible(seg_q, _rows(seg_k, 0, c), None, n, c, 5))
     if not zig:
         return [(o, m, l)]
     h = n // 2
@@ -347,7 +365,64 @@ def _above(q, kv, seg_q, seg_k, zig: bool):
     if not zig:
         return [_empty(q)]
     h = q.shape[1] // 2
-    return [_empty(q[:, :h]), _block(q[:, h:], kv[0], kv[1], _mask(_rows(seg_q, h, 2 * h), seg_k, False, h, 2 * h))]
+    return [_empty(q[:, :h]),
+            _partial(q[:, h:], kv[0], kv[1], _visible(_rows(seg_q, h, 2 * h), seg_k, None, h, 2 * h, 5))]
+
+
+# ------------------------------------------------------------------------------------------------ backends
+
+def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
+                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``,
+    on one device: the ``"blocked"`` backend, the kernel's case of a single device.
+
+    The queries are cut into ``num_blocks`` contiguous blocks; block ``i`` (rows ``[s_i, e_i)``) attends to keys
+    ``[0, e_i)`` only, so the fully masked blocks above the diagonal are never computed (the block skipping of
+    FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): logits, softmax and their gradients
+    cost ``(n + 1) / (2 n)`` of full attention. The logits and the softmax are float32, the probabilities are
+    cast to ``v``'s dtype for the second product, and the output has ``q``'s dtype, as in
+    ``jax.nn.dot_product_attention``'s XLA path. Plain einsums and a softmax: it runs (and shards over batch
+    and heads) on any backend.
+
+    ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
+    segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
+    padding (any id, e.g. 0) never gives an all-masked, NaN row.
+    """
+    return _kernel(q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, num_blocks=num_blocks)
+
+
+def _fused(q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, *, implementation: str, **_):
+    """``jax.nn.dot_product_attention`` (``"xla"``, or ``"cudnn"``: cuDNN flash attention) with the causal mask."""
+    mask = None if segment_ids_BL is None else (
+        segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])   # [B, 1, Q, S]: same document
+    return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
+                                        implementation=implementation)
+
+
+def _over_context(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, strategy: str, layout: str, **_):
+    """The kernel inside a ``shard_map`` manual over the context axis (or as it is, already inside one)."""
+    axis, context = context_axis()
+    body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=strategy, layout=layout)
+    if _manual_context(jax.sharding.get_abstract_mesh()):   # local arrays already
+        return body(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+    spec = P(None, axis)
+    if segment_ids_BL is None:
+        return jax.shard_map(lambda q, k, v: body(q, k, v, None), in_specs=(spec,) * 3, out_specs=spec,
+                             axis_names={axis})(q_BLHK, k_BLGK, v_BLGK)
+    return jax.shard_map(body, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis})(
+        q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+
+
+# The backend table: name -> fn(q_BLHK, k, v, segment_ids_BL, *, num_blocks, layout) -> [B, L, H, K]. The one-device
+# backends (ONE_DEVICE) take keys and values with the queries' H heads; the context strategies take the G heads.
+BACKENDS = {
+    "blocked": lambda q, k, v, s, *, num_blocks=2, **_: causal_attention(q, k, v, num_blocks, s),
+    "xla": functools.partial(_fused, implementation="xla"),
+    "cudnn": functools.partial(_fused, implementation="cudnn"),
+    "ring": functools.partial(_over_context, strategy="ring"),
+    "all_gather": functools.partial(_over_context, strategy="all_gather"),
+}
+ONE_DEVICE = ("blocked", "xla", "cudnn")   # GPTConfig/LlamaConfig.attention
 
 
 def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_BL: jax.Array | None = None, *,
@@ -393,22 +468,34 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
     if context == 1:
         reps = q_BLHK.shape[2] // k_BLGK.shape[2]
         k, v = (jnp.repeat(t, reps, axis=2) if reps > 1 else t for t in (k_BLGK, v_BLGK))
-        return causal_attention(q_BLHK, k, v, num_blocks, segment_ids_BL)
-    body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=context_attention,
-                                      layout=layout)
-    if manual:
-        return body(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
-    spec = P(None, axis)
-    if segment_ids_BL is None:
-        return jax.shard_map(lambda q, k, v: body(q, k, v, None), in_specs=(spec,) * 3, out_specs=spec,
-                             axis_names={axis})(q_BLHK, k_BLGK, v_BLGK)
-    return jax.shard_map(body, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis})(
-        q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
+        return BACKENDS["blocked"](q_BLHK, k, v, segment_ids_BL, num_blocks=num_blocks)
+    return BACKENDS[context_attention](q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, layout=layout)
+
+
+def _backend(cfg: Any, dtype: Any, segments: bool) -> str:
+    """The backend ``cfg`` asks for here: ``cfg.context_attention`` with the sequence over a context axis, else
+    ``cfg.attention``; raises where it cannot run."""
+    if context_axis()[1] > 1:
+        if cfg.attention == "cudnn":
+            raise ValueError("attention='cudnn' cannot shard the sequence over the context axis (cuDNN's kernel sees "
+                             "one device's keys); set GPTConfig/LlamaConfig attention='blocked', which runs "
+                             f"context_attention={cfg.context_attention!r} over it, or use a mesh with context=1")
+        return cfg.context_attention
+    if segments and cfg.attention == "cudnn":
+        raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
+                         "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")
+    platform = jax.devices()[0].platform
+    if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
+        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
+                         f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
+                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
+    return cfg.attention
 
 
 def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
               segment_ids_BL: jax.Array | None = None, expand: Any = None) -> jax.Array:
-    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig); float16 is taken in float32.
+    """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig) from :data:`BACKENDS`; float16 is taken
+    in float32.
 
     ``segment_ids_BL`` (int ``[B, L]``, optional): attention stays within each segment (packed documents), on the
     ``"blocked"`` and ``"xla"`` paths. ``expand``: the model's ``[B, L, G, K] -> [B, L, H, K]`` of keys and values
@@ -420,36 +507,17 @@ def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
       ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids or a context axis.
     """
     dtype = q_BLHK.dtype
-    if context_axis()[1] > 1:
-        if cfg.attention == "cudnn":
-            raise ValueError("attention='cudnn' cannot shard the sequence over the context axis (cuDNN's kernel sees "
-                             "one device's keys); set GPTConfig/LlamaConfig attention='blocked', which runs "
-                             f"context_attention={cfg.context_attention!r} over it, or use a mesh with context=1")
-        up = (lambda t: t.astype(jnp.float32)) if dtype == jnp.float16 else (lambda t: t)
-        return causal(up(q_BLHK), up(k_BLGK), up(v_BLGK), segment_ids_BL, context_attention=cfg.context_attention,
-                         layout="zigzag").astype(dtype)
+    name = _backend(cfg, dtype, segment_ids_BL is not None)
+    # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention: take attention in
+    # float32, except in cuDNN's kernel.
+    up = (lambda t: t.astype(jnp.float32)) if dtype == jnp.float16 and name != "cudnn" else (lambda t: t)
+    if name not in ONE_DEVICE:
+        return causal(up(q_BLHK), up(k_BLGK), up(v_BLGK), segment_ids_BL, context_attention=name,
+                      layout="zigzag").astype(dtype)
     k_BLHK, v_BLHK = (k_BLGK, v_BLGK) if expand is None else (expand(k_BLGK), expand(v_BLGK))
-    if segment_ids_BL is not None and cfg.attention == "cudnn":
-        raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
-                         "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")
-    platform = jax.devices()[0].platform
-    if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
-        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
-                         f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "
-                         "(jp.precision.Policy.from_string('mixed_bf16')) on a GPU, or attention='blocked'")
-    if dtype == jnp.float16 and cfg.attention != "cudnn":
-        # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention:
-        # take attention in float32.
-        q_BLHK, k_BLHK, v_BLHK = (t.astype(jnp.float32) for t in (q_BLHK, k_BLHK, v_BLHK))
-    if cfg.attention == "blocked":
-        a_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_blocks, segment_ids_BL)
-    else:
-        mask = None if segment_ids_BL is None else (
-            segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])   # [B, 1, Q, S]: same document
-        a_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
-                                              implementation=cfg.attention)
+    a_BLHK = BACKENDS[name](up(q_BLHK), up(k_BLHK), up(v_BLHK), segment_ids_BL, num_blocks=cfg.attention_blocks)
     return a_BLHK.astype(dtype)
 
 
-__all__ = ["LAYOUTS", "attend", "STRATEGIES", "causal", "check_in_stages", "context_axis", "from_zigzag", "positions",
-           "shard_sequence", "to_zigzag", "work_per_device", "zigzag_order"]
+__all__ = ["BACKENDS", "LAYOUTS", "ONE_DEVICE", "attend", "STRATEGIES", "causal", "check_in_stages", "context_axis",
+           "from_zigzag", "positions", "shard_sequence", "to_zigzag", "work_per_device", "zigzag_order"]

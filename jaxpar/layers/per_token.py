@@ -28,7 +28,9 @@ def token_names() -> tuple:
     return (BATCH, SEQ) if cp.context_axis()[1] > 1 else ((BATCH, SEQ),)
 
 
+LM_KEYS = ("inputs", "targets")                         # a language model's batch: token ids and next-token ids
 PACKED_KEYS = ("segment_ids", "positions", "loss_mask")   # the optional batch entries of packed documents
+BATCH_KEYS = LM_KEYS + PACKED_KEYS                        # every per-token entry of a batch, each [B, L]
 
 
 def check_packed_shapes(batch: dict) -> None:
@@ -78,4 +80,4 @@ def check_packed_entries(batch: dict, max_position: int | None = None) -> None:
             raise ValueError(f"batch[{key!r}] holds {int(values[where])} at index {where}; {key} must be {bound}")
 
 
-__all__ = ["PACKED_KEYS", "check_packed_entries", "check_packed_shapes", "token_names", "tokens"]
+__all__ = ["BATCH_KEYS", "LM_KEYS", "PACKED_KEYS", "check_packed_entries", "check_packed_shapes", "token_names", "tokens"]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar._tree import key_path
 from jaxpar.train import grads
 from jaxpar.sharding import rules as shd
 from jaxpar._validate import positive_int
@@ -192,7 +193,7 @@ def check_stage_params(stage_params: Any, schedule: Schedule) -> None:
                      f"[num_stages, layers // num_stages, ...]") if v == 1 else (
                      f"num_stages * num_chunks = {p * v} (the virtual stages in stage layout: "
                      f"jp.pipeline.to_stage_layout of the [{p * v}, ...] params in model order)")
-            raise ValueError(f"stage_params{jax.tree_util.keystr(path)} has shape {shape}: every leaf needs a "
+            raise ValueError(f"stage_params{key_path(path, indexing=True)} has shape {shape}: every leaf needs a "
                              f"leading axis of exactly {where}")
 
 
@@ -215,7 +216,7 @@ def check_batch(x: Any, targets: Any, num_microbatches: int, mesh: Mesh, rules: 
     batch = np.shape(x)[0]
     for path, t in jax.tree_util.tree_flatten_with_path(targets)[0]:
         if np.ndim(t) == 0 or np.shape(t)[0] != batch:
-            raise ValueError(f"targets{jax.tree_util.keystr(path)} has shape {np.shape(t)}; its leading axis must "
+            raise ValueError(f"targets{key_path(path, indexing=True)} has shape {np.shape(t)}; its leading axis must "
                              f"be x's batch ({batch})")
     grads.check_batch_size(batch, mesh, rules, microbatches=num_microbatches)
 

@@ -18,10 +18,8 @@ checkpoint manager saves model order and restores into any layout).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxpar.pipeline.checks import check_schedule

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxpar._tree import key_path
 from jaxpar.train import grads as gr
 from jaxpar.sharding import rules as shd
 from jaxpar import protocol
@@ -264,7 +265,7 @@ class Pipeline(gr.GradFn):
         for path, leaf in jax.tree_util.tree_flatten_with_path(stages)[0]:
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] % n:
                 raise ValueError(
-                    f"params[{self.stage_key!r}]{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}: its layers "
+                    f"params[{self.stage_key!r}]{key_path(path, indexing=True)} has shape {np.shape(leaf)}: its layers "
                     f"axis is not divisible by {what}; use a number of layers that is a multiple of {n}, "
                     f"or another pipe size")
         for k in (self.inputs_key, self.targets_key):

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar._validate import positive_int
+from jaxpar.layers.per_token import LM_KEYS
 from jaxpar import _hlo as plan_hlo
 from jaxpar.plan import memory as plan_memory
 from jaxpar.plan.mesh_sizes import GiB, check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
@@ -185,7 +186,7 @@ def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_st
 
 
 def batch_structs(global_batch: int, seq_len: int) -> dict:
-    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32) for k in ("inputs", "targets")}
+    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32) for k in LM_KEYS}
 
 
 def _cpu_devices() -> list:

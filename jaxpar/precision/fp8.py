@@ -58,7 +58,6 @@ compute dtype without a word.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -75,6 +74,7 @@ from jaxpar import protocol
 from jaxpar.precision import policy as precision_policy
 from jaxpar.precision.policy import Policy
 from jaxpar.sharding.names import PIPE
+from jaxpar._hlo import stablehlo_dots
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = {"fp8": "delayed", "fp8_current": "current"}     # Policy.dot -> scaling recipe
@@ -344,9 +344,6 @@ class NnxDotGeneral(nnx.Module):
 
 # --------------------------------------------------------------------------------------- the program's dots
 
-_DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(tensor<[^>]*?x(f8E4M3FN|f8E5M2)>,\s*tensor<[^>]*?x(f8E4M3FN|f8E5M2)>")
-
-
 def fp8_dot_counts(lowered: Any) -> dict[str, int]:
     """The lowered program's fp8 matmuls by operand types, e.g. ``{"e4m3 x e4m3": 16, "e5m2 x e4m3": 32}``.
 
@@ -358,7 +355,9 @@ def fp8_dot_counts(lowered: Any) -> dict[str, int]:
     text = lowered if isinstance(lowered, str) else lowered.as_text()
     short = {"f8E4M3FN": "e4m3", "f8E5M2": "e5m2"}
     counts: dict[str, int] = {}
-    for a, b in _DOT.findall(text):
+    for a, b in stablehlo_dots(text):
+        if a not in short or b not in short:
+            continue
         key = f"{short[a]} x {short[b]}"
         counts[key] = counts.get(key, 0) + 1
     return counts

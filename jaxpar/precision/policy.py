@@ -16,9 +16,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar._tree import key_names, key_path
 from jaxpar.sharding import rules as shd
 from jaxpar.train import step as train
 from jaxpar._validate import positive_int
 from jaxpar import protocol
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
-from jaxpar.pruning.paths import key_name, path_str
 from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, carried_minimum, group_masks
 from jaxpar.sharding.names import HEADS, MLP
 
@@ -64,7 +64,7 @@ def _check_replaced(c: "Compaction", model: Any, params: Any) -> None:
         raise ValueError(f"{name} returned a config whose params have {len(flat)} leaves, not {len(c.param_shapes)}")
     for i, (path, leaf) in enumerate(flat):
         if tuple(leaf.shape) != c.new_shape(i):
-            raise ValueError(f"{name} returned a config whose {jax.tree_util.keystr(path)} has shape "
+            raise ValueError(f"{name} returned a config whose {key_path(path, indexing=True)} has shape "
                              f"{tuple(leaf.shape)}, but the compacted params have {c.new_shape(i)}: replace must "
                              f"set the kept counts it is given ({ {'/'.join(k): v.shape[-1] for k, v in c.index.items()} })")
 
@@ -187,11 +187,11 @@ class Compaction:
         index, kept = {}, {}
         for key in keys:
             if key not in plans:
-                raise ValueError(f"masks hold {path_str(key)}, which is no group of this model "
-                                 f"({sorted(path_str(k) for k in plans)})")
+                raise ValueError(f"masks hold {key_path(key)}, which is no group of this model "
+                                 f"({sorted(key_path(k) for k in plans)})")
             mask = lookup(masks, key)
             if mask.shape != plans[key].mask_shape:
-                raise ValueError(f"mask {path_str(key)} has shape {mask.shape}; this model's groups have "
+                raise ValueError(f"mask {key_path(key)} has shape {mask.shape}; this model's groups have "
                                  f"{plans[key].mask_shape}: pass the masks of these params")
             index[key], kept[key] = _plan_indices(mask, plans[key], _multiple(multiple_of, key[-1]),
                                                   carried_minimum(plans[key]) if carry else 1)
@@ -215,7 +215,7 @@ class Compaction:
                 if removed == m.axis:
                     continue
                 if removed in m.batch_axes:
-                    raise ValueError(f"a state leaf of {path_str(m.path)} averages over its stacked axis {removed}, "
+                    raise ValueError(f"a state leaf of {key_path(m.path)} averages over its stacked axis {removed}, "
                                      "whose slices keep different groups; compaction cannot cut it: re-initialise "
                                      "the optimizer state with tx.init(new_params)")
                 shift = lambda a: a - (a > removed)
@@ -264,21 +264,21 @@ def _without(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 
 
 def _compact_opt_state(c: Compaction, opt_state: Any, params: Any) -> Any:
-    names_of = [tuple(key_name(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    names_of = [key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     paths = {names: i for i, names in enumerate(names_of)}
     touched = c.members()
     changed = {c.param_shapes[i] for i in touched}
     special = lambda x: isinstance(x, (StructuredPruningState, optax.FactoredState))
 
     def param_of(path) -> int | None:   # the param whose path ends the state leaf's path (the longest such)
-        names = tuple(key_name(k) for k in path)
+        names = key_names(path)
         return next((paths[names[j:]] for j in range(len(names)) if names[j:] in paths), None)
 
     def one(path, x):
         i, shape = param_of(path), tuple(jnp.shape(x))
         if i is None:
             if shape in changed:
-                raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} has the shape {shape} of a "
+                raise ValueError(f"optimizer state leaf {key_path(path, indexing=True)} has the shape {shape} of a "
                                  "compacted param but its path names no param; compaction cannot tell how to cut "
                                  "it: re-initialise the optimizer state with tx.init(new_params)")
             return x
@@ -286,8 +286,8 @@ def _compact_opt_state(c: Compaction, opt_state: Any, params: Any) -> Any:
             return x
         if shape == c.param_shapes[i]:
             return c.leaf(x, i, False)
-        raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} follows the compacted param "
-                         f"{path_str(names_of[i])} of shape {c.param_shapes[i]} but has the shape {shape}; compaction "
+        raise ValueError(f"optimizer state leaf {key_path(path, indexing=True)} follows the compacted param "
+                         f"{key_path(names_of[i])} of shape {c.param_shapes[i]} but has the shape {shape}; compaction "
                          "cuts leaves of their param's shape and optax's factored moments (FactoredState.v_row/v_col): "
                          "pass the optimizer state of these params, or re-initialise it with tx.init(new_params)")
 
@@ -305,14 +305,14 @@ def _compact_opt_state(c: Compaction, opt_state: Any, params: Any) -> Any:
                 continue
             d1, d0 = _factored_axes(shape)
             if (tuple(jnp.shape(r)), tuple(jnp.shape(col))) != (_without(shape, d0), _without(shape, d1)):
-                raise ValueError(f"FactoredState leaves {jax.tree_util.keystr(where)} (shapes {jnp.shape(r)}, "
+                raise ValueError(f"FactoredState leaves {key_path(where, indexing=True)} (shapes {jnp.shape(r)}, "
                                  f"{jnp.shape(col)}) are not the factored moments of the param "
-                                 f"{path_str(names_of[i])} of shape {shape}: pass the optimizer state of these params")
+                                 f"{key_path(names_of[i])} of shape {shape}: pass the optimizer state of these params")
             stats = {d0: c.leaf(r, i, False, removed=d0), d1: c.leaf(col, i, False, removed=d1)}
             e1, e0 = _factored_axes(c.new_shape(i))
             if {e0, e1} != {d0, d1}:
                 raise ValueError(f"after compaction optax's factored second moment of "
-                                 f"{jax.tree_util.keystr(where)} would run over the axes {(e1, e0)} of the new shape "
+                                 f"{key_path(where, indexing=True)} would run over the axes {(e1, e0)} of the new shape "
                                  f"{c.new_shape(i)} instead of {(d1, d0)}; its statistics cannot be carried over: "
                                  "re-initialise the optimizer state with tx.init(new_params)")
             new_rows.append(stats[e0])   # v_row lacks the (new) largest axis, v_col the second largest
@@ -462,7 +462,7 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
                          "re-initialise its state with tx.init)")
     for (path, x), t in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(target)):
         if (tuple(jnp.shape(x)), jnp.result_type(x)) != (tuple(t.shape), t.dtype):
-            raise ValueError(f"compacted state leaf {jax.tree_util.keystr(path)} is {jnp.result_type(x)}"
+            raise ValueError(f"compacted state leaf {key_path(path, indexing=True)} is {jnp.result_type(x)}"
                              f"{list(jnp.shape(x))} but tx.init of the compacted model makes it {t.dtype}"
                              f"{list(t.shape)}: pass the tx the state was built with")
     # may_alias=False: fresh buffers even for leaves compaction leaves alone, so donating either state into a

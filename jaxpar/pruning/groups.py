@@ -33,7 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pruning.paths import Path, checked_axis_names, key_name, path_str
+from jaxpar._tree import key_names, key_path
+from jaxpar.pruning.paths import Path, checked_axis_names
 from jaxpar.sharding.rules import STACKED_AXIS_NAMES
 from jaxpar.sharding.names import HEADS, KV_HEADS, MLP
 
@@ -105,7 +106,7 @@ class GroupPlan:
 
     @property
     def name(self) -> str:
-        return path_str(self.key)
+        return key_path(self.key)
 
     @property
     def mask_shape(self) -> tuple[int, ...]:
@@ -135,10 +136,10 @@ def _holders(params: Any, names_list: list, axes: Sequence[str]) -> dict[str, di
     for i, ((kpath, leaf), names) in enumerate(zip(jax.tree_util.tree_flatten_with_path(params)[0], names_list)):
         if names is None or not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)):
             continue
-        path = tuple(key_name(k) for k in kpath)
+        path = key_names(kpath)
         for a in axes:
             if names.count(a) > 1:
-                raise ValueError(f"{path_str(path)} has logical axes {names}: '{a}' appears twice, so which of its "
+                raise ValueError(f"{key_path(path)} has logical axes {names}: '{a}' appears twice, so which of its "
                                  f"axes a group runs along is not clear; name one of them differently")
             if a in names:
                 out[a].setdefault(path[:-1], []).append((i, path, tuple(jnp.shape(leaf)), names))
@@ -154,8 +155,8 @@ def _plan(modules: tuple[Path, ...], axis_name: str, leaves: list) -> GroupPlan:
         sig = (shape[axis], tuple(names[a] for a in batch), tuple(shape[a] for a in batch))
         if seen is not None and sig != seen[1]:
             raise ValueError(
-                f"{path_str(path)} and {path_str(seen[0])} share the logical axis '{axis_name}' in "
-                f"{' -> '.join(path_str(m) or '<top>' for m in modules)} but disagree on its size or stacked axes "
+                f"{key_path(path)} and {key_path(seen[0])} share the logical axis '{axis_name}' in "
+                f"{' -> '.join(key_path(m) or '<top>' for m in modules)} but disagree on its size or stacked axes "
                 f"({sig} vs {seen[1]}: size, stacked-axis names, sizes); their coupling is not clear: rename an axis "
                 "or give groups= chains that match")
         seen = seen or (path, sig)
@@ -213,7 +214,7 @@ def group_plans(params: Any, axis_names: Any, axes: Sequence[str] = PRUNABLE_AXE
             plans += _chain_plans(axis, chains[axis], modules)
         elif len(modules) > 1:
             raise ValueError(
-                f"the logical axis '{axis}' appears in several modules ({', '.join(path_str(m) or '<top>' for m in modules)}); "
+                f"the logical axis '{axis}' appears in several modules ({', '.join(key_path(m) or '<top>' for m in modules)}); "
                 f"which of them feed each other is not clear from the names: pass groups={{'{axis}': [('producer', "
                 f"'consumer'), ...]}} (e.g. an MLP's ('dense_0', 'dense_1')), or leave '{axis}' out of the pruned axes")
         elif modules:
@@ -231,12 +232,12 @@ def _segmented(plan: GroupPlan, kv_holders: dict[Path, list]) -> GroupPlan:
         return plan
     kv = {g for _, g in sizes}
     if len(kv) > 1:
-        raise ValueError(f"the leaves {sorted(path_str(p) for p, _ in sizes)} next to the heads of {plan.name} "
+        raise ValueError(f"the leaves {sorted(key_path(p) for p, _ in sizes)} next to the heads of {plan.name} "
                          f"disagree on the number of key/value heads ({sorted(kv)}); name them consistently")
     (g,) = kv
     if plan.size % g:
         raise ValueError(f"{plan.name} has {plan.size} query heads but its key/value leaves "
-                         f"({sorted(path_str(p) for p, _ in sizes)}) hold {g} kv_heads, which does not divide them; "
+                         f"({sorted(key_path(p) for p, _ in sizes)}) hold {g} kv_heads, which does not divide them; "
                          "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
     return dataclasses.replace(plan, segments=g)
 
@@ -248,12 +249,12 @@ def _chain_plans(axis: str, chains: list[tuple[Path, ...]], modules: dict[Path, 
         leaves = []
         for m in chain:
             if m not in modules:
-                raise ValueError(f"groups chain {tuple(map(path_str, chain))} for '{axis}': module {path_str(m)!r} "
+                raise ValueError(f"groups chain {tuple(map(key_path, chain))} for '{axis}': module {key_path(m)!r} "
                                  f"holds no leaf with the logical axis '{axis}' (modules that do: "
-                                 f"{sorted(path_str(k) for k in modules)})")
+                                 f"{sorted(key_path(k) for k in modules)})")
             if m in used:
-                raise ValueError(f"module {path_str(m)!r} is in two '{axis}' chains ({tuple(map(path_str, used[m]))} "
-                                 f"and {tuple(map(path_str, chain))}); a module's axis belongs to one chain")
+                raise ValueError(f"module {key_path(m)!r} is in two '{axis}' chains ({tuple(map(key_path, used[m]))} "
+                                 f"and {tuple(map(key_path, chain))}); a module's axis belongs to one chain")
             used[m] = chain
             leaves += modules[m]
         plans.append(_plan(chain, axis, leaves))
@@ -294,9 +295,9 @@ def nest(keys: Sequence[Path], values: Sequence[Any]) -> dict:
         for k in key[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ValueError(f"group {path_str(key)}: its module path collides with another group's mask key")
+                raise ValueError(f"group {key_path(key)}: its module path collides with another group's mask key")
         if key[-1] in node:
-            raise ValueError(f"group {path_str(key)}: its mask key collides with a module of the same name")
+            raise ValueError(f"group {key_path(key)}: its mask key collides with a module of the same name")
         node[key[-1]] = value
     return out
 

@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpar._tree import key_names, key_path
 from jaxpar.sharding.rules import NON_MATRIX_NAME_PARTS, STACKED_AXIS_NAMES, leaf_axis_names
 from jaxpar.sharding.names import EMBED, HEADS, MLP
 
@@ -92,18 +93,7 @@ class LeafPlan:
 
     @property
     def name(self) -> str:
-        return path_str(self.path)
-
-
-def key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_str(path: Path) -> str:
-    return "/".join(path)
+        return key_path(self.path)
 
 
 def checked_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...] | None]:
@@ -127,7 +117,7 @@ def checked_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, .
             want, got, axes = tuple(value.shape), tuple(jnp.shape(leaf)), tuple(b.names) if box(b) else ()
             resized = lambda a: a < len(axes) and axes[a] in _RESIZED
             if len(want) != len(got) or any(w != g and not resized(a) for a, (w, g) in enumerate(zip(want, got))):
-                raise ValueError(f"axis_names describe {path_str(tuple(key_name(k) for k in kpath))} with shape "
+                raise ValueError(f"axis_names describe {key_path(kpath)} with shape "
                                  f"{want}, but the param has shape {got}: pass the axis_names of these params "
                                  "(jax.eval_shape(init_fn, rng) of their model)")
     return names
@@ -172,11 +162,11 @@ def _override_axes(reduction_axes: ReductionAxes, path: Path, shape: tuple[int, 
     out = []
     for a in axes:
         if isinstance(a, bool) or not isinstance(a, int) or not -len(shape) <= a < len(shape):
-            raise ValueError(f"reduction_axes {axes} for {path_str(path)} of shape {shape}: axis {a!r} is not an "
+            raise ValueError(f"reduction_axes {axes} for {key_path(path)} of shape {shape}: axis {a!r} is not an "
                              f"axis of a rank-{len(shape)} array")
         out.append(a % len(shape))
     if len(set(out)) != len(out) or not out:
-        raise ValueError(f"reduction_axes {axes} for {path_str(path)} must be distinct axes, at least one")
+        raise ValueError(f"reduction_axes {axes} for {key_path(path)} must be distinct axes, at least one")
     return tuple(out)
 
 
@@ -193,7 +183,7 @@ def make_plans(params: Any, axis_names: Any = None, prunable: Callable[[Path], b
     plans = []
     names_list = checked_axis_names(params, axis_names)
     for (kpath, leaf), names in zip(jax.tree_util.tree_flatten_with_path(params)[0], names_list):
-        path = tuple(key_name(k) for k in kpath)
+        path = key_names(kpath)
         shape = tuple(jnp.shape(leaf))
         floating = hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
         chosen = prunable(path) if prunable is not None else default_prunable(path, shape, names)

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar._tree import key_path
 from jaxpar.train._jit import check_live
 from jaxpar.pruning import select
 from jaxpar.pruning.schedules import SparsitySchedule, as_schedule, constant_sparsity
-from jaxpar.pruning.paths import LeafPlan, Path, ReductionAxes, flat_update, key_name, make_plans, path_str
+from jaxpar.pruning.paths import LeafPlan, Path, ReductionAxes, flat_update, make_plans
 
 DISTRIBUTIONS = ("uniform", "global", "erk")
 
@@ -193,7 +194,7 @@ def _check_state(state: Any, params: Any, plans: list[LeafPlan | None]) -> list:
         want = tuple(jnp.shape(p)) if plan else None
         got = None if m is None else tuple(jnp.shape(m))
         if got != want:
-            raise ValueError(f"magnitude_pruning state mask of {path_str(tuple(key_name(k) for k in kpath))} has shape "
+            raise ValueError(f"magnitude_pruning state mask of {key_path(kpath)} has shape "
                              f"{got} but this param needs {want} (None: not pruned): {fix}")
     return flat_m
 
@@ -297,7 +298,7 @@ def sparsity_report(params: Any, prunable: Callable[[Path], bool] | None = None,
     for i, zeros in zip(floating, jax.device_get(counts)):
         path, x = flat[i]
         size, zeros = int(np.prod(jnp.shape(x))), int(zeros)
-        name = path_str(tuple(key_name(k) for k in path))
+        name = key_path(path)
         tensors[name] = {"shape": tuple(jnp.shape(x)), **_stats(zeros, size), "prunable": plans[i] is not None}
         totals[plans[i] is not None][0] += zeros
         totals[plans[i] is not None][1] += size

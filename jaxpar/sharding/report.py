@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar._tree import key_path
 from jaxpar.sharding.names import entry_axes
-
-
-def key_path(path: Sequence[Any]) -> str:
-    """A pytree key path as ``a/b/0/kernel`` (dict keys, attributes, sequence indices)."""
-    part = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-    return "/".join(part(k) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -183,7 +182,7 @@ def leaf_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...]
             f"or jp.sharding.logical_specs of it; structures differ: {e}") from None
     out = []
     for (path, leaf), spec in zip(leaves, specs):
-        where = jax.tree_util.keystr(path)
+        where = key_path(path, indexing=True)
         if not _is_names(spec):
             raise ValueError(f"axis_names at {where} is {spec!r}; expected a PartitionSpec or tuple of logical "
                              "axis names")
@@ -263,7 +262,7 @@ def check_divisible(shapes: Any, specs: Any, mesh: Mesh, logical: Any | None = N
             if leaf.shape[dim] % n:
                 name = lspec[dim] if lspec is not None and dim < len(lspec) else f"dim {dim}"
                 raise ValueError(
-                    f"{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}: its {name!r} dimension "
+                    f"{key_path(path, indexing=True)} has shape {tuple(leaf.shape)}: its {name!r} dimension "
                     f"({leaf.shape[dim]}) is not divisible by {'*'.join(axes)} = {n}; change the model size "
                     f"or the mesh (e.g. a smaller {axes[-1]} axis)")
 

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpar._tree import key_path
 from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.train import carried
 from jaxpar.train._jit import check_live
@@ -86,7 +87,7 @@ def _key_impl(leaf: Any) -> Any:
 
 
 def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
-    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [(key_path(p, indexing=True), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _to_saveable(state: Any) -> tuple[Any, dict[str, str]]:
@@ -95,7 +96,7 @@ def _to_saveable(state: Any) -> tuple[Any, dict[str, str]]:
 
     def convert(path, x):
         if _is_key(x):
-            impls[jax.tree_util.keystr(path)] = str(_key_impl(x))
+            impls[key_path(path, indexing=True)] = str(_key_impl(x))
             return jax.random.key_data(x)
         return x
     return jax.tree_util.tree_map_with_path(convert, state), impls

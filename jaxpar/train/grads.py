@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar._tree import key_path
 from jaxpar import _compat
 from jaxpar.sharding import rules as shd
 from jaxpar.sharding.names import FSDP, entry_axes, spec_without
@@ -291,7 +292,7 @@ def check_model_state(new: Any, old: Any, what: str) -> Any:
                          f"non-param variables). Got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}")
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old)):
         if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
-            raise ValueError(f"{what}: {jax.tree_util.keystr(path)} is {jnp.result_type(a)}{list(np.shape(a))}, "
+            raise ValueError(f"{what}: {key_path(path, indexing=True)} is {jnp.result_type(a)}{list(np.shape(a))}, "
                              f"the state holds {jnp.result_type(b)}{list(np.shape(b))}: keep each variable's shape "
                              "and dtype")
     return new

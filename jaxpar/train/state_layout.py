@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar._tree import key_path
 from jaxpar.sharding.opt_state import update_origins   # the dependence walk that places optimizer state
 
 
@@ -32,7 +33,7 @@ def permute_blocks(tree: Any, order: tuple[int, ...], what: str) -> Any:
     def move(path, a):
         shape = np.shape(a)
         if not shape or shape[0] % len(order):
-            raise ValueError(f"{what}{jax.tree_util.keystr(path)} has shape {shape}: its leading (layers) axis must "
+            raise ValueError(f"{what}{key_path(path, indexing=True)} has shape {shape}: its leading (layers) axis must "
                              f"divide into the schedule's {len(order)} virtual stages; use a number of layers that "
                              f"is a multiple of num_stages * num_chunks = {len(order)}")
         blocks = a.reshape(len(order), shape[0] // len(order), *shape[1:])
@@ -118,7 +119,7 @@ def state_layout(stage_key: str, order: tuple[int, ...], tx: Any, param_shapes: 
         axes = [k for i, dims in found.items() if i in staged for k, d in enumerate(dims)
                 if d == 0 and np.shape(leaf)[k] == staged[i]]
         if axes:
-            opt_leaves.append((jax.tree_util.keystr(path), min(axes)))
+            opt_leaves.append((key_path(path, indexing=True), min(axes)))
     return StateLayout(stage_key, order, tuple(opt_leaves))
 
 
@@ -147,7 +148,7 @@ def permute_state(params: Any, opt_state: Any, layout: StateLayout, *, inverse: 
     axes = dict(layout.opt_leaves)
 
     def move(path, a):
-        k = axes.get(jax.tree_util.keystr(path))
+        k = axes.get(key_path(path, indexing=True))
         return a if k is None else _take_blocks(a, order, k)
     return params, jax.tree_util.tree_map_with_path(move, opt_state)
 

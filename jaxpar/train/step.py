@@ -6,7 +6,6 @@ their logical names, the batch over the mesh axes ``batch`` maps to, and GSPMD i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings

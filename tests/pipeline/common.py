@@ -11,9 +11,8 @@ come back through ``from_stage_layout``. For the GPT the reference is ``model.lo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar as jp
+from jaxpar import _hlo as plan_hlo
 from jaxpar.models import GPT
 
 
@@ -156,14 +156,13 @@ def gpt_step_parity(schedule, mesh, seed, params_layout="model"):
 
 
 def permutes_outside_loops(hlo: str) -> tuple[list[str], int]:
-    """``(collective-permute / all-to-all lines outside while bodies, the count inside them)`` of HLO text."""
-    bodies = {b.lstrip("%") for b in re.findall(r"body=(%?[\w.\-]+)", hlo)}
+    """``(collective-permutes / all-to-alls outside every while loop, as "name in computation", the count inside
+    loops)`` of a compiled module's text."""
     outside, inside = [], 0
-    for comp in re.split(r"\n(?=\S[^\n]*\{\n)", hlo):
-        hits = [line.strip() for line in comp.splitlines()
-                if re.search(r"(collective-permute|all-to-all)(-start)?\(", line)]
-        header = comp.splitlines()[0] if comp else ""
-        if any(re.match(rf"%?{re.escape(b)}\b", header) for b in bodies):
+    for comp, (instrs, depth) in plan_hlo.loop_depths(hlo).items():
+        hits = [f"{i.name} in {comp}" for i in instrs
+                if i.opcode.removesuffix("-start") in ("collective-permute", "all-to-all")]
+        if depth:
             inside += len(hits)
         else:
             outside += hits

@@ -4,7 +4,6 @@ DualPipeV's fused FB entries (their B in ``Actions.fused``, its message on the s
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import numpy as np
 import optax
@@ -13,6 +12,7 @@ import pytest
 from helpers import SMALL_GPT, gpt_batch
 
 import jaxpar as jp
+from jaxpar import _hlo as plan_hlo
 from jaxpar.models import GPT
 from jaxpar.pipeline.table import control_table
 
@@ -133,6 +133,6 @@ def test_pipeline_actions_are_named_in_the_compiled_program(mesh_factory):
     state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
     step = jp.train.make_train_step(pipe, tx, mesh=mesh)
     text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, SMALL_GPT)).compile().as_text()
-    scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
+    scopes = plan_hlo.scopes(text)
     want = {"pipeline_fwd", "pipeline_fwd_last", "pipeline_bwd_input", "pipeline_bwd_weight"}
     assert want <= scopes, sorted(s for s in scopes if s.startswith("pipeline"))
