@@ -528,3 +528,9 @@ def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
     """``(sharding, dims, element type)`` of every ``sharding_constraint`` of a lowered program's text, e.g.
     ``('<@mesh, [{}, {"tensor"}]>', "64x256", "bf16")`` (dims ``""`` for a scalar)."""
     return _STABLE_CONSTRAINT.findall(text)
+
+
+__all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "analyze", "array_dims", "attribute", "callees",
+           "collective_counts", "collective_sites", "fused_call", "group_axes", "loop_depths", "parse_module", "permute_pairs",
+           "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes", "sharding_constraints",
+           "stablehlo_dots", "upcast_copies"]

@@ -1,14 +1,11 @@
-"""Mixed precision: dtype policies and loss scaling as an optax transform.
+"""Mixed precision dtype policies (jmp's strings) and float32 optimizer state.
 
 A policy follows DeepMind jmp's convention (Micikevicius et al. 2018, "Mixed Precision Training", sec. 3):
 parameters are stored in ``param_dtype`` (fp32 master weights), cast to ``compute_dtype`` for the forward
 and backward pass, and outputs are cast to ``output_dtype``. Casts touch floating-point leaves only.
 jaxpar's jmp compatibility is the policy string grammar and these three dtypes; of jmp's ``Policy`` methods
-it has ``cast_to_param`` and ``cast_to_compute`` (what the train step uses), not ``cast_to_output``.
-
-Loss scaling (Micikevicius et al. 2018, sec. 3.2): the loss is multiplied by a scale before
-differentiation so small fp16 gradients do not flush to zero; :func:`loss_scaling` unscales the gradients,
-skips the whole update when any is non-finite, and adapts a dynamic scale.
+it has ``cast_to_param`` and ``cast_to_compute`` (what the train step uses), not ``cast_to_output``. Loss
+scaling is :mod:`jaxpar.precision.scaling`.
 """
 
 from __future__ import annotations
