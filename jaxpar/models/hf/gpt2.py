@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.hf.config import gpt2_config, gpt2_hf_config
-from jaxpar.models.hf.weights import Adapter, host, linear, small, vector, vocab_rows
+from jaxpar.models.hf.weights import Adapter, checkpoint_shapes, host, linear, small, vector, vocab_rows
 
 
 def _leaves(cfg: GPTConfig, prefix: str) -> dict:
@@ -51,11 +51,7 @@ def _hf_shapes(cfg: GPTConfig, prefix: str) -> dict[str, tuple[int, ...]]:
            "attn.c_attn.weight": (D, 3 * H * K), "attn.c_attn.bias": (3 * H * K,),
            "attn.c_proj.weight": (H * K, D), "attn.c_proj.bias": (D,), "mlp.c_fc.weight": (D, F),
            "mlp.c_fc.bias": (F,), "mlp.c_proj.weight": (F, D), "mlp.c_proj.bias": (D,)}
-    if not cfg.tie_embeddings:
-        want["lm_head.weight"] = (V, D)
-    for i in range(cfg.num_layers):
-        want.update({f"{prefix}h.{i}.{k}": v for k, v in per.items()})
-    return want
+    return checkpoint_shapes(want, per, prefix + "h.", cfg.num_layers, None if cfg.tie_embeddings else (V, D))
 
 
 def _export(cfg: GPTConfig, params: dict) -> dict[str, Callable[[], np.ndarray]]:

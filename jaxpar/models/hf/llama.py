@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from jaxpar.models.hf.config import llama_config, llama_hf_config
-from jaxpar.models.hf.weights import Adapter, host, linear, vector, vocab_rows
+from jaxpar.models.hf.weights import Adapter, checkpoint_shapes, host, linear, vector, vocab_rows
 from jaxpar.models.llama import Llama, LlamaConfig
 
 
@@ -50,11 +50,7 @@ def _hf_shapes(cfg: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
            "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
            "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K),
            "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
-    if not cfg.tie_embeddings:
-        want["lm_head.weight"] = (V, D)
-    for i in range(cfg.num_layers):
-        want.update({f"model.layers.{i}.{k}": v for k, v in per.items()})
-    return want
+    return checkpoint_shapes(want, per, "model.layers.", cfg.num_layers, None if cfg.tie_embeddings else (V, D))
 
 
 def _export(cfg: LlamaConfig, params: dict) -> dict[str, Callable[[], np.ndarray]]:

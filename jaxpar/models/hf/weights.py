@@ -108,3 +108,16 @@ def small(name: Callable[[int], str], transform: Callable[[np.ndarray], np.ndarr
     return leaf
 
 
+def checkpoint_shapes(top: dict, per_layer: dict, layer_prefix: str, num_layers: int,
+                      head: tuple[int, ...] | None) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a family's checkpoint holds: the ``top`` entries, ``lm_head.weight`` of shape ``head``
+    (None: a tied head, no such tensor), and each ``per_layer`` entry under ``f"{layer_prefix}{i}."`` for every
+    layer ``i``."""
+    want = dict(top)
+    if head is not None:
+        want["lm_head.weight"] = head
+    for i in range(num_layers):
+        want.update({f"{layer_prefix}{i}.{k}": v for k, v in per_layer.items()})
+    return want
+
+
