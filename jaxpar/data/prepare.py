@@ -27,12 +27,12 @@ import hashlib
 import json
 import multiprocessing
 import os
-import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from jaxpar._compat import backends_initialized
 from jaxpar._optional import require
 from jaxpar.data.token_file import DTYPES, META, TOKENIZER, token_dtype
 
@@ -252,9 +252,8 @@ def encoded_chunks(chunks: Iterable[list[str]], tokenizer_json: str, eod_id: int
 
 
 def _start_method() -> str:
-    bridge = sys.modules.get("jax._src.xla_bridge")   # imported with jax; backends start on first device use
-    running = bridge is not None and getattr(bridge, "backends_are_initialized", lambda: True)()
-    return "fork" if not running and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # forking a process whose XLA backends run (they start on first device use) can deadlock the child
+    return "fork" if not backends_initialized() and "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def validation_documents(index: np.ndarray, val_fraction: float, seed: int = 0) -> np.ndarray:
