@@ -18,7 +18,7 @@ import pytest
 import jaxpar as jp
 from jaxpar.models import MLP, GPTConfig, LlamaConfig, classification_loss
 
-# DESIGN.md "Tests": per leaf max|got - ref| <= 1e-5 * max|ref|. Elementwise rtol cannot hold when a layout
+# docs/architecture.md "Tests": per leaf max|got - ref| <= 1e-5 * max|ref|. Elementwise rtol cannot hold when a layout
 # changes the reduction order (sums split over devices), so the error is scaled by the leaf's largest value.
 RTOL = 1e-5
 

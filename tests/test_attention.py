@@ -2,7 +2,7 @@
 dense softmax attention written here, each device's work, and the GPT (and a model written here) trained over a
 ``context`` mesh axis against the single-device float32 step.
 
-Tolerance (DESIGN.md): per leaf max|got - ref| <= 1e-5 * max|ref|; the online softmax sums the keys in
+Tolerance (docs/architecture.md, "Tests"): per leaf max|got - ref| <= 1e-5 * max|ref|; the online softmax sums the keys in
 another order than the reference. Heavier cases (seq 1024, context 8 on the GPT) are in the slow set.
 """
 

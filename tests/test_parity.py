@@ -6,7 +6,7 @@ fetched to the host and a plain optax ``tx.update``. Compared: the initial param
 independent, exactly), the loss, the gradients (computed directly in the sharded layout, and as the momentum
 trace the step leaves in its optimizer state), the metrics' grad norm, and the updated params.
 
-Tolerance (DESIGN.md): per leaf max|got - ref| <= 1e-5 * max|ref| (helpers.RTOL); elementwise rtol cannot
+Tolerance (docs/architecture.md, "Tests"): per leaf max|got - ref| <= 1e-5 * max|ref| (helpers.RTOL); elementwise rtol cannot
 hold when the layout changes the reduction order. Run with ``-s`` to see the errors reached.
 """
 

@@ -4,7 +4,7 @@ pipeline's forward-only table, magnitude pruning of stacked stage-sharded kernel
 References are written out here in plain JAX on one device. The key of the train step is derived from the
 seed alone, as ``jp.train.init_state`` documents: ``state_rng = split(key(seed))[1]``, step ``t`` uses
 ``fold_in(state_rng, t)``; the pipeline's microbatch ``j`` (rows ``j::m``) gets ``fold_in(step key, j)`` and
-layer ``l`` inside it ``fold_in(that, l)``. Parity as DESIGN.md "Tests": per leaf ``max|got - ref| <= 1e-5 *
+layer ``l`` inside it ``fold_in(that, l)``. Parity as docs/architecture.md "Tests": per leaf ``max|got - ref| <= 1e-5 *
 max|ref|``. Run with ``-s`` to see the errors reached.
 """
 

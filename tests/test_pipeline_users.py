@@ -2,7 +2,7 @@
 
 Every parity test here compares with an independent reference computed in the test: ``jax.value_and_grad``
 of ``model.loss`` (no pipeline code) and optax on one device in float32, per leaf
-``max|got - ref| <= 1e-5 * max|ref|`` (DESIGN.md "Tests") unless a reason is written next to a tolerance.
+``max|got - ref| <= 1e-5 * max|ref|`` (docs/architecture.md "Tests") unless a reason is written next to a tolerance.
 Run with ``-s`` to see the errors reached.
 """
 

@@ -6,7 +6,7 @@ behind inverted dropout on its inputs (``jax.random.bernoulli(rng, 0.5, x.shape)
 exact key it is given. The key is derived in the test from the seed alone: ``jp.train.init_state`` splits
 ``jax.random.key(seed)`` into ``(init_key, state_rng)``; step ``t`` uses ``fold_in(state_rng, t)``; with
 ``grad_accum_steps=k``, microbatch ``j`` (rows ``j::k``) uses ``fold_in(fold_in(state_rng, t), j)``. Parity as
-DESIGN.md "Tests": per leaf ``max|got - ref| <= 1e-5 * max|ref|``. Run with ``-s`` to see the errors reached.
+docs/architecture.md "Tests": per leaf ``max|got - ref| <= 1e-5 * max|ref|``. Run with ``-s`` to see the errors reached.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The reference reuses no jaxpar function: attention with the softmax written out 
 LayerNorm (eps 1e-5), the tanh GELU (``jax.nn.gelu``'s default ``approximate=True``) written out, learned or
 rotary positions (Su et al. 2021, eq. 34: the two halves of the head dim form the pairs, frequencies
 ``base ** (-i / half)``, applied here as a complex multiplication), tied or untied unembedding. It reads the
-param tree that ``GPT(cfg).init`` produces (unboxed). Float32 throughout; tolerance as in DESIGN.md "Tests":
+param tree that ``GPT(cfg).init`` produces (unboxed). Float32 throughout; tolerance as in docs/architecture.md "Tests":
 ``max|got - ref| <= 1e-5 * max|ref|``.
 
 ``init`` sets LayerNorm scales to 1 and every bias to 0, which would hide a missing or swapped bias, and its

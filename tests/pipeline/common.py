@@ -2,7 +2,7 @@
 narrow GPT's one-step parity, and the HLO and benchmark readers.
 
 The stage function is the user's (a residual tanh MLP block with a Megatron-split hidden layer), not the
-GPT's. Parity (DESIGN.md): loss and all three gradients per leaf max|got - ref| <= 1e-5 * max|ref|, the
+GPT's. Parity (docs/architecture.md, "Tests"): loss and all three gradients per leaf max|got - ref| <= 1e-5 * max|ref|, the
 reference being plain ``jax.value_and_grad`` of the whole sequential model on one device in float32 (the
 whole-batch mean loss, which equals the mean of the equal-size microbatch losses). The reference's stage
 parameters are in model order; a pipeline with chunks gets them through ``to_stage_layout`` and its gradients
