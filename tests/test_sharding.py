@@ -1,5 +1,5 @@
 """jaxpar/sharding/rules.py: logical rules -> PartitionSpecs, rule and divisibility validation, activation constraints,
-and optimizer-state shardings for the optimizers users pass (jaxpar issue #12 item 3).
+and optimizer-state shardings for the optimizers users pass.
 
 ``jp.sharding.opt_state_shardings`` gives every leaf of ``tx.init(params)`` a sharding from the parameter its
 update is computed from. Checked here on an MLP whose widths divide by 8 and whose ``dense_1`` ``[256, 128]``
