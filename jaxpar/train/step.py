@@ -101,7 +101,7 @@ def _as_key(rng: Any) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _PlacementOptions:
     """How ``init_state`` / ``abstract_state`` place a model: path rules and automatic FSDP (see
     :mod:`jaxpar.sharding.params`)."""
     param_rules: Any = None
@@ -117,7 +117,7 @@ class _Layout:
         nonnegative_int("auto_fsdp_min_size", self.auto_fsdp_min_size)
 
 
-def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Layout = _Layout()):
+def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _PlacementOptions = _PlacementOptions()):
     """(state shapes, state shardings, model init, placement) without computing anything; shapes and
     shardings carry the pipeline's layout."""
     model = model_init.describe(init_fn, rng, mesh)
@@ -199,7 +199,7 @@ def abstract_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransf
     _check_common(mesh, rules, policy)
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
-    how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
+    how = _PlacementOptions(param_rules, auto_fsdp, auto_fsdp_min_size)
     with precision.using(policy):
         shapes, shardings, _, _ = _abstract(init_fn, tx, jax.random.key(0), mesh, rules, policy, pipeline, how)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -256,7 +256,7 @@ def init_state(init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransforma
     _check_pipeline(pipeline)
     tx = shd.check_transformation(tx)
     init_rng, state_rng = jax.random.split(_as_key(rng))
-    how = _Layout(param_rules, auto_fsdp, auto_fsdp_min_size)
+    how = _PlacementOptions(param_rules, auto_fsdp, auto_fsdp_min_size)
     with precision.using(policy):
         shapes, shardings, model, placed = _abstract(init_fn, tx, init_rng, mesh, rules, policy, pipeline, how)
     _report(shapes, shardings, placed, mesh, report, how.auto_fsdp_min_size)
