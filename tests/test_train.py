@@ -315,8 +315,11 @@ def test_eval_step_matches_the_loss_computed_here(layout, mesh_factory):
 TRAIN_LAYOUTS = {"1dev": {}, "data8": {"data": 8}, "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}}
 
 
-@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.slow)])  # k=4: slow
-def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
+# all three layouts in one test: slow (~14 CPU-s at k=1); the fast sibling [1-d2f2t2] steps the three-axis layout
+@pytest.mark.parametrize("k,layouts", [pytest.param(1, ("d2f2t2",), id="1-d2f2t2"),
+                                       pytest.param(1, tuple(TRAIN_LAYOUTS), id="1", marks=pytest.mark.slow),
+                                       pytest.param(4, tuple(TRAIN_LAYOUTS), id="4", marks=pytest.mark.slow)])
+def test_train_step_rng_per_step_and_per_microbatch(k, layouts, mesh_factory):
     """Two sgd steps: step t's loss and gradient are the dropout loss's with fold_in(state_rng, t), and with
     grad_accum_steps=k microbatch j gets fold_in(that key, j) (a distinct mask per microbatch); the same
     numbers on one device, data=8 and data2 x fsdp2 x tensor2."""
@@ -342,8 +345,8 @@ def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
         assert max(max_rel_err(a, b) for a, b in zip(jax.tree.leaves(w_grads), jax.tree.leaves(grads0))) > 1e-2, what
 
     losses, errs = {}, []
-    for name, sizes in TRAIN_LAYOUTS.items():
-        mesh = mesh_factory(**sizes)
+    for name in layouts:
+        mesh = mesh_factory(**TRAIN_LAYOUTS[name])
         state = jp.train.init_state(init_fn, tx, SEED, mesh=mesh)
         step = jp.train.make_train_step(dropout_loss, tx, mesh=mesh, grad_accum_steps=k)
         new_state, metrics = step(state, batches[0])
@@ -355,7 +358,7 @@ def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
         losses[name] = (float(metrics["loss"]), float(metrics1["loss"]))
     for name, got in losses.items():       # equal across layouts, directly
         for t in (0, 1):
-            assert_scalar_close(got[t], losses["1dev"][t], what=f"k={k} step {t}: {name} vs 1dev")
+            assert_scalar_close(got[t], losses[layouts[0]][t], what=f"k={k} step {t}: {name} vs {layouts[0]}")
     print(f"\n[train rng k={k}] max err {max(errs):.2e}; losses {losses}")
 
 
