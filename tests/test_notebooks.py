@@ -136,11 +136,14 @@ def test_private_names_finds_underscores():
     assert private_names("import jaxpar as jp\njp.plot.loss_curve(rows)\nprint(jax.__version__, jp.pipeline.__all__)") == []
 
 
-# The others run in the slow set; their code paths have fast tests: 06 (charlm end to end, ~33 CPU-s) in
+# Every notebook runs in the slow set (a kernel each, ~17 to 33 CPU-s); their committed form is checked fast
+# (test_notebook_is_committed_clean) and their code paths have fast tests: 01 (quickstart) in
+# test_readme_example_runs_and_trains (a documented block run as written), test_mesh.py (describe),
+# test_sharding.py and test_placement.py (rules, describe_params), test_optim.py (adamw with the GPT's axis names
+# on data x fsdp x tensor), test_loop.py (run_steps), test_data.py (CharCorpus); 06 (charlm end to end) in
 # pipeline/test_model.py (the GPT's 1F1B step on data x pipe x tensor), test_checkpoint.py (restore on another
-# mesh), test_loop.py (loop.run with the checkpoint hook, run_steps), models/test_generation.py, test_plot.py and
-# test_data.py (CharCorpus). Every notebook's committed form is checked fast (test_notebook_is_committed_clean).
-FAST_NOTEBOOKS = ("01_quickstart.ipynb",)
+# mesh), test_loop.py (loop.run with the checkpoint hook), models/test_generation.py, test_plot.py.
+FAST_NOTEBOOKS = ()
 ALL_NOTEBOOKS = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 

@@ -371,10 +371,15 @@ def _bad_batch(rows):
     batch["inputs"][1, 3] = CHECK_CFG.vocab_size   # one id >= vocab
     return batch
 
-def test_gpt_loss_step_rejects_out_of_range_ids_by_default(mesh_factory):
-    mesh = mesh_factory(data=2)
-    model, tx = GPT(CHECK_CFG), optax.sgd(0.1)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+@pytest.fixture(scope="module")
+def check_gpt(mesh_factory):
+    """``(model, tx, mesh, state)``: the narrow GPT's state on data=2, built (compiled) once; the tests that
+    use it run only steps that do not donate it."""
+    mesh, model, tx = mesh_factory(data=2), GPT(CHECK_CFG), optax.sgd(0.1)
+    return model, tx, mesh, jp.train.init_state(model.init, tx, 0, mesh=mesh)
+
+def test_gpt_loss_step_rejects_out_of_range_ids_by_default(check_gpt):
+    model, tx, mesh, state = check_gpt
     with pytest.raises(ValueError, match=r"token id 61 at index \(1, 3\)"):
         jp.train.make_train_step(model.loss, tx, mesh=mesh)(state, _bad_batch(4))
     with pytest.raises(ValueError, match="token id 61"):
@@ -399,10 +404,8 @@ def test_check_batch_rejects_a_bad_value(mesh_factory):
     with pytest.raises(TypeError, match="check_batch"):
         jp.train.make_train_step(GPT(CHECK_CFG).loss, optax.sgd(0.1), mesh=mesh_factory(), check_batch="yes")
 
-def test_step_phases_are_named_in_the_compiled_program(mesh_factory):
-    mesh = mesh_factory(data=2)
-    model, tx = GPT(CHECK_CFG), optax.adam(1e-3)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+def test_step_phases_are_named_in_the_compiled_program(check_gpt):
+    model, tx, mesh, state = check_gpt
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh, grad_accum_steps=2)
     text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, CHECK_CFG)).compile().as_text()
     scopes = {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
