@@ -31,12 +31,16 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 NUM_DEVICES = 8
 
 
-# Files whose few fast cases take long (notebook kernels, subprocesses, GPT steps): scripts/test.sh hands whole files
-# to two workers in collection order (--dist loadfile --no-loadscope-reorder), so these start first and the last
-# file a worker takes is a short one. Without this, xdist starts the files with the most tests first, and the
-# notebooks (3 tests, the longest file) ran alone at the end.
-LONG_FILES = ("test_notebooks.py", "test_readme.py", "pipeline/test_model.py", "test_train.py",
-              "pipeline/test_interpreter.py", "test_sharding.py", "test_prune_experiments.py")
+# The files whose fast cases take longest (GPT steps' compiles, subprocesses), longest first by measured CPU time:
+# scripts/test.sh hands whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so
+# these start first and the last file a worker takes is a short one. Without this, xdist starts the files with the
+# most tests first, and a long file with few tests can run alone at the end.
+LONG_FILES = ("test_attention.py", "test_compiled_structure.py", "test_train.py", "test_parity.py",
+              "models/test_layers.py", "test_checkpoint.py", "test_precision.py", "test_placement.py",
+              "models/test_protocol.py", "test_optim.py", "pipeline/test_interpreter.py", "models/test_generation.py",
+              "models/test_llama.py", "models/test_nnx_bridge.py", "test_sharding.py", "test_model_init.py",
+              "pipeline/test_model.py", "models/test_batched_generation.py", "test_prune_experiments.py",
+              "test_readme.py")
 
 
 def _long_files_first(items) -> None:

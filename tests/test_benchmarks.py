@@ -152,6 +152,7 @@ def test_kv_cache_script_tiny():
         assert row["first_difference"] == [None] * 4 and row["cache_s_per_token"] > 0
 
 
+@pytest.mark.slow  # ~9 CPU-s; fast siblings: test_token_file.py (TokenFile batches of both orders), test_loop.py
 def test_data_script_tiny(tmp_path):
     """benchmarks/data.py on a tiny job: TokenFile batches of both orders timed, the main-job step run through
     jp.loop.run with its data time measured inside, the ratio the issue asks for."""
@@ -171,6 +172,8 @@ def test_data_script_tiny(tmp_path):
         report["token_file"]["random"]["tokens_per_s"] / job["training_tokens_per_s"])
 
 
+@pytest.mark.slow  # ~14 CPU-s; fast siblings: test_grain_data.py (both packings against references, the packed
+# step trained and resumed: test_sigterm_and_resume_give_the_same_batches_and_losses)
 def test_grain_data_script_tiny():
     """benchmarks/grain_data.py: the main job's step, both grain packings and the packed step, with ratios."""
     import grain_data

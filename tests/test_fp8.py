@@ -112,7 +112,11 @@ def test_llama_matmuls_are_fp8_in_the_lowered_program():
     assert fp8.fp8_dot_counts(lowered) == {"e4m3 x e4m3": 7, "e5m2 x e4m3": 14}   # q, k, v, out, gate, up, down
 
 
-@pytest.mark.parametrize("dot", ["fp8", pytest.param("fp8_current", marks=pytest.mark.slow)])
+# both slow (fp8: ~17 CPU-s, a GPT step lowered twice and compiled); fast siblings: the Llama's step lowers its
+# matmuls in fp8 (test_llama_matmuls_are_fp8_in_the_lowered_program), a compiled fp8 step runs
+# (test_amax_history_after_k_steps_equals_hand_computed)
+@pytest.mark.parametrize("dot", [pytest.param("fp8", marks=pytest.mark.slow),
+                                 pytest.param("fp8_current", marks=pytest.mark.slow)])
 def test_step_matmuls_are_fp8_in_the_lowered_program(dot):
     mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
     model, tx, state = _gpt_state(f"p=f32,c=bf16,o=f32,dot={dot}", mesh)
@@ -278,6 +282,8 @@ def _pipeline_against_one_device(dot, accum, mesh, microbatches=4, schedule=None
     return out
 
 
+@pytest.mark.slow  # ~23 CPU-s; fast siblings: test_fp8_current_pipeline_step_has_fp8_dots (the pipelined fp8
+# step), test_fp8_meta_on_a_mesh_equals_the_exact_amaxes (the meta's maximum over the data shards)
 def test_fp8_delayed_through_the_pipeline_equals_one_device():
     """Delayed scaling: the pipeline combines its microbatches' new meta values by a maximum and the data
     shards' by a pmax, so the amax is the whole batch's, as on one device without accumulation."""

@@ -172,16 +172,35 @@ def _gpt_batch(seed=0, b=8, length=32):
             "targets": rng.integers(0, 61, (b, length), dtype=np.int32)}
 
 
+def _assert_dots_take_bf16(lowered_text):
+    dots = plan_hlo.stablehlo_dots(lowered_text)
+    bf16_dots = [d for d in dots if d == ("bf16", "bf16")]
+    assert dots and len(bf16_dots) >= 0.8 * len(dots), f"{len(bf16_dots)} of {len(dots)} dots take bf16 operands"
+
+
+def test_bf16_step_lowers_dots_in_bf16_and_returns_an_f32_state(mesh_factory):
+    """The fast sibling of the test below: the same step lowered from the abstract state (no compile, no run);
+    the new state's float leaves are float32 in the lowered program's outputs."""
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    model, tx = _gpt(), optax.adam(1e-3)
+    state = jp.train.abstract_state(model.init, tx, mesh=mesh, policy=Policy.from_string("mixed_bf16"))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _gpt_batch())
+    lowered = jp.train.make_train_step(model.loss, tx, mesh=mesh).lower(state, batch)
+    _assert_dots_take_bf16(lowered.as_text())
+    new_state, _ = lowered.out_info
+    floats = [x.dtype for x in jax.tree.leaves((new_state.params, new_state.opt_state))
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and set(floats) == {F32}, floats
+
+
+@pytest.mark.slow  # compiles and runs (~11 CPU-s); fast sibling: test_bf16_step_lowers_dots_in_bf16_and_returns_an_f32_state
 def test_bf16_step_computes_dots_in_bf16_and_keeps_f32_state(mesh_factory):
     mesh = mesh_factory(data=2, fsdp=2, tensor=2)
     policy = Policy.from_string("mixed_bf16")
     model, tx = _gpt(), optax.adam(1e-3)
     state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=policy)
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh)     # the policy travels on the state
-    text = step.lower(state, _gpt_batch()).as_text()
-    dots = plan_hlo.stablehlo_dots(text)
-    bf16_dots = [d for d in dots if d == ("bf16", "bf16")]
-    assert dots and len(bf16_dots) >= 0.8 * len(dots), f"{len(bf16_dots)} of {len(dots)} dots take bf16 operands"
+    _assert_dots_take_bf16(step.lower(state, _gpt_batch()).as_text())
     state, metrics = step(state, _gpt_batch())
     for leaf in jax.tree.leaves((state.params, state.opt_state)):
         if jnp.issubdtype(leaf.dtype, jnp.floating):

@@ -315,8 +315,11 @@ def test_eval_step_matches_the_loss_computed_here(layout, mesh_factory):
 TRAIN_LAYOUTS = {"1dev": {}, "data8": {"data": 8}, "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}}
 
 
-@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.slow)])  # k=4: slow
-def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
+# all three layouts in one test: slow (~14 CPU-s at k=1); the fast sibling [1-d2f2t2] steps the three-axis layout
+@pytest.mark.parametrize("k,layouts", [pytest.param(1, ("d2f2t2",), id="1-d2f2t2"),
+                                       pytest.param(1, tuple(TRAIN_LAYOUTS), id="1", marks=pytest.mark.slow),
+                                       pytest.param(4, tuple(TRAIN_LAYOUTS), id="4", marks=pytest.mark.slow)])
+def test_train_step_rng_per_step_and_per_microbatch(k, layouts, mesh_factory):
     """Two sgd steps: step t's loss and gradient are the dropout loss's with fold_in(state_rng, t), and with
     grad_accum_steps=k microbatch j gets fold_in(that key, j) (a distinct mask per microbatch); the same
     numbers on one device, data=8 and data2 x fsdp2 x tensor2."""
@@ -342,8 +345,8 @@ def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
         assert max(max_rel_err(a, b) for a, b in zip(jax.tree.leaves(w_grads), jax.tree.leaves(grads0))) > 1e-2, what
 
     losses, errs = {}, []
-    for name, sizes in TRAIN_LAYOUTS.items():
-        mesh = mesh_factory(**sizes)
+    for name in layouts:
+        mesh = mesh_factory(**TRAIN_LAYOUTS[name])
         state = jp.train.init_state(init_fn, tx, SEED, mesh=mesh)
         step = jp.train.make_train_step(dropout_loss, tx, mesh=mesh, grad_accum_steps=k)
         new_state, metrics = step(state, batches[0])
@@ -355,7 +358,7 @@ def test_train_step_rng_per_step_and_per_microbatch(k, mesh_factory):
         losses[name] = (float(metrics["loss"]), float(metrics1["loss"]))
     for name, got in losses.items():       # equal across layouts, directly
         for t in (0, 1):
-            assert_scalar_close(got[t], losses["1dev"][t], what=f"k={k} step {t}: {name} vs 1dev")
+            assert_scalar_close(got[t], losses[layouts[0]][t], what=f"k={k} step {t}: {name} vs {layouts[0]}")
     print(f"\n[train rng k={k}] max err {max(errs):.2e}; losses {losses}")
 
 
@@ -368,10 +371,15 @@ def _bad_batch(rows):
     batch["inputs"][1, 3] = CHECK_CFG.vocab_size   # one id >= vocab
     return batch
 
-def test_gpt_loss_step_rejects_out_of_range_ids_by_default(mesh_factory):
-    mesh = mesh_factory(data=2)
-    model, tx = GPT(CHECK_CFG), optax.sgd(0.1)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+@pytest.fixture(scope="module")
+def check_gpt(mesh_factory):
+    """``(model, tx, mesh, state)``: the narrow GPT's state on data=2, built (compiled) once; the tests that
+    use it run only steps that do not donate it."""
+    mesh, model, tx = mesh_factory(data=2), GPT(CHECK_CFG), optax.sgd(0.1)
+    return model, tx, mesh, jp.train.init_state(model.init, tx, 0, mesh=mesh)
+
+def test_gpt_loss_step_rejects_out_of_range_ids_by_default(check_gpt):
+    model, tx, mesh, state = check_gpt
     with pytest.raises(ValueError, match=r"token id 61 at index \(1, 3\)"):
         jp.train.make_train_step(model.loss, tx, mesh=mesh)(state, _bad_batch(4))
     with pytest.raises(ValueError, match="token id 61"):
@@ -396,10 +404,8 @@ def test_check_batch_rejects_a_bad_value(mesh_factory):
     with pytest.raises(TypeError, match="check_batch"):
         jp.train.make_train_step(GPT(CHECK_CFG).loss, optax.sgd(0.1), mesh=mesh_factory(), check_batch="yes")
 
-def test_step_phases_are_named_in_the_compiled_program(mesh_factory):
-    mesh = mesh_factory(data=2)
-    model, tx = GPT(CHECK_CFG), optax.adam(1e-3)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+def test_step_phases_are_named_in_the_compiled_program(check_gpt):
+    model, tx, mesh, state = check_gpt
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh, grad_accum_steps=2)
     text = step.lower(state, gpt_batch(np.random.default_rng(1), 4, CHECK_CFG)).compile().as_text()
     scopes = plan_hlo.scopes(text)

@@ -68,7 +68,7 @@ def _reference_loss(cfg, p, inputs, targets):
     attention, SwiGLU, tied unembedding over the real vocabulary."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
     B, L = inputs.shape
-    H, K, D = cfg.num_heads, cfg.head_dim, cfg.d_model
+    K = cfg.head_dim
     x = p["embed"]["embedding"][inputs]
     for i in range(cfg.num_layers):
         b = jax.tree.map(lambda a: a[i], p["blocks"])

@@ -34,7 +34,8 @@ def test_decode_step_equals_apply(positions):
         logits, cache = decode(params, tokens[:, pos], cache, jnp.int32(pos))
         steps.append(logits)
     valid = np.arange(model.cfg.padded_vocab) < 37
-    assert_tree_close(jnp.stack(steps, 1)[..., valid], model.apply(params, tokens)[..., valid],
+    # apply jitted: op by op it compiles each of its ~70 operations (most of this test's time)
+    assert_tree_close(jnp.stack(steps, 1)[..., valid], jax.jit(model.apply)(params, tokens)[..., valid],
                       what=f"{positions} decode_step vs apply")
 
 
@@ -75,9 +76,10 @@ def test_float16_sliding_window_at_a_low_temperature_samples_the_argmax():
     cfg = GPTConfig(vocab_size=37, num_layers=1, num_heads=2, d_model=16, max_seq_len=8, vocab_multiple=8,
                     init_std=2.0, dtype=jnp.float16)
     model = GPT(cfg)
-    params = nn.meta.unbox(model.init(jax.random.key(1)))
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1)))   # jitted: one compile, not one per operation
     prompt = list(range(1, 12))   # longer than max_seq_len: the window slides
-    want = int(np.argmax(np.asarray(model.apply(params, jnp.asarray([prompt[-8:]], jnp.int32)), np.float32)[0, -1, :37]))
+    logits = jax.jit(model.apply)(params, jnp.asarray([prompt[-8:]], jnp.int32))
+    want = int(np.argmax(np.asarray(logits, np.float32)[0, -1, :37]))
     assert jp.models.generate(model, params, prompt, 1, jax.random.key(0), 1e-4) == [want]
 
 

@@ -158,9 +158,16 @@ def test_dualpipe_v_gpt_train_step_matches_single_device(p, m, mesh_name, mesh_f
     gpt_step_parity(jp.pipeline.dualpipe_v(p, m), mesh_factory(**MESHES[mesh_name]), GPT_STEP_SEED + 7 * p)
 
 
-def test_errors(mesh_factory):
-    mesh = mesh_factory(**MESH)
-    model, tx = GPT(SMALL_GPT), optax.sgd(0.1)
+@pytest.fixture(scope="module")
+def refused(mesh_factory):
+    """``(model, tx, mesh, state)``: the GPT's state on data=2 x pipe=2 x tensor=2, built (compiled) once for the
+    tests of refused inputs, whose steps raise before they run (so nothing is donated)."""
+    mesh, model, tx = mesh_factory(**MESH), GPT(SMALL_GPT), optax.sgd(0.1)
+    return model, tx, mesh, jp.train.init_state(model.init, tx, SEED, mesh=mesh)
+
+
+def test_errors(refused):
+    model, tx, mesh, state = refused
     with pytest.raises(ValueError, match=r"the mesh has pipe=2 but the step's gradient function does not pipeline"):
         jp.train.make_train_step(model.loss, tx, mesh=mesh)
     with pytest.raises(ValueError, match=r"the mesh has pipe=2 but schedule '1f1b' has num_stages=4"):
@@ -178,7 +185,6 @@ def test_errors(mesh_factory):
     three = {**params, "blocks": jax.tree.map(lambda a: np.concatenate([a, a[:1]]), params["blocks"])}
     with pytest.raises(ValueError, match=r"its layers axis is not divisible by num_stages = 2"):
         pipeline.check(three, gpt_batch(np.random.default_rng(0), 16), ctx)
-    state = jp.train.init_state(model.init, tx, SEED, mesh=mesh)
     with pytest.raises(ValueError, match=r"microbatch 3 \(batch 12 / 4 microbatches\) is not divisible by "
                                          r"data\*fsdp = 2; use a batch that is a multiple of 8"):
         jp.train.make_train_step(pipeline, tx, mesh=mesh)(state, gpt_batch(np.random.default_rng(0), 12))
@@ -194,12 +200,9 @@ def test_errors(mesh_factory):
         widen.check(params, gpt_batch(np.random.default_rng(0), 16), ctx)
 
 
-def test_float_tokens_into_a_gpt_pipeline_name_the_dtype(mesh_factory):
-    model = GPT(dataclasses.replace(SMALL_GPT, d_model=32, num_heads=4, head_dim=0))
-    mesh = mesh_factory(data=4, pipe=2)
+def test_float_tokens_into_a_gpt_pipeline_name_the_dtype(refused):
+    model, tx, mesh, state = refused
     pipeline = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, jp.pipeline.one_f_one_b(2, 2))
-    tx = optax.sgd(0.1)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipeline)
     # the pipeline's own check (any embed_fn); by default the GPT's check_batch would raise first (test_gpt)
     step = jp.train.make_train_step(pipeline, tx, mesh=mesh, check_batch=None)
     rng = np.random.default_rng(2)
@@ -209,14 +212,11 @@ def test_float_tokens_into_a_gpt_pipeline_name_the_dtype(mesh_factory):
         step(state, batch)
 
 
-def test_pipeline_refuses_packed_batches(mesh_factory):
+def test_pipeline_refuses_packed_batches(refused):
     """Packed documents' entries are not carried through the stages yet: a clear error, not attention across
     documents."""
-    model = GPT(SMALL_GPT)
+    model, tx, mesh, state = refused
     pipe = gpt_pipeline(model, jp.pipeline.gpipe(2, 2))
-    tx = optax.sgd(0.1)
-    mesh = mesh_factory(pipe=2)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, pipeline=pipe)
     step = jp.train.make_train_step(pipe, tx, mesh=mesh)
     batch = gpt_batch(np.random.default_rng(0), 4, SMALL_GPT)
     batch["segment_ids"] = np.ones_like(batch["inputs"])
