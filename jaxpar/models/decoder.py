@@ -38,6 +38,7 @@ from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entr
 from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_packed_shapes
 from jaxpar.models import generation
 from jaxpar.models.blocks import Block, Embed, Head, kv_heads
+from jaxpar.sharding.names import KV_HEADS, TENSOR, Rules
 from jaxpar.sharding.rules import constrain, has_explicit_axes
 
 REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
@@ -83,10 +84,10 @@ def _warn_replicated_kv(name: str, cfg: Any) -> None:
     """Warns once per config and mesh when grouped-query key/value heads are replicated over a ``tensor`` axis of
     more than one device (the rules leave ``kv_heads`` unmapped, or it does not divide them)."""
     mesh = jax.sharding.get_abstract_mesh()
-    tensor = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
-    # Flax takes the first rule naming an axis (DEFAULT_RULES has ("kv_heads", None): a later one is never read)
-    rule = next((axis for n, axis in nn.get_logical_axis_rules() if n == "kv_heads"), None)
-    if tensor == 1 or rule is not None or (cfg, tensor) in _WARNED:
+    tensor = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get(TENSOR, 1)
+    # the first rule naming kv_heads decides (DEFAULT_RULES has ("kv_heads", None): a later one is never read)
+    mapped = Rules(nn.get_logical_axis_rules()).mesh_axes(KV_HEADS)
+    if tensor == 1 or mapped or (cfg, tensor) in _WARNED:
         return
     _WARNED.add((cfg, tensor))
     why = (f"tensor={tensor} exceeds num_kv_heads={cfg.kv_heads}" if tensor > cfg.kv_heads else
