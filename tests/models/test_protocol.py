@@ -115,7 +115,8 @@ def _batch(seed, rows, model=MODEL):
 
 
 def _unboxed(model, seed):
-    return nn.meta.unbox(model.init(jax.random.key(seed)))
+    # jitted: op by op, each random.normal shape compiles its own program (~1 CPU-s each)
+    return nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed)))
 
 
 def test_pruned_structurally_and_compacted(mesh_factory):

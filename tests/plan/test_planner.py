@@ -49,18 +49,30 @@ def test_does_not_fit_gives_a_message_not_a_crash():
     assert p.advice in p.report()
 
 
-def test_huge_model_does_not_fit_with_advice():
-    cfg = GPTConfig(vocab_size=32000, num_layers=80, num_heads=64, d_model=8192, max_seq_len=2048, remat="full",
-                    scan_layers=True, dtype=jnp.bfloat16)
-    est = jp.plan.estimate(cfg, dict(data=8), global_batch=8, seq_len=2048)
-    p = jp.plan.plan(cfg, dict(data=8), global_batch=8, seq_len=2048)
+HUGE = GPTConfig(vocab_size=32000, num_layers=80, num_heads=64, d_model=8192, max_seq_len=2048, remat="full",
+                 scan_layers=True, dtype=jnp.bfloat16)
+
+
+def _check_huge_advice(needed, advice):
     gib = 2 ** 30
-    state = cfg.num_params() * (4 + 4 + 8 + 2) / gib  # f32 params, grads, 2 moments, a bf16 compute copy
-    assert not est["fits"] and not p.fits and p.needed_bytes / gib > state > 1000
-    for needed, advice in ((est["needed_bytes"], est["advice"]), (p.needed_bytes, p.advice)):
-        assert advice.startswith(f"does not fit: {needed / gib:.1f} GiB needed per device, {0.9 * 80e9 / gib:.1f} "
-                                 "available; try ")
-        assert "fsdp=8, data=1" in advice and "more devices" in advice
+    state = HUGE.num_params() * (4 + 4 + 8 + 2) / gib  # f32 params, grads, 2 moments, a bf16 compute copy
+    assert needed / gib > state > 1000
+    assert advice.startswith(f"does not fit: {needed / gib:.1f} GiB needed per device, {0.9 * 80e9 / gib:.1f} "
+                             "available; try ")
+    assert "fsdp=8, data=1" in advice and "more devices" in advice
+
+
+def test_huge_model_does_not_fit_with_advice():
+    est = jp.plan.estimate(HUGE, dict(data=8), global_batch=8, seq_len=2048)
+    assert not est["fits"]
+    _check_huge_advice(est["needed_bytes"], est["advice"])
+
+
+@pytest.mark.slow   # ~7 CPU-s (the 80-layer step compiled); fast siblings: test_huge_model_does_not_fit_with_advice
+def test_huge_model_plan_does_not_fit_with_advice():   # (the same advice), test_does_not_fit_gives_a_message_not_a_crash
+    p = jp.plan.plan(HUGE, dict(data=8), global_batch=8, seq_len=2048)
+    assert not p.fits
+    _check_huge_advice(p.needed_bytes, p.advice)
     assert p.advice in p.report()
 
 
@@ -214,18 +226,27 @@ def test_schedule_with_pipe_1_names_both_fixes(no_compiling):
         jp.plan.plan(TINY, dict(data=8), global_batch=16, seq_len=16, schedule=jp.pipeline.one_f_one_b(2, 2))
 
 
-def test_context_counts_in_the_estimate_and_the_compiled_plan():
+LONG = GPTConfig(vocab_size=61, num_layers=2, num_heads=2, d_model=32, max_seq_len=1024, scan_layers=True)
+
+
+def test_context_counts_in_the_estimate():
     """Splitting a long sequence over a context axis: the analytic activations per device fall by the context
-    size (the tokens) and by the zigzag kernel's smaller key count; the compiled plan holds the K/V ring's
-    collective-permutes; a sequence the zigzag split cannot cut is refused before compiling."""
-    cfg = GPTConfig(vocab_size=61, num_layers=2, num_heads=2, d_model=32, max_seq_len=1024, scan_layers=True)
-    one, two = (jp.plan.estimate(cfg, dict(data=2, context=c), global_batch=2, seq_len=1024) for c in (1, 2))
+    size (the tokens) and by the zigzag kernel's smaller key count; a sequence the zigzag split cannot cut is
+    refused before compiling."""
+    one, two = (jp.plan.estimate(LONG, dict(data=2, context=c), global_batch=2, seq_len=1024) for c in (1, 2))
     assert two["memory"]["activations"] < 0.6 * one["memory"]["activations"]
     assert "context" in two["time"]["comm_s_by_axis"] and "context" not in one["time"]["comm_s_by_axis"]
-    planned = jp.plan.plan(cfg, dict(data=4, context=2), global_batch=8, seq_len=1024, num_devices=8)
-    assert planned.collectives["collective-permute"]["context"] > 0, planned.collectives
     with pytest.raises(ValueError, match=r"seq_len 1022 is not divisible by 2 x context = 4"):
-        jp.plan.estimate(cfg, dict(data=4, context=2), global_batch=8, seq_len=1022)
+        jp.plan.estimate(LONG, dict(data=4, context=2), global_batch=8, seq_len=1022)
+
+
+# ~10 CPU-s (a compile); fast siblings: test_plan_memory_equals_the_step_that_runs (the plan's collectives by axis),
+# test_attention.py::test_hlo_ring_passes_kv_round_the_ring[4] (the ring's K/V collective-permutes over context)
+@pytest.mark.slow
+def test_context_counts_in_the_compiled_plan():
+    """The compiled plan of a mesh with a context axis holds the K/V ring's collective-permutes over it."""
+    planned = jp.plan.plan(LONG, dict(data=4, context=2), global_batch=8, seq_len=1024, num_devices=8)
+    assert planned.collectives["collective-permute"]["context"] > 0, planned.collectives
 
 
 def test_estimate_takes_a_model_and_a_tx():

@@ -406,7 +406,10 @@ def test_masks_match_numpy_reference(model, dist, kind):
 SHARDED = {"fsdp8": ("mlp",), "2x2x2": ("gpt", "mlp")}
 
 
-@pytest.mark.parametrize("layout", list(SHARDED))
+# 2x2x2 (~11 CPU-s) is slow: its fast siblings are [fsdp8] (the same cross-shard selection and tie-break, every
+# matrix split 8 ways) and test_transform.py::test_pruning_harness[*-fsdp8-jit] (the GPT sharded against 1 device)
+@pytest.mark.parametrize("layout", [pytest.param(l, marks=[pytest.mark.slow] if l == "2x2x2" else [])
+                                    for l in SHARDED])
 def test_sharded_masks_equal_unsharded_bitwise(layout, mesh_factory):
     """Tie-heavy values (so the cross-shard flat-index tie-break matters): bitwise the 1-device masks."""
     mesh = mesh_factory(fsdp=8) if layout == "fsdp8" else mesh_factory(data=2, fsdp=2, tensor=2)
