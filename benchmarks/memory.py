@@ -3,9 +3,9 @@
     python benchmarks/memory.py [--batch 32] [--seq 128] [--microbatches 4] [--precisions f32 bf16]
 
 Compiles (never runs) ``jp.train.make_train_step`` of the main job's GPT with ``jp.optim.adamw`` on 8
-simulated devices for: DP (``data=8``), FSDP (``fsdp=8``), TP (``data=2 x tensor=4``), and every pipeline
-schedule builder in ``jaxpar.pipeline.builders`` (``data=4 x pipe=2``, ``--microbatches``; builders with a
-``num_chunks`` argument get 2 chunks), each in float32 and mixed bfloat16 (``Policy "mixed_bf16"``: float32
+simulated devices for: DP (``data=8``), FSDP (``fsdp=8``), TP (``data=2 x tensor=4``), and every registered
+pipeline schedule (``jp.pipeline.SCHEDULES``: ``data=4 x pipe=2``, ``--microbatches``; chunked ones with
+their default 2 chunks), each in float32 and mixed bfloat16 (``Policy "mixed_bf16"``: float32
 params and optimizer state, bfloat16 compute). Prints one JSON row per (layout, precision):
 
 * ``measured_bytes``: from ``compile().memory_analysis()``: arguments + outputs - aliased (the donated state)
@@ -26,7 +26,6 @@ pipeline's receive buffers and gradient accumulators. The README's table discuss
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -40,7 +39,6 @@ import numpy as np  # noqa: E402
 import jaxpar as jp  # noqa: E402
 from jaxpar.models import GPT, GPTConfig  # noqa: E402
 from jaxpar.plan import memory as plan_memory  # noqa: E402
-from jaxpar.pipeline import builders  # noqa: E402
 
 PLAIN_LAYOUTS = {"DP": dict(data=8), "FSDP": dict(data=1, fsdp=8), "TP": dict(data=2, tensor=4)}
 PIPE_MESH = dict(data=4, pipe=2)
@@ -48,14 +46,12 @@ PRECISIONS = {"f32": None, "bf16": "mixed_bf16"}
 
 
 def schedules(num_stages: int, num_microbatches: int) -> dict:
-    """Every schedule builder of ``jaxpar.pipeline.builders`` (chunked ones with 2 chunks) that can run these
-    sizes (``dualpipe_v`` needs ``num_microbatches >= 2 * num_stages``; one that refuses is left out)."""
+    """Every registered schedule (``jp.pipeline.SCHEDULES``, chunked ones with their default 2 chunks) that can
+    run these sizes (``dualpipev`` needs ``num_microbatches >= 2 * num_stages``; one that refuses is left out)."""
     out = {}
-    for name in builders.__all__:
-        fn = getattr(builders, name)
-        kwargs = {"num_chunks": 2} if "num_chunks" in inspect.signature(fn).parameters else {}
+    for name in jp.pipeline.SCHEDULES:
         try:
-            out[name] = fn(num_stages, num_microbatches, **kwargs)
+            out[name] = jp.pipeline.build(name, num_stages, num_microbatches)
         except ValueError:
             continue
     return out
