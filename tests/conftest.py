@@ -14,9 +14,17 @@ import pathlib
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _FLAG = "--xla_force_host_platform_device_count=8"
+# The tests' programs are tiny, so compiling dominates their time, and most of a CPU compile is LLVM optimising
+# the generated code. Level 0 halves the suite's CPU time (measured: 88 -> 41 CPU-s on test_train.py plus
+# models/test_generation.py). It changes only the machine code of the fusions; the HLO passes (sharding, fusion,
+# collectives) and so every program the structure tests read, are the same. A caller's own level is kept.
+_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
 _existing = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _existing:
-    os.environ["XLA_FLAGS"] = f"{_existing} {_FLAG}".strip()
+    _existing = f"{_existing} {_FLAG}".strip()
+if "xla_backend_optimization_level" not in _existing:
+    _existing = f"{_existing} {_CODEGEN_FLAG}"
+os.environ["XLA_FLAGS"] = _existing
 _PLATFORMS_GIVEN = "JAX_PLATFORMS" in os.environ
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # an explicit JAX_PLATFORMS is kept (and must give 8 devices)
 
