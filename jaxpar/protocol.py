@@ -232,9 +232,14 @@ def declare_carried(key: str, combine: str, *, what: str | None = None, through:
     same declaration is a no-op.
 
     Raises:
+      TypeError: ``key`` is not a non-empty str, or ``attribute`` neither None nor a Python identifier.
       ValueError: an unknown ``combine`` or ``through``; ``through="loss"`` with a combine other than ``"last"``;
-        ``key`` declared already with another declaration.
+        ``key`` declared already with another declaration; ``attribute`` declared already by another key.
     """
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"the key of a carried collection is the non-empty str that marks it in the params, got {key!r}")
+    if attribute is not None and not (isinstance(attribute, str) and attribute.isidentifier()):
+        raise TypeError(f"attribute={attribute!r} for the carried collection {key!r}; use None or a Python identifier")
     if combine not in COMBINES:
         raise ValueError(f"combine={combine!r} for the carried collection {key!r}; use one of {COMBINES}")
     if through not in THROUGH:
@@ -243,6 +248,10 @@ def declare_carried(key: str, combine: str, *, what: str | None = None, through:
         raise ValueError(f"the carried collection {key!r} comes back from the loss (through='loss'), which "
                          f"microbatches read in order: its combine is 'last', not {combine!r}")
     new = Carried(key, combine, what or f"carried state {key!r}", through, attribute, fix)
+    owner = next((d for d in _CARRIED.values() if attribute is not None and d.attribute == attribute), None)
+    if owner is not None and owner.key != key:
+        raise ValueError(f"attribute={attribute!r} for the carried collection {key!r} reads {owner.key!r} already; "
+                         "give each collection its own attribute (or None)")
     old = _CARRIED.setdefault(key, new)
     if old != new:
         raise ValueError(f"the carried collection {key!r} is declared already as {old}; a key has one declaration")

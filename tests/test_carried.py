@@ -168,3 +168,40 @@ def test_carried_feature_through_a_1f1b_pipeline_equals_one_device():
     check_stats(ref, batches, "one device")
     assert_scalar_close(metrics["loss"], ref_metrics["loss"], rtol=1e-5, what="pipelined loss")
     assert_tree_close(state.params, ref.params, rtol=1e-4, what="pipelined params after two steps")
+
+
+# ------------------------------------------------------------------------ declarations a step cannot carry
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Declarations made in a test vanish after it (the registry is process-wide)."""
+    monkeypatch.setattr(jp.protocol, "_CARRIED", dict(jp.protocol._CARRIED))
+
+
+def test_bad_declarations_are_refused_when_declared(registry):
+    for key in (3, ""):
+        with pytest.raises(TypeError, match="non-empty str"):
+            carried.declare_carried(key, "sum")
+    with pytest.raises(TypeError, match="Python identifier"):
+        carried.declare_carried("test_bad_attr", "sum", attribute="not an identifier")
+    with pytest.raises(ValueError, match="reads '_overwrite_with_gradient' already"):
+        carried.declare_carried("test_second_fp8", "max", attribute="fp8")
+    assert "test_second_fp8" not in jp.protocol._CARRIED
+
+
+def test_state_refuses_an_int_leaf_and_an_attribute_shadowing_a_field_before_tracing(registry):
+    mesh, tx = jp.make_mesh(data=1, devices=jax.devices()[:1]), optax.sgd(0.1)
+    key = carried.declare_carried("test_int_count", "sum").key
+    with pytest.raises(TypeError, match=r"\['test_int_count'\]\['n'\] is int32: .* float array"):
+        jp.train.abstract_state(lambda k: {"w": jnp.ones(2), key: {"n": jnp.zeros((), jnp.int32)}}, tx, mesh=mesh)
+    carried.declare_carried("test_shadow", "sum", attribute="step")   # would turn replace(step=...) into carried
+    with pytest.raises(ValueError, match="attribute='step', a TrainState field"):
+        jp.train.abstract_state(lambda k: {"w": jnp.ones(2)}, tx, mesh=mesh)
+
+
+def test_checkpoint_mismatch_without_a_declared_fix_still_says_what_to_do(registry):
+    key = carried.declare_carried("test_no_fix", "sum").key
+    saved = {f"['carried']['{key}']['n']", "['params']['w']"}
+    for a, b, word in ((saved, {"['params']['w']"}, "hold"), ({"['params']['w']"}, saved, "lack")):
+        with pytest.raises(ValueError, match=f"from an init function whose params {word} the carried key '{key}'"):
+            carried.check_checkpoint(a, b, "checkpoint step 1")

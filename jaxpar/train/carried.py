@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import protocol
+from jaxpar._tree import key_path
 from jaxpar.protocol import COMBINES, Carried, declare_carried
 
 BATCH_STATS = declare_carried("batch_stats", "last", what="batch statistics (Linen BatchNorm's running mean and "
@@ -175,12 +176,32 @@ def check_checkpoint(saved: set[str], target: set[str], what: str) -> None:
     collections, naming what is missing and how to build the right target (the collection's ``fix``)."""
     for d in protocol.carried_declarations():
         has = lambda paths: any(f"[{d.key!r}]" in p for p in paths)
+        fix = d.fix or (f"build the target (jp.train.abstract_state) from an init function whose params "
+                        f"{'hold' if has(saved) else 'lack'} the carried key {d.key!r}, as the saved state's did")
         if has(target) and not has(saved):
-            raise ValueError(f"{what} holds no {d.what} but the target has: {d.fix}")
+            raise ValueError(f"{what} holds no {d.what} but the target has: {fix}")
         if has(saved) and not has(target):
-            raise ValueError(f"{what} holds {d.what} that the target lacks: {d.fix}")
+            raise ValueError(f"{what} holds {d.what} that the target lacks: {fix}")
+
+
+def check_state(held: Any, fields: frozenset[str]) -> None:
+    """Raises, before anything is traced, for carried state a step cannot carry: a declared attribute that is
+    one of the state's ``fields`` (it would shadow it), or a leaf that is not a float array (its new value
+    arrives as a cotangent).
+
+    Raises:
+      ValueError: an attribute that is a field. TypeError: a non-float leaf, named by its path.
+    """
+    for d in protocol.carried_declarations():
+        if d.attribute in fields:
+            raise ValueError(f"the carried collection {d.key!r} declares attribute={d.attribute!r}, a TrainState "
+                             f"field it would shadow; declare another attribute (or None)")
+    for path, x in jax.tree_util.tree_leaves_with_path(held):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"carried state {key_path(path, indexing=True)} is {x.dtype}: a carried leaf's new value "
+                            "arrives as its cotangent, so it is a float array (e.g. a count as float32)")
 
 
 __all__ = ["BATCH_STATS", "COMBINES", "Carried", "add", "apply", "attribute_updates", "by_attribute", "check_checkpoint",
-           "declarations_in", "declare_carried", "finish", "is_carried", "merge", "overwrite", "part",
+           "check_state", "declarations_in", "declare_carried", "finish", "is_carried", "merge", "overwrite", "part",
            "read_attribute", "reduce_microbatches", "reduce_shards", "split", "start", "with_part"]

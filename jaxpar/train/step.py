@@ -86,6 +86,8 @@ class TrainState:
         return carry.read_attribute(self.carried, name, type(self).__name__)
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainState))   # no carried attribute may shadow these
+
 # ``dataclasses.replace``, where a carried collection's attribute replaces its part of ``carried``
 TrainState.replace = lambda self, **updates: dataclasses.replace(self, **carry.attribute_updates(self.carried, updates))
 
@@ -121,6 +123,7 @@ def _abstract(init_fn, tx, rng, mesh, rules, policy, pipeline=None, how: _Placem
     """(state shapes, state shardings, model init, placement) without computing anything; shapes and
     shardings carry the pipeline's layout."""
     model = model_init.describe(init_fn, rng, mesh)
+    carry.check_state(model.carried_shapes, _FIELDS)
     placed = placement.place(model.param_shapes, model.param_names, mesh, rules, param_rules=how.param_rules,
                              auto_fsdp=how.auto_fsdp, auto_fsdp_min_size=how.auto_fsdp_min_size)
     placement.check_tensor_used(placed, mesh)
