@@ -60,7 +60,9 @@ def is_carried(path: tuple) -> bool:
 def overwrite(x: Any, old: Any, new: Any) -> Any:
     """``x`` unchanged; under differentiation the cotangent of the carried leaves ``old`` is ``new`` (their new
     value, or a ``"sum"`` collection's increment), the gradient of nothing. ``x`` is any value on the loss's path
-    (an activation, the loss itself), so the backward pass runs through here."""
+    (an activation, the loss itself), so the backward pass runs through here. The cotangent is the new value only
+    if nothing else in the loss differentiates ``old``: read the leaves elsewhere through ``jax.lax.stop_gradient``
+    (a loss divided by a running mean would add its gradient to the new mean)."""
     return x
 
 
