@@ -100,6 +100,13 @@ def test_device_subset(devices):
     assert tuple(mesh.axis_types) == (AxisType.Auto,) * 5
 
 
+def test_devices_of_another_mesh_as_an_array(devices):
+    """``devices=`` takes ``mesh.devices`` (an n-d numpy array of devices) in its flat order."""
+    other = jp.make_mesh(data=2, fsdp=2, devices=devices[4:])
+    mesh = jp.make_mesh(fsdp=4, devices=other.devices)
+    assert list(mesh.devices.flat) == list(other.devices.flat)
+
+
 def test_single_device_mesh(devices):
     mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
     assert mesh.devices.size == 1

@@ -86,7 +86,8 @@ def _check_axis_types(axis_types: tuple[AxisType, ...] | None) -> tuple[AxisType
 
 
 def _check_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.devices() if devices is None else np.ravel(devices) if isinstance(devices, np.ndarray)
+                   else devices)   # an array of devices (another mesh's ``mesh.devices``) in its flat order
     if not devices:
         raise ValueError("devices= is empty; pass at least one device")
     if len({id(d) for d in devices}) != len(devices) or len(set(devices)) != len(devices):
