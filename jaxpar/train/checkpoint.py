@@ -43,6 +43,7 @@ Saving every n steps and on preemption is the training loop's: ``jaxpar.train.lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -60,11 +61,14 @@ from jaxpar._tree import key_path
 from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.train import carried
 from jaxpar.train._jit import check_live
-from jaxpar.train.step import to_layout, to_model_order
+from jaxpar.train.step import TrainState, to_layout, to_model_order
 
 from jaxpar._compat import orbax_state_handler
 
 FORMAT = "jaxpar.train.checkpoint/1"
+FIRST_FORMAT = "jaxpar.checkpoint/1"
+"""The format before ``TrainState.carried``: each carried collection that declares an attribute was a state field of
+that name. Read (its field renamed to ``carried``), never written."""
 TRASH = ".jaxpar-trash"  # under the checkpoint directory: old steps renamed here, then removed (not a step name)
 _MISSING = object()
 
@@ -378,7 +382,7 @@ class CheckpointManager:
         checksum}], "prng_keys": {path: impl}}``. Raises CheckpointError as :meth:`restore`."""
         step = self._resolve(step)
         meta = self._read_json(step, "jaxpar")
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FIRST_FORMAT):
             raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} has metadata of an unknown "
                                   f"format {meta.get('format') if isinstance(meta, dict) else meta!r}; "
                                   f"expected {FORMAT!r}")
@@ -425,21 +429,57 @@ class CheckpointManager:
             target = target.replace(layout=None)
         step = self._resolve(step)
         meta = self.metadata(step)
-        compare(meta["leaves"], target, what=f"checkpoint step {step} in {str(self.directory)!r}")
+        field = self._first_format_field(step, target) if meta["format"] == FIRST_FORMAT else None
+        saved = meta["leaves"] if field is None else _renamed(meta["leaves"], field, "carried")
+        compare(saved, target, what=f"checkpoint step {step} in {str(self.directory)!r}")
         _check_key_impls(meta.get("prng_keys", {}), target)
         abstract = jax.tree.map(
             lambda x: _key_data_struct(x) if _is_key(x) else jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                                   sharding=x.sharding), target)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        item = abstract if field is None else _fields(abstract, {"carried": field})
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
         try:
             tree = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(abstract, restore_args=restore_args)))["state"]
+                state=ocp.args.PyTreeRestore(item, restore_args=restore_args)))["state"]
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} cannot be read: it is "
                                   f"truncated or corrupted ({type(e).__name__}: {e}){self._others(step)}") from e
-        _verify(meta["leaves"], tree, f"checkpoint step {step} in {str(self.directory)!r}", self._others(step))
+        if field is not None:
+            tree = abstract.replace(**{("carried" if k == field else k): v for k, v in tree.items()})
+        _verify(saved, tree, f"checkpoint step {step} in {str(self.directory)!r}", self._others(step))
         state = jax.tree.map(lambda t, x: _wrap_key(x, t) if _is_key(t) else x, target, tree)
         return state if layout is None else to_layout(state, layout)
+
+
+    def _first_format_field(self, step: int, target: Any) -> str | None:
+        """The field that held a :data:`FIRST_FORMAT` checkpoint's carried state: the saved top-level field the
+        target lacks that a carried collection declares as its attribute (None: the target is no ``TrainState``).
+
+        Raises:
+          CheckpointError: no such field, or several.
+        """
+        if not isinstance(target, TrainState):
+            return None
+        names = set(getattr(self._mgr.item_metadata(step)["state"], "tree", None) or ())
+        found = [n for n in names - set(_fields(target, {})) if carried.by_attribute(n) is not None]
+        if len(found) != 1:
+            raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} has the format {FIRST_FORMAT!r}, "
+                                  f"whose carried state is one state field named by its collection's attribute; "
+                                  f"found {sorted(found) or 'none'} among its fields {sorted(names)}: restore it "
+                                  "with the jaxpar version that wrote it")
+        return found[0]
+
+
+def _fields(state: Any, rename: dict[str, str]) -> dict[str, Any]:
+    """A ``TrainState``'s array fields as a dict (orbax saves a dataclass by its field names), ``rename``d."""
+    return {rename.get(f.name, f.name): getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.metadata.get("pytree_node", True)}
+
+
+def _renamed(leaves: Sequence[dict[str, Any]], old: str, new: str) -> list[dict[str, Any]]:
+    """Saved leaf descriptions with the top-level field ``old`` of their paths called ``new``."""
+    rename = lambda p: f".{new}{p[len(old) + 1:]}" if p == f".{old}" or p.startswith(f".{old}[") else p
+    return [dict(d, path=rename(d["path"])) for d in leaves]
 
 
 def _check_target(target: Any) -> None:
