@@ -414,3 +414,28 @@ def test_only_the_hlo_reader_parses_program_text(tmp_path):
     (tmp_path / "jaxpar").mkdir()
     (tmp_path / "jaxpar" / "_hlo.py").write_text("import re\nOPS = re.compile(r'all-gather')\n")
     assert program_regexes(tmp_path) == ["tests/test_x.py:2"]
+
+
+@pytest.mark.parametrize("face, name, caller", [
+    ("jaxpar.sharding", "process_batch_rows", lambda jp, mesh: jp.sharding.rules.global_batch_rows(4, mesh)),
+    ("jaxpar.train", "to_model_order", None), ("jaxpar.precision", "loss_scale", None),
+    ("jaxpar.data", "load_text", None), ("jaxpar.models.hf", "load", None)])
+def test_patching_a_package_that_was_a_module_reaches_the_code(monkeypatch, face, name, caller):
+    """``jaxpar.sharding``, ``.train``, ``.precision``, ``.data`` and ``.models.hf`` were modules: a patch through
+    them (``monkeypatch.setattr(jp.sharding, ...)``) reaches the module holding the code, and its undo restores it."""
+    import importlib
+    import jax
+    import jaxpar as jp
+    package = importlib.import_module(face)
+    original = getattr(package, name)
+    home = importlib.import_module(original.__module__)
+    assert home is not package and getattr(home, name) is original
+    calls = []
+    patched = lambda *a, **k: (calls.append(a), original(*a, **k))[1]
+    monkeypatch.setattr(package, name, patched)
+    assert getattr(home, name) is patched
+    if caller is not None:   # a caller inside the holding module sees the patch
+        caller(jp, jp.make_mesh(data=2, devices=jax.devices()[:2]))
+        assert calls
+    monkeypatch.undo()
+    assert getattr(home, name) is original and getattr(package, name) is original

@@ -14,3 +14,8 @@ from jaxpar.sharding.batches import process_slice
 
 __all__ = ["CharCorpus", "Digits", "GrainBatches", "TokenCorpus", "TokenFile", "default_text", "grain_batches",
            "load_text", "prepare", "process_slice"]
+
+import jaxpar._face as _face  # noqa: E402
+
+_face.stands_for_module(__name__)   # this package stands where a module stood: patches through it reach the code
+del _face

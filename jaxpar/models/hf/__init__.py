@@ -12,3 +12,8 @@
 from jaxpar.models.hf.checkpoint import load, save, with_names
 
 __all__ = ["load", "save", "with_names"]
+
+import jaxpar._face as _face  # noqa: E402
+
+_face.stands_for_module(__name__)   # this package stands where a module stood: patches through it reach the code
+del _face
