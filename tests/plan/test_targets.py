@@ -15,6 +15,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import jax
 import pytest
 
 import jaxpar as jp
@@ -48,6 +49,19 @@ def test_each_shipped_target_parses_and_matches_its_datasheet(name):
     assert not re.search(r"^\s*collective_memory_granularity:", text, re.MULTILINE)
     assert _field(text, "device_memory_size") == pytest.approx(target.memory_bytes, rel=0.10)
     assert _field(text, "memory_bandwidth") == pytest.approx(target.hbm_bytes_per_s, rel=0.05)
+
+
+@needs_plugin
+@pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()),
+                    reason="needs a real GPU (run with JAX_PLATFORMS=cuda; the tests pin cpu otherwise)")
+def test_on_a_gpu_the_device_config_is_used():
+    """On a GPU of the table, the target compiles for the device's own config (exact for this jaxlib)."""
+    row = datasheets.for_device_kind(jax.devices()[0].device_kind)
+    if row is None or row.target_config is None:
+        pytest.skip(f"{jax.devices()[0].device_kind} has no target in the table")
+    target = jp.plan.gpu_target(row.name, gpus_per_host=2)
+    assert target.config_source == "device" and "gpu_device_info" in target.target_config
+    assert {d.device_kind for d in target.devices} == {jax.devices()[0].device_kind}
 
 
 def test_every_reader_gets_the_table_figures():
