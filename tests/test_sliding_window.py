@@ -72,3 +72,56 @@ def test_bad_window_is_refused():
     for bad in (0, -3, 2.0, True, "4", np.array([4])):
         with pytest.raises(ValueError, match="sliding window must be a positive Python int"):
             cp.causal(q, q, q, window=bad)
+
+
+def _mesh(context):
+    return jp.make_mesh(data=1, context=context, devices=jax.devices()[:context])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("C", [2, 4])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+def test_context_windows_match_dense_reference(C, layout, strategy):
+    """Output and gradients of :func:`causal` over a context axis with windows shorter than a zigzag chunk, about
+    a chunk, about a device's share and longer, grouped-query heads and packed segments, against the reference in
+    the original order."""
+    L = 8 * C
+    q, k, v, seg, cot = _inputs(C, 2, L, 4, 2, 4)
+    move = (lambda t: cp.to_zigzag(t, C)) if layout == "zigzag" else (lambda t: t)
+    back = (lambda t: cp.from_zigzag(t, C)) if layout == "zigzag" else (lambda t: t)
+    windows = (1, 3, 4, 5, L // C + 2, L - 3)
+
+    def every_window(q, k, v):
+        grad = lambda f: jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * cot), argnums=(0, 1, 2))(q, k, v)
+        return {w: grad(lambda q, k, v: back(cp.causal(move(q), move(k), move(v), move(seg), window=w,
+                                                        context_attention=strategy, layout=layout)))
+                for w in windows}
+
+    with jp.sharding.use(_mesh(C)):
+        got = jax.jit(every_window)(q, k, v)
+    for w in windows:
+        ref = jax.value_and_grad(lambda q, k, v: jnp.sum(windowed_attention(q, k, v, w, seg) * cot),
+                                 argnums=(0, 1, 2))(q, k, v)
+        assert_tree_close(got[w], ref, what=f"window={w}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("C", [2, 4])
+def test_ring_steps_outside_every_window_are_skipped(C):
+    """Contiguous layout: a window of at most a device's share plus one keeps step 1 alone; zigzag: steps 1 and
+    ``C - 1`` stay for any window. The compiled ring holds one K/V collective-permute per step kept."""
+    L, n = 16 * C, 16
+    assert sw.ring_steps(L, C, "contiguous", n + 1) == [1]
+    assert sw.ring_steps(L, C, "contiguous", n + 2) == ([1, 2] if C > 2 else [1])
+    assert sw.ring_steps(L, C, "contiguous", None) == list(range(1, C))
+    assert sw.ring_steps(L, C, "zigzag", 1) == sorted({1, C - 1})
+    q = jnp.zeros((1, L, 2, 8), jnp.float32)
+    for layout in cp.LAYOUTS:
+        for window in (1, n + 1, None):
+            mesh = _mesh(C)
+            with jp.sharding.use(mesh):
+                text = jax.jit(lambda q: cp.causal(q, q, q, window=window, layout=layout)).lower(q).compile().as_text()
+            permutes = [s for s in jp.plan.hlo.collective_sites(text, dict(mesh.shape))
+                        if s.kind == "collective-permute"]
+            assert len(permutes) == len(sw.ring_steps(L, C, layout, window)), (layout, window, permutes)

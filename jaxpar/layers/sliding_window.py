@@ -13,7 +13,10 @@ kernels in :mod:`jaxpar.layers.attention` leave out, rather than mask, the keys 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 #: the most query blocks the ``"blocked"`` kernel cuts a windowed sequence into (each block is unrolled in the
@@ -104,5 +107,29 @@ def cache_slots(max_len: int, window: int | None) -> int:
     return max_len if window is None else min(max_len, window)
 
 
+def layer_windows(cfg: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window: the ``window`` of every entry of ``cfg.layer_kinds()`` where the config
+    defines it (the families with sliding windows), else None for all ``cfg.num_layers`` layers."""
+    kinds = getattr(cfg, "layer_kinds", None)
+    return tuple(k.window for k in kinds()) if kinds is not None else (None,) * cfg.num_layers
+
+
+def slot_indices(pos: jax.Array, slots: int) -> jax.Array:
+    """The token index each slot of a ring buffer of ``slots`` slots holds once the indices ``0 .. pos - 1`` were
+    written in order, index ``t`` in slot ``t % slots`` (int32 ``[slots]``; negative: never written)."""
+    s = jnp.arange(slots, dtype=jnp.int32)
+    return pos - 1 - jnp.mod(pos - 1 - s, slots)
+
+
+def ring_write(cache_BSGK: jax.Array, new_BLGK: jax.Array, pos: jax.Array) -> jax.Array:
+    """The ring buffer ``cache_BSGK`` (``S`` slots) with the tokens of indices ``pos .. pos + L - 1`` written, index
+    ``t`` in slot ``t % S``; of more than ``S`` new tokens only the last ``S`` are kept (the others would be
+    overwritten at once). ``new_BLGK`` is cast to the cache's dtype."""
+    S, L = cache_BSGK.shape[1], new_BLGK.shape[1]
+    kept = min(L, S)
+    slots = jnp.mod(pos + (L - kept) + jnp.arange(kept), S)
+    return cache_BSGK.at[:, slots].set(new_BLGK[:, L - kept:].astype(cache_BSGK.dtype), unique_indices=True)
+
+
 __all__ = ["MAX_WINDOW_BLOCKS", "cache_slots", "check_window", "device_chunks", "first_key", "keys_computed",
-           "query_blocks", "ring_steps", "window_blocks"]
+           "layer_windows", "query_blocks", "ring_steps", "ring_write", "slot_indices", "window_blocks"]
