@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.layers import attention as cp
+from jaxpar.layers import sliding_window
 from jaxpar.layers.attention import attend
 from jaxpar.layers.norms import gelu, layer_norm, rms_norm, rms_norm_plus_one, silu
 from jaxpar.layers.rotary import rope
@@ -312,12 +313,12 @@ class Block(nn.Module):
         positions from ``positions_BL`` (both int ``[B, L]``, optional)."""
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
         q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, positions_BL=positions_BL)
-        a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv)
+        a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv, self.kind.window)
         a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
         return self._finish(x_BLD, a_BLHK)
 
     def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
-               start_B: jax.Array | None = None):
+               start_B: jax.Array | None = None, window: int | None = None):
         """``L`` cache slots ``pos .. pos + L - 1`` of the block with a key/value cache of ``S`` slots:
         ``(x_BLD, k_BSGK, v_BSGK) -> (x_BLD, k_BSGK, v_BSGK)``, these slots' keys and values written.
 
@@ -326,6 +327,13 @@ class Block(nn.Module):
         ``start_B[b] <= s <= t`` (float32 logits and softmax, as :func:`jaxpar.layers.attention.causal_attention`).
         ``L = 1`` is one decode step; ``L > 1`` at ``pos = 0`` is a prompt's prefill in one pass. The cache keeps
         the G key/value heads.
+
+        ``window`` (the layer's sliding window, a positive int or None): a query at slot ``t`` also needs
+        ``t - s < window``, and the cache may be a ring buffer of ``S < pos + L`` slots (at least ``window``;
+        :func:`jaxpar.layers.sliding_window.cache_slots`) holding slot ``t`` at ``t % S``: the new queries meet the
+        cached keys (:func:`~jaxpar.layers.sliding_window.slot_indices`) and their own, then the last ``S`` of
+        theirs are written (:func:`~jaxpar.layers.sliding_window.ring_write`), so a prefill longer than the window
+        sees every key it needs.
         """
         c = self.cfg
         B, L, _ = x_BLD.shape
@@ -333,13 +341,23 @@ class Block(nn.Module):
         start_B = jnp.zeros((B,), jnp.int32) if start_B is None else start_B
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
         q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, pos - start_B)
-        k_BSGK = jax.lax.dynamic_update_slice_in_dim(k_BSGK, k_BLGK.astype(k_BSGK.dtype), pos, axis=1)
-        v_BSGK = jax.lax.dynamic_update_slice_in_dim(v_BSGK, v_BLGK.astype(v_BSGK.dtype), pos, axis=1)
-        k_all, v_all = self._expand_kv(k_BSGK), self._expand_kv(v_BSGK)
+        slot_L = pos + jnp.arange(L)
+        if window is None:   # slot t at t: the new keys written first, then every slot read
+            k_BSGK = jax.lax.dynamic_update_slice_in_dim(k_BSGK, k_BLGK.astype(k_BSGK.dtype), pos, axis=1)
+            v_BSGK = jax.lax.dynamic_update_slice_in_dim(v_BSGK, v_BLGK.astype(v_BSGK.dtype), pos, axis=1)
+            keys, values, slot_S = k_BSGK, v_BSGK, jnp.arange(S)
+        else:
+            keys, values = (jnp.concatenate([cached, new.astype(cached.dtype)], axis=1)
+                            for cached, new in ((k_BSGK, k_BLGK), (v_BSGK, v_BLGK)))
+            slot_S = jnp.concatenate([sliding_window.slot_indices(pos, S), slot_L])
+            k_BSGK, v_BSGK = sliding_window.ring_write(k_BSGK, k_BLGK, pos), sliding_window.ring_write(v_BSGK, v_BLGK, pos)
+        k_all, v_all = self._expand_kv(keys), self._expand_kv(values)
         s_BHLS = jnp.einsum("blhk,bshk->bhls", q_BLHK, k_all.astype(q_BLHK.dtype),
                             preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
-        slot_S, slot_L = jnp.arange(S), pos + jnp.arange(L)
-        visible_BLS = (slot_S[None, None, :] <= slot_L[None, :, None]) & (slot_S[None, None, :] >= start_B[:, None, None])
+        gap_LS = slot_L[:, None] - slot_S[None, :]
+        visible_BLS = (gap_LS >= 0)[None] & (slot_S[None, None, :] >= start_B[:, None, None])
+        if window is not None:
+            visible_BLS = visible_BLS & (gap_LS < window)[None]
         p_BHLS = jax.nn.softmax(jnp.where(visible_BLS[:, None], s_BHLS, jnp.finfo(jnp.float32).min / 2), axis=-1)
         a_BLHK = jnp.einsum("bhls,bshk->blhk", p_BHLS.astype(v_all.dtype), v_all).astype(x_BLD.dtype)
         return self._finish(x_BLD, a_BLHK), k_BSGK, v_BSGK

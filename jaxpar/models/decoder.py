@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.layers import attention as cp
+from jaxpar.layers import sliding_window
 from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
 from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_packed_shapes
 from jaxpar.models import generation
@@ -414,14 +415,20 @@ class Decoder:
 
     # ------------------------------------- generation (the protocol; max_seq_len, vocab_size from self.cfg)
     def init_cache(self, params: dict, batch_size: int, max_len: int) -> dict:
-        """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` (grouped-query
-        attention: its ``kv_heads``) in the compute dtype (``cfg.dtype``, else the params'), logical names ``("layers",
-        "batch", None, "heads" | "kv_heads", "kv")``."""
+        """Zero keys and values ``{"k", "v"}: [layers, batch_size, S, heads, head_dim]`` (grouped-query attention:
+        its ``kv_heads``) in the compute dtype (``cfg.dtype``, else the params'), logical names ``("layers",
+        "batch", None, "heads" | "kv_heads", "kv")``. ``S = max_len``, or for a layer with a sliding window shorter
+        than ``max_len`` the window (a ring buffer, :func:`jaxpar.layers.sliding_window.cache_slots`); where the
+        layers' slot counts differ (Gemma 3's global and local layers), ``"k"`` and ``"v"`` are tuples of one
+        ``[batch_size, S_layer, heads, head_dim]`` array per layer, each of its own length."""
         c = self.cfg
         dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
-        shape = (c.num_layers, batch_size, max_len, kv_heads(c), c.head_dim)
+        slots = [sliding_window.cache_slots(max_len, w) for w in sliding_window.layer_windows(c)]
         names = ("layers", "batch", None, "kv_heads" if c.architecture.attention == "gqa" else "heads", "kv")
-        return {"k": constrain(jnp.zeros(shape, dtype), *names), "v": constrain(jnp.zeros(shape, dtype), *names)}
+        zeros = lambda *shape: constrain(jnp.zeros((*shape, kv_heads(c), c.head_dim), dtype), *names[-len(shape) - 2:])
+        if len(set(slots)) == 1:
+            return {t: zeros(c.num_layers, batch_size, slots[0]) for t in ("k", "v")}
+        return {t: tuple(zeros(batch_size, S) for S in slots) for t in ("k", "v")}
 
     def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array,
                     start: jax.Array | None = None):
@@ -430,7 +437,8 @@ class Decoder:
         written, ``logits_BV`` those after the last of them, equal to ``apply(params, tokens)[:, pos]`` for the
         tokens written at ``0 .. pos`` (float32 rounding). ``start`` (int32 ``[B]``, default 0): the slot where
         each row's sequence begins (left-padded prompts), its positions counted from there and the slots before
-        it never attended to. Traceable; ``pos + L <= max_len`` of the cache."""
+        it never attended to. Traceable; ``pos + L <= max_len`` of the cache. Layers with a sliding window keep
+        the ring buffers :meth:`init_cache` made (:meth:`jaxpar.models.blocks.Block.decode`)."""
         self._check_layers(params)
         tokens_BL = jnp.asarray(tokens_B, jnp.int32)
         tokens_BL = tokens_BL[:, None] if tokens_BL.ndim == 1 else tokens_BL
@@ -438,14 +446,15 @@ class Decoder:
         x_BLD = Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, pos - start_B)
         x_BLD = x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
         kinds, ks, vs = layer_kinds(self.cfg), [], []
-        for i in range(self.cfg.num_layers):
-            layer, block = jax.tree.map(lambda a: a[i], params["blocks"]), Block(self.cfg, kinds[i])
-            x_BLD, k, v = block.apply({"params": layer}, x_BLD, cache["k"][i], cache["v"][i], pos, start_B,
+        for i, kind in enumerate(kinds):
+            layer, block = jax.tree.map(lambda a: a[i], params["blocks"]), Block(self.cfg, kind)
+            x_BLD, k, v = block.apply({"params": layer}, x_BLD, cache["k"][i], cache["v"][i], pos, start_B, kind.window,
                                       method=Block.decode)
             ks.append(k)
             vs.append(v)
         logits_BV = self.logits(params, x_BLD[:, -1:])[:, 0].astype(jnp.float32)
-        return logits_BV, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+        stack = jnp.stack if isinstance(cache["k"], jax.Array) else tuple   # per-layer lengths: a tuple
+        return logits_BV, {"k": stack(ks), "v": stack(vs)}
 
     def generate(self, params: dict, prompts: Any, max_new_tokens: int, rng: jax.Array,
                  temperature: float = 0.8, *, top_k: int | None = None, top_p: float | None = None,

@@ -141,6 +141,11 @@ def check_save(cfg: FamilyConfig) -> None:
         raise ValueError(f"a {cfg.family} checkpoint has one rotary base; this config sets local_rope_theta")
 
 
+def _whole(x: float) -> float | int:
+    """``x`` as an int when it is one (transformers' strict configs type some fields int)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def family_hf_config(cfg: FamilyConfig) -> dict:
     """The ``config.json`` (a dict, transformers 5's fields) of a :class:`FamilyConfig`'s checkpoint."""
     heads = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
@@ -160,12 +165,14 @@ def family_hf_config(cfg: FamilyConfig) -> dict:
     if cfg.family == "gemma3":
         local = cfg.rope_theta if cfg.local_rope_theta is None else cfg.local_rope_theta
         out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, attn_logit_softcapping=None,
-                   final_logit_softcapping=None, query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+                   final_logit_softcapping=None, query_pre_attn_scalar=_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
                    rope_parameters={"full_attention": rope(cfg.rope_theta, cfg.rope_factor),
                                     "sliding_attention": rope(local, 1.0 if cfg.local_rope_theta else cfg.rope_factor)},
                    sliding_window=window or cfg.max_seq_len)
     else:
         out["hidden_act"] = "silu"
+    if cfg.family == "mistral":   # transformers' Mistral windows every layer by sliding_window and warns at layer_types
+        del out["layer_types"]
     if cfg.family in ("qwen2", "qwen3"):
         out.update(use_sliding_window=window is not None, max_window_layers=next(
             (i for i, t in enumerate(types) if t == "sliding_attention"), cfg.num_layers))
