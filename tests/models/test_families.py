@@ -14,12 +14,14 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers as T
+from helpers import SMALL_GEMMA3, assert_scalar_close, assert_tree_close, gpt_batch
 
-from jaxpar.models import FamilyConfig, hf
-from jaxpar.models import families
+import jaxpar as jp
+from jaxpar.models import FamilyConfig, families, hf
 
 V, SEQ = 97, 24
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
@@ -157,3 +159,41 @@ def test_gemma3_conditional_generation_loads_its_text_decoder_with_text_only(tmp
     with torch.no_grad():
         want = ref(input_ids=torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(_logits(model, params, tokens), want, atol=1e-4, rtol=0)
+
+
+def _trace(opt_state):
+    return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+                if isinstance(s, optax.TraceState)).trace
+
+
+@pytest.mark.slow   # a pipelined and a context-parallel step of Gemma 3: ~60 s
+@pytest.mark.parametrize("layout", ["pipe2_1f1b", "context2"])
+def test_gemma3_step_with_pipe_or_context_matches_single_device(layout, mesh_factory):
+    """Gemma 3's local (window 5 < 16 tokens) and global layers: a 1F1B pipeline of 2 stages (each stage's two
+    layers one local, one global: the pattern repeats every stage) and the ring over context=2 (zigzag layout)
+    reproduce the single-device float32 loss and gradients (per leaf 1e-5 relative)."""
+    cfg = SMALL_GEMMA3
+    model, tx = cfg.as_model(), optax.sgd(0.1, momentum=0.9)
+    batch = gpt_batch(np.random.default_rng(4), 8, cfg)
+    if layout == "pipe2_1f1b":
+        grad_fn = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss, jp.pipeline.one_f_one_b(2, 4))
+        mesh = mesh_factory(data=2, pipe=2, tensor=2)
+        state = jp.train.init_state(model.init, tx, 5, mesh=mesh, pipeline=grad_fn)
+    else:
+        grad_fn, mesh = model.loss, mesh_factory(data=2, fsdp=2, context=2)
+        state = jp.train.init_state(model.init, tx, 5, mesh=mesh)
+    ref_params = jax.device_put(jax.device_get(jp.train.to_model_order(state).params), jax.devices()[0])
+    (loss, _), grads = jax.jit(jax.value_and_grad(model.loss, has_aux=True))(ref_params, batch)
+    new_state, metrics = jp.train.make_train_step(grad_fn, tx, mesh=mesh)(state, batch)
+    assert_scalar_close(metrics["loss"], loss, what=f"{layout} loss")
+    assert_tree_close(_trace(jp.train.to_model_order(new_state).opt_state), jax.device_get(grads),
+                      what=f"{layout} grads")
+
+
+def test_a_stage_whose_layers_do_not_repeat_the_pattern_is_refused():
+    model = families.gemma3(num_layers=6, sliding_window=4, pattern=3, d_model=32, head_dim=8).as_model()
+    x = jnp.zeros((1, 4, 32))
+    blocks = jax.tree.map(lambda b: b.value[:2], model.init(jax.random.key(0))["blocks"],
+                          is_leaf=lambda b: hasattr(b, "names"))
+    with pytest.raises(ValueError, match="does not repeat every 2 layers"):
+        jax.eval_shape(model.stage, blocks, x)
