@@ -6,7 +6,7 @@ shape): token embedding, ``num_layers`` stacked pre-norm blocks and a head, as p
 * ``stage(blocks, x_BLD) -> x_BLD`` over any slice of the stacked ``[layers, ...]`` block params
 * ``head_loss(params, x_BLD, targets_BL) -> (loss, aux)``
 
-A family (:mod:`jaxpar.models.gpt`, :mod:`jaxpar.models.llama`) is a config whose ``architecture``
+A family (:mod:`jaxpar.models.gpt`, :mod:`jaxpar.models.llama`, :mod:`jaxpar.models.families`) is a config whose ``architecture``
 (:class:`jaxpar.models.blocks.Architecture`) picks the attention variant (multi-head with a fused q/k/v kernel, or
 grouped-query), the norm (LayerNorm or RMSNorm), the MLP (GELU or SwiGLU) and the projection biases; its fields
 pick positions (learned, or rotary with optional scaled frequencies), a tied or untied head, the attention kernel
@@ -17,9 +17,12 @@ The config fields the base reads: ``architecture``, ``vocab_size``, ``padded_voc
 ``num_heads``, ``head_dim``, ``d_model``, ``mlp_dim``, ``max_seq_len``, ``positions`` (``"learned"`` or
 ``"rotary"``), ``tie_embeddings``, ``scan_layers``, ``remat``, ``attention``, ``attention_blocks``,
 ``context_attention``, ``dtype``, ``param_dtype``, ``output_dtype``, ``init_std``; with rotary positions
-``rope_base`` and ``rotary_freq()`` (None: ``rope_base``'s frequencies); with ``"mha"`` ``qkv_bias``; with
-``"gqa"`` ``kv_heads``; with ``"rms"`` ``norm_eps``. Compaction's ``replace`` (the smaller config) is the
-family class's: it knows its config's field names.
+``rope_base`` and ``rotary_freq()`` (None: ``rope_base``'s frequencies); ``qkv_bias``; with ``"gqa"``
+``kv_heads``; with ``"rms"`` ``norm_eps``; optionally ``layer_kinds()`` (one
+:class:`jaxpar.models.blocks.LayerKind` per layer: sliding windows, per-layer rotary frequencies; absent: every
+layer alike) and ``query_pre_attn_scalar`` (the attention logits' ``q.k / sqrt(this)``; absent or None:
+``head_dim``). Compaction's ``replace`` (the smaller config) is the family class's: it knows its config's field
+names. The families of :mod:`jaxpar.models.families` (Qwen2, Qwen3, Mistral, Gemma 3) share one config class.
 """
 
 from __future__ import annotations

@@ -197,3 +197,18 @@ def test_a_stage_whose_layers_do_not_repeat_the_pattern_is_refused():
                           is_leaf=lambda b: hasattr(b, "names"))
     with pytest.raises(ValueError, match="does not repeat every 2 layers"):
         jax.eval_shape(model.stage, blocks, x)
+
+
+@pytest.mark.slow   # lowering two steps: ~10 s; the Llama's sibling is in the fast set (tests/test_fp8.py)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_family_matmuls_are_fp8_in_the_lowered_program(family):
+    from jaxpar.precision import fp8
+    cfg = getattr(families, family)(vocab_size=61, num_layers=1, num_heads=4, num_kv_heads=2, d_model=32, d_mlp=64,
+                                    head_dim=16, max_seq_len=16)
+    model, tx = cfg.as_model(), optax.sgd(0.1)
+    mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, policy=jp.Policy.from_string("c=bf16,o=f32,dot=fp8"),
+                                report=False)
+    lowered = jp.train.make_train_step(model.loss, tx, mesh=mesh).lower(state, gpt_batch(np.random.default_rng(0), 2,
+                                                                                         cfg))
+    assert fp8.fp8_dot_counts(lowered) == {"e4m3 x e4m3": 7, "e5m2 x e4m3": 14}   # q, k, v, out, gate, up, down

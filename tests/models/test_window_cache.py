@@ -6,7 +6,6 @@ tokens, and rotary logits depend only on relative positions)."""
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import flax.linen as nn
 import jax
@@ -15,6 +14,7 @@ import numpy as np
 from helpers import assert_tree_close
 
 from jaxpar.models import GPT, GPTConfig
+from jaxpar.models.blocks import LayerKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,7 @@ class WindowedGPT(GPTConfig):
     windows: tuple = (3,)
 
     def layer_kinds(self):
-        return tuple(types.SimpleNamespace(window=w) for w in self.windows)
+        return tuple(LayerKind(window=w) for w in self.windows)
 
 
 def test_window_cache_holds_window_slots_and_decodes_like_the_forward_pass():

@@ -54,7 +54,7 @@ def _adapter_of(model: Any) -> Adapter:
         if type(cfg) is adapter.config_type and isinstance(model, adapter.model) and adapter.saves \
                 and adapter.accepts(cfg):
             return adapter
-    names = " or ".join(sorted({a.model.__name__ for a in ADAPTERS.values()}))
+    names = " or ".join(dict.fromkeys(a.model.__name__ for a in ADAPTERS.values()))
     raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.{names}, got {type(model).__name__}")
 
 

@@ -49,6 +49,10 @@ def _rope(params: Any, where: str, theta_default: float) -> tuple[float, float]:
     if kind not in ("default", "linear"):
         raise ValueError(f"config.json has {where}rope_type={kind!r}: that rotary scaling is not computed here "
                          "(only 'default' and 'linear'), so the outputs would differ from the checkpoint's model")
+    other = sorted(set(params) - {"rope_type", "type", "rope_theta", "factor"})
+    if other:   # e.g. partial_rotary_factor: rotary positions on part of each head
+        raise ValueError(f"config.json has {where}{other[0]}={params[other[0]]!r}, which the rotary positions here do "
+                         "not compute (they read rope_type, rope_theta and a linear factor)")
     theta = _num({"rope_theta": params.get("rope_theta", theta_default)}, "rope_theta", None)
     factor = _num(params, "factor", 1.0) if kind == "linear" else 1.0
     return theta, factor
