@@ -9,6 +9,7 @@ the sequence, Qwen2's window written beside ``use_sliding_window: false`` (full 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -18,7 +19,7 @@ import optax
 import pytest
 import torch
 import transformers as T
-from helpers import SMALL_GEMMA3, assert_scalar_close, assert_tree_close, gpt_batch
+from helpers import SMALL_GEMMA3, SMALL_QWEN3, assert_scalar_close, assert_tree_close, gpt_batch
 
 import jaxpar as jp
 from jaxpar.models import FamilyConfig, families, hf
@@ -166,13 +167,14 @@ def _trace(opt_state):
                 if isinstance(s, optax.TraceState)).trace
 
 
-@pytest.mark.slow   # a pipelined and a context-parallel step of Gemma 3: ~60 s
+@pytest.mark.slow   # a pipelined and a context-parallel step of each: ~60 s a family
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("layout", ["pipe2_1f1b", "context2"])
-def test_gemma3_step_with_pipe_or_context_matches_single_device(layout, mesh_factory):
-    """Gemma 3's local (window 5 < 16 tokens) and global layers: a 1F1B pipeline of 2 stages (each stage's two
-    layers one local, one global: the pattern repeats every stage) and the ring over context=2 (zigzag layout)
-    reproduce the single-device float32 loss and gradients (per leaf 1e-5 relative)."""
-    cfg = SMALL_GEMMA3
+def test_step_with_pipe_or_context_matches_single_device(family, layout, mesh_factory):
+    """Qwen3 (4 layers), and Gemma 3's local (window 5 < 16 tokens) and global layers: a 1F1B pipeline of 2 stages
+    (each Gemma stage's two layers one local, one global: the pattern repeats every stage) and the ring over
+    context=2 (zigzag layout) reproduce the single-device float32 loss and gradients (per leaf 1e-5 relative)."""
+    cfg = SMALL_GEMMA3 if family == "gemma3" else dataclasses.replace(SMALL_QWEN3, num_layers=4)
     model, tx = cfg.as_model(), optax.sgd(0.1, momentum=0.9)
     batch = gpt_batch(np.random.default_rng(4), 8, cfg)
     if layout == "pipe2_1f1b":

@@ -1,8 +1,8 @@
 """Structured pruning and compaction of the families of jaxpar/models/families.py: Qwen2's q/k/v biases and
-Qwen3's / Gemma 3's q/k norms beside grouped-query heads. The query heads' bias (``q_bias [layers, H, K]``,
+Qwen3's and Gemma 3's q/k norms beside grouped-query heads. The query heads' bias (``q_bias [layers, H, K]``,
 logical names ``heads``) is pruned and compacted with its heads; the key/value biases (``kv_heads``) are never
 pruned; the q/k norms (one ``[K]`` scale shared by every head) are kept whole. The compacted model computes what
-the masked model computes, and the compacted Qwen2 / Gemma 3 load in ``transformers`` with the same logits.
+the masked model computes, and the compacted models load in ``transformers`` with the same logits.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from .test_structured import random_params
 CONFIGS = {
     "qwen2": families.qwen2(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
                             max_seq_len=16),
+    "qwen3": families.qwen3(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
+                            head_dim=16, max_seq_len=16),
     "gemma3": families.gemma3(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
                               head_dim=16, max_seq_len=16, sliding_window=5, pattern=2, query_pre_attn_scalar=12),
 }
