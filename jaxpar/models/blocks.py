@@ -41,7 +41,8 @@ class Architecture:
     ``_scale``) before attention, before the MLP and in the head; ``post_norms`` adds ``attn_post_norm`` and
     ``mlp_post_norm`` (after each, before its residual: Gemma 2 and 3); ``qk_norm`` adds ``q_norm_scale`` /
     ``k_norm_scale`` ``[K]``, an RMSNorm over each head of the queries and keys before rotary positions (Qwen3,
-    Gemma 3; Dehghani et al. 2023, sec. 3.1.1). The defaults are the GPT's and the Llama's computation.
+    Gemma 3; Dehghani et al. 2023, sec. 3.1.1). The switches after ``bias`` default off: the GPT and the Llama
+    compute (and name their params) as before them.
     """
     attention: str = "mha"   # "mha": one fused [D, H, 3, K] q/k/v kernel (qkv_kernel; qkv_bias when cfg.qkv_bias);
                              # "gqa": q_kernel [D, H, K], k_kernel / v_kernel [D, G, K] with G = cfg.kv_heads
