@@ -5,6 +5,9 @@ swapped or missing tensor shows): logits within 1e-4 (float32), greedy cached ge
 and ``hf.save`` read back by ``from_pretrained`` with the same tensors. The cases cover grouped-query and
 multi-head attention, tied and untied embeddings, Gemma 3's local/global pattern and Mistral's window shorter than
 the sequence, Qwen2's window written beside ``use_sliding_window: false`` (full attention), and bad configs.
+Beyond transformers: one training step of Qwen3 and Gemma 3 with a 1F1B pipeline of 2 stages and with the ring over
+context=2 against the single-device float32 step (their data=2 x fsdp=2 x tensor=2 cases are in
+tests/test_parity.py), their fp8 matmuls in the lowered step, and loading onto a 2x2x2 mesh.
 """
 
 from __future__ import annotations
@@ -214,3 +217,16 @@ def test_family_matmuls_are_fp8_in_the_lowered_program(family):
     lowered = jp.train.make_train_step(model.loss, tx, mesh=mesh).lower(state, gpt_batch(np.random.default_rng(0), 2,
                                                                                          cfg))
     assert fp8.fp8_dot_counts(lowered) == {"e4m3 x e4m3": 7, "e5m2 x e4m3": 14}   # q, k, v, out, gate, up, down
+
+
+@pytest.mark.slow   # ~5 s
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_load_onto_a_2x2x2_mesh_is_the_single_device_load(name, tmp_path, mesh_factory):
+    """Each device's block read by itself (biases and q/k norms included) equals the single-device load."""
+    ref = hf_model(name)
+    ref.save_pretrained(tmp_path / name)
+    model, whole = hf.load(str(tmp_path / name))
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    _, sharded = hf.load(str(tmp_path / name), mesh=mesh)
+    assert any(x.addressable_shards[0].data.shape != x.shape for x in jax.tree.leaves(sharded["blocks"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(sharded), jax.device_get(whole))
