@@ -26,6 +26,9 @@ models' ``"blocked"`` attention). :data:`BACKENDS` names every way to attend: ``
 ``"cudnn"`` on one device's sequence (:data:`ONE_DEVICE`, ``GPTConfig.attention``), ``"ring"`` and
 ``"all_gather"`` over a context axis (:data:`STRATEGIES`); :func:`attend` picks one from a model's config.
 
+Every backend takes ``window=`` (sliding-window attention by position, :mod:`jaxpar.layers.sliding_window`):
+the blocked kernel and the context strategies leave out the keys and ring steps outside every query's window.
+
 Shape legend: B batch, L sequence (the whole one; ``n`` on one device), H query heads, G key/value heads (``H``
 a multiple of ``G``: grouped-query attention), K head dim.
 """
@@ -425,9 +428,9 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
 
     ``window`` (a positive int, or None: full causal): sliding-window attention, key ``j`` visible from query
     ``i`` iff ``i - j < window`` besides ``j <= i`` (:mod:`jaxpar.layers.sliding_window`). The queries are then
-    cut into blocks of about ``window`` rows (:func:`~jaxpar.layers.sliding_window.window_blocks`) and block
+    cut into blocks of about a quarter window (:func:`~jaxpar.layers.sliding_window.window_blocks`) and block
     ``[s, e)`` meets keys ``[max(0, s - window + 1), e)`` only: the keys wholly outside the window are never
-    computed, and attention costs about ``2 L window`` scores instead of ``L^2 / 2``.
+    computed, and attention costs about ``1.25 L window`` scores instead of ``L^2 / 2``.
 
     Raises:
       ValueError: ``window`` not a positive int or None.

@@ -39,12 +39,13 @@ def check_window(window) -> int | None:
 
 
 def window_blocks(seq_len: int, num_blocks: int, window: int | None) -> int:
-    """How many query blocks the single-device kernel uses: ``num_blocks``, raised with a window so that a block
-    spans about ``window`` rows (at most :data:`MAX_WINDOW_BLOCKS`): a block of ``b`` rows then meets
-    ``b + window - 1`` keys, and attention costs about ``2 * L * window`` scores instead of ``L^2 / 2``."""
+    """How many query blocks the kernel cuts ``seq_len`` rows into: ``num_blocks``, raised with a window so that a
+    block spans about a quarter of the window (at most :data:`MAX_WINDOW_BLOCKS` blocks): a block of ``b`` rows
+    meets ``b + window - 1`` keys, so attention costs about ``L * 1.25 * window`` scores instead of ``L^2 / 2``
+    (the visible ones: about ``L * window``)."""
     if window is None or window >= seq_len:
         return num_blocks
-    return max(num_blocks, min(math.ceil(seq_len / window), MAX_WINDOW_BLOCKS))
+    return max(num_blocks, min(math.ceil(4 * seq_len / window), MAX_WINDOW_BLOCKS))
 
 
 def first_key(start: int, window: int | None) -> int:
@@ -73,12 +74,12 @@ def ring_steps(seq_len: int, context: int, layout: str, window: int | None) -> l
     ``(d - s) % context``) in which some query of some device sees some key; the others are skipped.
 
     Contiguous layout: step ``s`` puts keys at least ``(s - 1) * L / C + 1`` positions before the queries (or after
-    them), the same on every device, so only the first ``ceil((window - 1) / (L / C))`` steps run; a window of at
-    most ``L / C + 1`` keeps step 1 alone. Zigzag layout: every device holds an early and a late chunk, and at step
-    ``s`` the devices ``d >= s`` meet an early chunk ``s`` chunks before their early one, while the devices
-    ``d < s`` meet a late chunk ``C - s`` chunks before their late one: both the first and the last steps stay
-    (steps ``1`` and ``C - 1`` for any window), so far fewer steps are skipped than with the contiguous layout
-    (with ``C = 2`` none).
+    them), the same on every device, so only the steps with ``(s - 1) * L / C + 1 < window`` run: none for a window
+    of 1, step 1 alone up to a window of ``L / C + 1``. Zigzag layout: every device holds an early and a late
+    chunk, and at step ``s`` the devices ``d >= s`` meet an early chunk ``s`` chunks before their early one, while
+    the devices ``d < s`` meet a late chunk ``C - s`` chunks before their late one: both the first and the last
+    steps stay (steps ``1`` and ``C - 1`` for any window of 2 or more), so far fewer steps are skipped than with
+    the contiguous layout (with ``C = 2`` none).
     """
     parts = context if layout == "contiguous" else 2 * context
     chunk = seq_len // parts
