@@ -17,6 +17,7 @@ import pytest
 
 import jaxpar as jp
 from jaxpar.models import MLP, GPTConfig, LlamaConfig, classification_loss
+from jaxpar.models import families
 
 # docs/architecture.md "Tests": per leaf max|got - ref| <= 1e-5 * max|ref|. Elementwise rtol cannot hold when a layout
 # changes the reduction order (sums split over devices), so the error is scaled by the leaf's largest value.
@@ -68,6 +69,11 @@ SMALL_LLAMA = LlamaConfig(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads
                           max_seq_len=16, rope_theta=500000.0,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+SMALL_QWEN3 = families.qwen3(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
+                              head_dim=16, max_seq_len=16)
+SMALL_GEMMA3 = families.gemma3(vocab_size=61, num_layers=4, num_heads=4, num_kv_heads=2, d_model=64, d_mlp=128,
+                               head_dim=16, max_seq_len=16, sliding_window=5, pattern=2, query_pre_attn_scalar=12,
+                               rope_factor=4.0, scan_layers=True)
 MLP_FEATURES = 64
 
 

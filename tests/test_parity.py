@@ -21,8 +21,10 @@ import optax
 import pytest
 from helpers import (
     SMALL_GPT,
+    SMALL_GEMMA3,
     SMALL_GPT_VARIANT,
     SMALL_LLAMA,
+    SMALL_QWEN3,
     assert_scalar_close,
     assert_tree_close,
     gpt_batch,
@@ -48,6 +50,10 @@ MODELS = {
     "gpt_rotary_untied_scan": (lambda: gpt_parts(SMALL_GPT_VARIANT), lambda rng: gpt_batch(rng, 16, SMALL_GPT_VARIANT)),
     # GQA (8 query heads, 2 key/value heads), Llama 3 rope scaling, untied: the key/value heads stay replicated
     "llama": (lambda: gpt_parts(SMALL_LLAMA), lambda rng: gpt_batch(rng, 16, SMALL_LLAMA)),
+    # q/k norms, head_dim 16 beside d_model / heads = 8 (jaxpar/models/families.py)
+    "qwen3": (lambda: gpt_parts(SMALL_QWEN3), lambda rng: gpt_batch(rng, 16, SMALL_QWEN3)),
+    # local (window 5 < 16) and global layers alternating, scanned by repeats of the pair; post-norms, GeGLU
+    "gemma3": (lambda: gpt_parts(SMALL_GEMMA3), lambda rng: gpt_batch(rng, 16, SMALL_GEMMA3)),
 }
 
 
@@ -104,7 +110,7 @@ def _assert_layout_is_used(state, layout):
 # and tests/models/test_llama.py against transformers).
 CASES = [pytest.param(model, layout, id=f"{model}-{layout}",
                       marks=[pytest.mark.slow] if (model != "mlp" and layout != "data2_fsdp2_tensor2")
-                      or model in ("gpt_rotary_untied_scan", "llama")
+                      or model in ("gpt_rotary_untied_scan", "llama", "qwen3", "gemma3")
                       else [])
          for model in MODELS for layout in LAYOUTS]
 
