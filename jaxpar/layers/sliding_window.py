@@ -13,7 +13,6 @@ kernels in :mod:`jaxpar.layers.attention` leave out, rather than mask, the keys 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -108,13 +107,6 @@ def cache_slots(max_len: int, window: int | None) -> int:
     return max_len if window is None else min(max_len, window)
 
 
-def layer_windows(cfg: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window: the ``window`` of every entry of ``cfg.layer_kinds()`` where the config
-    defines it (the families with sliding windows), else None for all ``cfg.num_layers`` layers."""
-    kinds = getattr(cfg, "layer_kinds", None)
-    return tuple(k.window for k in kinds()) if kinds is not None else (None,) * cfg.num_layers
-
-
 def slot_indices(pos: jax.Array, slots: int) -> jax.Array:
     """The token index each slot of a ring buffer of ``slots`` slots holds once the indices ``0 .. pos - 1`` were
     written in order, index ``t`` in slot ``t % slots`` (int32 ``[slots]``; negative: never written)."""
@@ -133,4 +125,4 @@ def ring_write(cache_BSGK: jax.Array, new_BLGK: jax.Array, pos: jax.Array) -> ja
 
 
 __all__ = ["MAX_WINDOW_BLOCKS", "cache_slots", "check_window", "device_chunks", "first_key", "keys_computed",
-           "layer_windows", "query_blocks", "ring_steps", "ring_write", "slot_indices", "window_blocks"]
+           "query_blocks", "ring_steps", "ring_write", "slot_indices", "window_blocks"]
