@@ -62,6 +62,23 @@ def _chunk_sees(query_chunk: int, key_chunk: int, chunk: int, window: int | None
     return window is None or key_chunk == query_chunk or (query_chunk - key_chunk - 1) * chunk + 1 < window
 
 
+def near(pos_q_Q, pos_k_S, window: int | None):
+    """Which keys lie within the window of each query by position (bool ``[Q, S]``; positions int ``[Q]``, ``[S]``,
+    static or traced), or None without a window: ``pos_q - pos_k < window`` (causality is the caller's)."""
+    return None if window is None else (pos_q_Q[:, None] - pos_k_S[None, :]) < window
+
+
+def chunk_positions(device, n: int, context: int, layout: str, window: int | None):
+    """The positions of a device's ``n`` slots over a context axis (int ``[n]``; ``device`` may be traced): its
+    chunk (contiguous) or its two chunks (zigzag); None without a window (nothing needs them)."""
+    if window is None:
+        return None
+    if layout == "contiguous":
+        return device * n + jnp.arange(n)
+    c = n // 2
+    return jnp.concatenate([device * c + jnp.arange(c), (2 * context - 1 - device) * c + jnp.arange(c)])
+
+
 def device_chunks(device: int, context: int, layout: str) -> tuple[int, ...]:
     """The chunks a device holds: ``(device,)`` of ``context`` chunks (contiguous), or ``(device, 2C - 1 - device)``
     of ``2C`` chunks (zigzag)."""
@@ -80,11 +97,15 @@ def ring_steps(seq_len: int, context: int, layout: str, window: int | None) -> l
     steps stay (steps ``1`` and ``C - 1`` for any window of 2 or more), so far fewer steps are skipped than with
     the contiguous layout (with ``C = 2`` none).
     """
-    parts = context if layout == "contiguous" else 2 * context
-    chunk = seq_len // parts
-    return [s for s in range(1, context)
-            if any(_chunk_sees(a, b, chunk, window) for d in range(context)
-                   for a in device_chunks(d, context, layout) for b in device_chunks((d - s) % context, context, layout))]
+    return [s for s in range(1, context) if devices_seeing(seq_len, context, layout, window, s).any()]
+
+
+def devices_seeing(seq_len: int, context: int, layout: str, window: int | None, step: int) -> np.ndarray:
+    """Whether some query of device ``d`` sees some key of device ``(d - step) % context`` (bool ``[context]``):
+    at a step :func:`ring_steps` keeps, the devices marked False skip their compute (the keys still pass)."""
+    chunk = seq_len // (context if layout == "contiguous" else 2 * context)
+    return np.array([any(_chunk_sees(a, b, chunk, window) for a in device_chunks(d, context, layout)
+                         for b in device_chunks((d - step) % context, context, layout)) for d in range(context)])
 
 
 def query_blocks(length: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -124,5 +145,6 @@ def ring_write(cache_BSGK: jax.Array, new_BLGK: jax.Array, pos: jax.Array) -> ja
     return cache_BSGK.at[:, slots].set(new_BLGK[:, L - kept:].astype(cache_BSGK.dtype), unique_indices=True)
 
 
-__all__ = ["MAX_WINDOW_BLOCKS", "cache_slots", "check_window", "device_chunks", "first_key", "keys_computed",
-           "query_blocks", "ring_steps", "ring_write", "slot_indices", "window_blocks"]
+__all__ = ["MAX_WINDOW_BLOCKS", "cache_slots", "check_window", "chunk_positions", "device_chunks", "devices_seeing",
+           "first_key", "keys_computed", "near", "query_blocks", "ring_steps", "ring_write", "slot_indices",
+           "window_blocks"]
