@@ -126,6 +126,8 @@ def test_ring_steps_outside_every_window_are_skipped(C):
     assert sw.ring_steps(L, C, "contiguous", None) == list(range(1, C))
     assert sw.ring_steps(L, C, "zigzag", 2) == sorted({1, C - 1})
     assert sw.ring_steps(L, C, "zigzag", 1) == sw.ring_steps(L, C, "contiguous", 1) == []
+    if C == 4:   # step 1: devices 1-3 meet the early chunk just before theirs; device 0's chunks 0 and 7 meet 3 and 4
+        assert sw.devices_seeing(L, C, "zigzag", 2, 1).tolist() == [False, True, True, True]
     q = jnp.zeros((1, L, 2, 8), jnp.float32)
     for layout in cp.LAYOUTS:
         for window in (2, n + 1, None):
