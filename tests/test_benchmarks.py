@@ -204,3 +204,13 @@ def test_context_script_tiny():
                                                                ("all_gather", 2)]
     assert all(r["temp_bytes"] > 0 for r in memory) and memory[1]["ratio_to_context_1"] < 1
     assert [r["context"] for r in rows if r["part"] == "time"] == [1, 2]
+
+
+@pytest.mark.slow  # compiles the step seven times
+def test_sliding_window_script_tiny():
+    import sliding_window
+    rows = sliding_window.main(["--seq", "128", "--windows", "0", "32", "8", "--layers", "1", "--d-model", "32",
+                                "--heads", "2", "--backends", "blocked", "xla"])
+    blocked = [r["attention_flops"] for r in rows if r["backend"] == "blocked"]
+    assert blocked[0] > blocked[1] > blocked[2] > 0          # the blocked kernel's FLOPs fall with the window
+    assert len({r["attention_flops"] for r in rows if r["backend"] == "xla"}) == 1   # XLA's path only masks

@@ -13,7 +13,6 @@ kernels in :mod:`jaxpar.layers.attention` leave out, rather than mask, the keys 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +38,13 @@ def check_window(window) -> int | None:
 
 
 def window_blocks(seq_len: int, num_blocks: int, window: int | None) -> int:
-    """How many query blocks the single-device kernel uses: ``num_blocks``, raised with a window so that a block
-    spans about ``window`` rows (at most :data:`MAX_WINDOW_BLOCKS`): a block of ``b`` rows then meets
-    ``b + window - 1`` keys, and attention costs about ``2 * L * window`` scores instead of ``L^2 / 2``."""
+    """How many query blocks the kernel cuts ``seq_len`` rows into: ``num_blocks``, raised with a window so that a
+    block spans about a quarter of the window (at most :data:`MAX_WINDOW_BLOCKS` blocks): a block of ``b`` rows
+    meets ``b + window - 1`` keys, so attention costs about ``L * 1.25 * window`` scores instead of ``L^2 / 2``
+    (the visible ones: about ``L * window``)."""
     if window is None or window >= seq_len:
         return num_blocks
-    return max(num_blocks, min(math.ceil(seq_len / window), MAX_WINDOW_BLOCKS))
+    return max(num_blocks, min(math.ceil(4 * seq_len / window), MAX_WINDOW_BLOCKS))
 
 
 def first_key(start: int, window: int | None) -> int:
@@ -62,6 +62,23 @@ def _chunk_sees(query_chunk: int, key_chunk: int, chunk: int, window: int | None
     return window is None or key_chunk == query_chunk or (query_chunk - key_chunk - 1) * chunk + 1 < window
 
 
+def near(pos_q_Q, pos_k_S, window: int | None):
+    """Which keys lie within the window of each query by position (bool ``[Q, S]``; positions int ``[Q]``, ``[S]``,
+    static or traced), or None without a window: ``pos_q - pos_k < window`` (causality is the caller's)."""
+    return None if window is None else (pos_q_Q[:, None] - pos_k_S[None, :]) < window
+
+
+def chunk_positions(device, n: int, context: int, layout: str, window: int | None):
+    """The positions of a device's ``n`` slots over a context axis (int ``[n]``; ``device`` may be traced): its
+    chunk (contiguous) or its two chunks (zigzag); None without a window (nothing needs them)."""
+    if window is None:
+        return None
+    if layout == "contiguous":
+        return device * n + jnp.arange(n)
+    c = n // 2
+    return jnp.concatenate([device * c + jnp.arange(c), (2 * context - 1 - device) * c + jnp.arange(c)])
+
+
 def device_chunks(device: int, context: int, layout: str) -> tuple[int, ...]:
     """The chunks a device holds: ``(device,)`` of ``context`` chunks (contiguous), or ``(device, 2C - 1 - device)``
     of ``2C`` chunks (zigzag)."""
@@ -73,18 +90,22 @@ def ring_steps(seq_len: int, context: int, layout: str, window: int | None) -> l
     ``(d - s) % context``) in which some query of some device sees some key; the others are skipped.
 
     Contiguous layout: step ``s`` puts keys at least ``(s - 1) * L / C + 1`` positions before the queries (or after
-    them), the same on every device, so only the first ``ceil((window - 1) / (L / C))`` steps run; a window of at
-    most ``L / C + 1`` keeps step 1 alone. Zigzag layout: every device holds an early and a late chunk, and at step
-    ``s`` the devices ``d >= s`` meet an early chunk ``s`` chunks before their early one, while the devices
-    ``d < s`` meet a late chunk ``C - s`` chunks before their late one: both the first and the last steps stay
-    (steps ``1`` and ``C - 1`` for any window), so far fewer steps are skipped than with the contiguous layout
-    (with ``C = 2`` none).
+    them), the same on every device, so only the steps with ``(s - 1) * L / C + 1 < window`` run: none for a window
+    of 1, step 1 alone up to a window of ``L / C + 1``. Zigzag layout: every device holds an early and a late
+    chunk, and at step ``s`` the devices ``d >= s`` meet an early chunk ``s`` chunks before their early one, while
+    the devices ``d < s`` meet a late chunk ``C - s`` chunks before their late one: both the first and the last
+    steps stay (steps ``1`` and ``C - 1`` for any window of 2 or more), so far fewer steps are skipped than with
+    the contiguous layout (with ``C = 2`` none).
     """
-    parts = context if layout == "contiguous" else 2 * context
-    chunk = seq_len // parts
-    return [s for s in range(1, context)
-            if any(_chunk_sees(a, b, chunk, window) for d in range(context)
-                   for a in device_chunks(d, context, layout) for b in device_chunks((d - s) % context, context, layout))]
+    return [s for s in range(1, context) if devices_seeing(seq_len, context, layout, window, s).any()]
+
+
+def devices_seeing(seq_len: int, context: int, layout: str, window: int | None, step: int) -> np.ndarray:
+    """Whether some query of device ``d`` sees some key of device ``(d - step) % context`` (bool ``[context]``):
+    at a step :func:`ring_steps` keeps, the devices marked False skip their compute (the keys still pass)."""
+    chunk = seq_len // (context if layout == "contiguous" else 2 * context)
+    return np.array([any(_chunk_sees(a, b, chunk, window) for a in device_chunks(d, context, layout)
+                         for b in device_chunks((d - step) % context, context, layout)) for d in range(context)])
 
 
 def query_blocks(length: int, num_blocks: int) -> list[tuple[int, int]]:
@@ -107,13 +128,6 @@ def cache_slots(max_len: int, window: int | None) -> int:
     return max_len if window is None else min(max_len, window)
 
 
-def layer_windows(cfg: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window: the ``window`` of every entry of ``cfg.layer_kinds()`` where the config
-    defines it (the families with sliding windows), else None for all ``cfg.num_layers`` layers."""
-    kinds = getattr(cfg, "layer_kinds", None)
-    return tuple(k.window for k in kinds()) if kinds is not None else (None,) * cfg.num_layers
-
-
 def slot_indices(pos: jax.Array, slots: int) -> jax.Array:
     """The token index each slot of a ring buffer of ``slots`` slots holds once the indices ``0 .. pos - 1`` were
     written in order, index ``t`` in slot ``t % slots`` (int32 ``[slots]``; negative: never written)."""
@@ -131,5 +145,6 @@ def ring_write(cache_BSGK: jax.Array, new_BLGK: jax.Array, pos: jax.Array) -> ja
     return cache_BSGK.at[:, slots].set(new_BLGK[:, L - kept:].astype(cache_BSGK.dtype), unique_indices=True)
 
 
-__all__ = ["MAX_WINDOW_BLOCKS", "cache_slots", "check_window", "device_chunks", "first_key", "keys_computed",
-           "layer_windows", "query_blocks", "ring_steps", "ring_write", "slot_indices", "window_blocks"]
+__all__ = ["MAX_WINDOW_BLOCKS", "cache_slots", "check_window", "chunk_positions", "device_chunks", "devices_seeing",
+           "first_key", "keys_computed", "near", "query_blocks", "ring_steps", "ring_write", "slot_indices",
+           "window_blocks"]

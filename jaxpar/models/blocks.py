@@ -351,7 +351,8 @@ class Block(nn.Module):
             keys, values = (jnp.concatenate([cached, new.astype(cached.dtype)], axis=1)
                             for cached, new in ((k_BSGK, k_BLGK), (v_BSGK, v_BLGK)))
             slot_S = jnp.concatenate([sliding_window.slot_indices(pos, S), slot_L])
-            k_BSGK, v_BSGK = sliding_window.ring_write(k_BSGK, k_BLGK, pos), sliding_window.ring_write(v_BSGK, v_BLGK, pos)
+            k_BSGK, v_BSGK = (sliding_window.ring_write(cached, new, pos)
+                              for cached, new in ((k_BSGK, k_BLGK), (v_BSGK, v_BLGK)))
         k_all, v_all = self._expand_kv(keys), self._expand_kv(values)
         s_BHLS = jnp.einsum("blhk,bshk->bhls", q_BLHK, k_all.astype(q_BLHK.dtype),
                             preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))

@@ -426,7 +426,7 @@ class Decoder:
         ``[batch_size, S_layer, heads, head_dim]`` array per layer, each of its own length."""
         c = self.cfg
         dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
-        slots = [sliding_window.cache_slots(max_len, w) for w in sliding_window.layer_windows(c)]
+        slots = [sliding_window.cache_slots(max_len, kind.window) for kind in layer_kinds(c)]
         names = ("layers", "batch", None, "kv_heads" if c.architecture.attention == "gqa" else "heads", "kv")
         zeros = lambda *shape: constrain(jnp.zeros((*shape, kv_heads(c), c.head_dim), dtype), *names[-len(shape) - 2:])
         if len(set(slots)) == 1:
