@@ -5,10 +5,13 @@
   readers of :mod:`jaxpar.models.hf.weights`.
 * :mod:`jaxpar.models.hf.config`: ``config.json`` to a model config and back, refusing fields that change
   the computation.
+* :mod:`jaxpar.models.hf.tokenizer`: the checkpoint's ``tokenizer.json`` read as data, checked against the
+  model's vocabulary.
 * :mod:`jaxpar.models.hf.files`: the checkpoint's files read as data (paths confined, dtypes checked) and
   written whole.
 """
 
 from jaxpar.models.hf.checkpoint import load, save, with_names
+from jaxpar.models.hf.tokenizer import load_tokenizer, tokenizer_file
 
-__all__ = ["load", "save", "with_names"]
+__all__ = ["load", "load_tokenizer", "save", "tokenizer_file", "with_names"]
