@@ -73,7 +73,8 @@ RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "simulate_devic
 
 
 def token_stream(text: str, tokenizer) -> np.ndarray:
-    """``text`` as int32 token ids: ``tokenizer``'s (``jaxpar.models.hf.tokenizer.encode``), or its UTF-8 bytes when None."""
+    """``text`` as int32 token ids: ``tokenizer``'s (``jaxpar.models.hf.tokenizer.encode``), or its UTF-8 bytes
+    when None."""
     if tokenizer is None:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
     return hf_tokenizer.encode(tokenizer, text)
