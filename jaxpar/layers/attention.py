@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
+from jaxpar.layers.sliding_window import check_window, first_key, query_blocks, ring_steps, window_blocks
 from jaxpar.sharding.names import CONTEXT, PIPE, SEQ, Rules
 
 STRATEGIES = ("ring", "all_gather")     # how K/V reach every device: ppermute hops, or one all_gather
@@ -229,21 +230,34 @@ def work_per_device(context: int, layout: str = "zigzag") -> dict[str, np.ndarra
 _PRODUCTS = {4: ("bqhk,bshk->bhqs", "bhqs,bshk->bqhk"), 5: ("bqgrk,bsgk->bqgrs", "bqgrs,bsgk->bqgrk")}
 
 
-def _bounds(length: int, num_blocks: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of ``num_blocks`` contiguous query blocks of ``length`` rows (at least 1, at most one a row)."""
-    n = max(1, min(num_blocks, length))
-    cuts = [round(i * length / n) for i in range(n + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
+def _near(pos_q_Q, pos_k_S, window: int | None):
+    """Which keys lie within the window of each query by position (bool ``[Q, S]``; positions int ``[Q]``, ``[S]``,
+    static or traced), or None without a window: ``pos_q - pos_k < window`` (causality is the caller's)."""
+    return None if window is None else (pos_q_Q[:, None] - pos_k_S[None, :]) < window
 
 
-def _visible(seg_q_BQ, seg_k_BS, diagonal: int | None, q_len: int, k_len: int, rank: int):
+def _slot_positions(device, n: int, context: int, layout: str, window: int | None):
+    """The positions of a device's ``n`` slots (int ``[n]``, ``device`` traced): its chunk (contiguous) or its
+    two chunks (zigzag); None without a window (nothing needs them)."""
+    if window is None:
+        return None
+    if layout == "contiguous":
+        return device * n + jnp.arange(n)
+    c = n // 2
+    return jnp.concatenate([device * c + jnp.arange(c), (2 * context - 1 - device) * c + jnp.arange(c)])
+
+
+def _visible(seg_q_BQ, seg_k_BS, diagonal: int | None, q_len: int, k_len: int, rank: int, near_QS=None):
     """Which keys each query of a block sees, broadcastable to the scores of a rank-``rank`` query block
     (:data:`_PRODUCTS`), or None (all): key ``j`` at or before query ``i`` counted from ``diagonal`` (a block on the
-    diagonal, ``j <= diagonal + i``; None: every key precedes every query) and, with segment ids (int ``[B, Q]`` and
-    ``[B, S]``), in the query's own segment."""
+    diagonal, ``j <= diagonal + i``; None: every key precedes every query), within the sliding window where
+    ``near_QS`` (bool ``[Q, S]``, :func:`_near`) is given and, with segment ids (int ``[B, Q]`` and ``[B, S]``), in
+    the query's own segment."""
     vis = None
     if diagonal is not None:
         vis = jnp.arange(k_len)[None, :] <= jnp.arange(diagonal, diagonal + q_len)[:, None]
+    if near_QS is not None:
+        vis = near_QS if vis is None else vis & near_QS
     if seg_q_BQ is not None:
         same = seg_q_BQ[:, :, None] == seg_k_BS[:, None, :]
         vis = same if vis is None else vis[None] & same
@@ -300,79 +314,100 @@ def _join(blocks):
     return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
 
 
-def _own_keys(q, k, v, seg, bounds, whole: bool):
-    """Step 0: query block ``[s, e)`` against the keys ``[0, e)`` of the same local sequence, causally (the block
-    skipping of FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): a list of outputs
+def _own_keys(q, k, v, seg, bounds, whole: bool, window: int | None = None, pos=None):
+    """Step 0: query block ``[s, e)`` against the keys ``[f, e)`` of the same local sequence, causally (the block
+    skipping of FlashAttention, Dao et al. 2022, sec. 3.1, without its tiling of keys): ``f = 0``, or with a
+    ``window`` the first slot within it (:func:`~jaxpar.layers.sliding_window.first_key`: the keys before it are
+    never computed), the window masked by the slots' positions ``pos`` (int ``[n]``). A list of outputs
     (``whole``) or of ``(o, m, l)`` partials, one per block."""
-    block = _whole if whole else _partial
-    return [block(q[:, s:e], k[:, :e], v[:, :e], _visible(_rows(seg, s, e), _rows(seg, 0, e), s, e - s, e, q.ndim))
-            for s, e in bounds]
+    block, out = _whole if whole else _partial, []
+    for s, e in bounds:
+        f = first_key(s, window)
+        near = None if window is None else _near(pos[s:e], pos[f:e], window)
+        vis = _visible(_rows(seg, s, e), _rows(seg, f, e), s - f, e - s, e - f, q.ndim, near)
+        out.append(block(q[:, s:e], k[:, f:e], v[:, f:e], vis))
+    return out
 
 
 def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str | None = None, context: int = 1, strategy: str = "ring",
-            layout: str = "contiguous", num_blocks: int = 1):
+            layout: str = "contiguous", num_blocks: int = 1, window: int | None = None):
     """One device's causal attention: its ``n`` local queries against its own keys (step 0), then, inside a
-    ``shard_map`` manual over ``axis`` (``context > 1``), against every other device's K/V block. ``context == 1``
-    takes keys and values with the queries' ``H`` heads and cuts the queries into ``num_blocks`` blocks; over a
-    context axis K/V keep their ``G`` heads (only they travel) and the queries are grouped instead."""
+    ``shard_map`` manual over ``axis`` (``context > 1``), against the K/V block of every other device whose keys
+    some query sees (:func:`~jaxpar.layers.sliding_window.ring_steps`: with a ``window``, the others are skipped).
+    ``context == 1`` takes keys and values with the queries' ``H`` heads and cuts the queries into ``num_blocks``
+    blocks (more with a window: :func:`~jaxpar.layers.sliding_window.window_blocks`); over a context axis K/V
+    keep their ``G`` heads (only they travel) and the queries are grouped instead."""
     if context == 1:
-        return _join(_own_keys(q_BnHK, k_BnGK, v_BnGK, seg_Bn, _bounds(q_BnHK.shape[1], num_blocks), True)) \
+        L = q_BnHK.shape[1]
+        bounds = query_blocks(L, window_blocks(L, num_blocks, window))
+        return _join(_own_keys(q_BnHK, k_BnGK, v_BnGK, seg_Bn, bounds, True, window, np.arange(L))) \
             .astype(q_BnHK.dtype)
     B, n, H, K = q_BnHK.shape
     G = k_BnGK.shape[2]
     q = q_BnHK.reshape(B, n, G, H // G, K)
     zig = layout == "zigzag"
-    # Zigzag: rows [0, n/2) are chunk `me` (its diagonal), rows [n/2, n) chunk 2C-1-me (chunk `me` wholly below
-    # them, then their diagonal): the two query blocks of a blocked step over the local keys.
-    accs = _own_keys(q, k_BnGK, v_BnGK, seg_Bn, _bounds(n, 2 if zig else 1), False)
-    kv = jnp.stack([k_BnGK, v_BnGK])          # one transfer of K and V per hop
     me = jax.lax.axis_index(axis)
+    pos = _slot_positions(me, n, context, layout, window)
+    # Zigzag: rows [0, n/2) are chunk `me` (its diagonal), rows [n/2, n) chunk 2C-1-me (chunk `me` wholly below
+    # them, then their diagonal): each chunk's query blocks (one, or about a window each) over the local keys,
+    # their partials joined per chunk.
+    chunk = n // 2 if zig else n
+    per = query_blocks(chunk, window_blocks(chunk, 1, window))
+    own = _own_keys(q, k_BnGK, v_BnGK, seg_Bn, [(o + s, o + e) for o in range(0, n, chunk) for s, e in per], False,
+                    window, pos)
+    accs = [tuple(_join(list(x)) for x in zip(*own[i:i + len(per)])) for i in range(0, len(own), len(per))]
+    kv = jnp.stack([k_BnGK, v_BnGK])          # one transfer of K and V per hop
     if strategy == "all_gather":
         every_kv = jax.lax.all_gather(kv, axis)
         every_seg = None if seg_Bn is None else jax.lax.all_gather(seg_Bn, axis)
-    hop = [(j, (j + 1) % context) for j in range(context)]
-    held_kv, held_seg = kv, seg_Bn
-    for step in range(1, context):
+    held_kv, held_seg, held_step = kv, seg_Bn, 0
+    for step in ring_steps(n * context, context, layout, window):   # steps nobody's window reaches are skipped
+        src = (me - step) % context
         if strategy == "ring":   # the next block travels while this one is computed
+            hop = [(j, (j + step - held_step) % context) for j in range(context)]
             held_kv = jax.lax.ppermute(held_kv, axis, hop)
             held_seg = None if seg_Bn is None else jax.lax.ppermute(held_seg, axis, hop)
+            held_step = step
         else:
-            src = (me - step) % context
             held_kv = jax.lax.dynamic_index_in_dim(every_kv, src, 0, keepdims=False)
             held_seg = None if seg_Bn is None else jax.lax.dynamic_index_in_dim(every_seg, src, 0, keepdims=False)
-        below = (me - step) % context < me    # the source device's first chunk lies below all of this one's rows
-        blks = jax.lax.cond(below, functools.partial(_below, zig=zig), functools.partial(_above, zig=zig), q, held_kv,
-                            seg_Bn, held_seg)
+        below = src < me    # the source device's first chunk lies below all of this one's rows
+        pos_k = _slot_positions(src, n, context, layout, window)
+        blks = jax.lax.cond(below, functools.partial(_below, zig=zig, window=window),
+                            functools.partial(_above, zig=zig, window=window), q, held_kv, seg_Bn, held_seg, pos, pos_k)
         accs = [_merge(a, b) for a, b in zip(accs, blks)]
     return _join([o / l[..., None] for o, _, l in accs]).reshape(B, n, H, K).astype(q_BnHK.dtype)
 
 
-def _below(q, kv, seg_q, seg_k, zig: bool):
+def _below(q, kv, seg_q, seg_k, pos_q, pos_k, zig: bool, window: int | None):
     """Source chunk(s) from a device before this one: every local row sees the source's first chunk (zigzag: its
-    second chunk lies above every local row); contiguous: the source's whole chunk."""
+    second chunk lies above every local row); contiguous: the source's whole chunk. With a window, the keys
+    within it by position (``pos_q``, ``pos_k``: int ``[n]``)."""
     n = q.shape[1]
     c = kv.shape[2] // 2 if zig else kv.shape[2]
-    o, m, l = _partial(q, kv[0][:, :c], kv[1][:, :c], _visible(seg_q, _rows(seg_k, 0, c), None, n, c, 5))
+    near = None if window is None else _near(pos_q, pos_k[:c], window)
+    o, m, l = _partial(q, kv[0][:, :c], kv[1][:, :c], _visible(seg_q, _rows(seg_k, 0, c), None, n, c, 5, near))
     if not zig:
         return [(o, m, l)]
     h = n // 2
     return [(o[:, :h], m[:, :h], l[:, :h]), (o[:, h:], m[:, h:], l[:, h:])]
 
 
-def _above(q, kv, seg_q, seg_k, zig: bool):
+def _above(q, kv, seg_q, seg_k, pos_q, pos_k, zig: bool, window: int | None):
     """Source chunk(s) from a device after this one: zigzag: only the local second chunk's rows see them, both
-    of them; contiguous: nothing is visible."""
+    of them (with a window, those within it by position); contiguous: nothing is visible."""
     if not zig:
         return [_empty(q)]
     h = q.shape[1] // 2
+    near = None if window is None else _near(pos_q[h:], pos_k, window)
     return [_empty(q[:, :h]),
-            _partial(q[:, h:], kv[0], kv[1], _visible(_rows(seg_q, h, 2 * h), seg_k, None, h, 2 * h, 5))]
+            _partial(q[:, h:], kv[0], kv[1], _visible(_rows(seg_q, h, 2 * h), seg_k, None, h, 2 * h, 5, near))]
 
 
 # ------------------------------------------------------------------------------------------------ backends
 
 def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, num_blocks: int = 2,
-                     segment_ids_BL: jax.Array | None = None) -> jax.Array:
+                     segment_ids_BL: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1), ``[B, L, H, K]``,
     on one device: the ``"blocked"`` backend, the kernel's case of a single device.
 
@@ -387,22 +422,38 @@ def causal_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, nu
     ``segment_ids_BL`` (int ``[B, L]``, optional): packed documents; a query attends only to the keys of its own
     segment (same id), so no attention crosses documents. Every query sees at least itself (the diagonal), so
     padding (any id, e.g. 0) never gives an all-masked, NaN row.
+
+    ``window`` (a positive int, or None: full causal): sliding-window attention, key ``j`` visible from query
+    ``i`` iff ``i - j < window`` besides ``j <= i`` (:mod:`jaxpar.layers.sliding_window`). The queries are then
+    cut into blocks of about ``window`` rows (:func:`~jaxpar.layers.sliding_window.window_blocks`) and block
+    ``[s, e)`` meets keys ``[max(0, s - window + 1), e)`` only: the keys wholly outside the window are never
+    computed, and attention costs about ``2 L window`` scores instead of ``L^2 / 2``.
+
+    Raises:
+      ValueError: ``window`` not a positive int or None.
     """
-    return _kernel(q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, num_blocks=num_blocks)
+    return _kernel(q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, num_blocks=num_blocks, window=check_window(window))
 
 
-def _fused(q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, *, implementation: str, **_):
-    """``jax.nn.dot_product_attention`` (``"xla"``, or ``"cudnn"``: cuDNN flash attention) with the causal mask."""
+def _fused(q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, *, implementation: str, window: int | None = None, **_):
+    """``jax.nn.dot_product_attention`` (``"xla"``, or ``"cudnn"``: cuDNN flash attention) with the causal mask
+    and, with a ``window``, its ``local_window_size=(window - 1, 0)`` (key ``j`` visible iff ``i - j <= window - 1``:
+    the same mask; XLA's path masks the scores, cuDNN's kernel takes it as its sliding window length ``window``)."""
+    window = check_window(window)
     mask = None if segment_ids_BL is None else (
         segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :])   # [B, 1, Q, S]: same document
     return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask, is_causal=True,
+                                        local_window_size=None if window is None else (window - 1, 0),
                                         implementation=implementation)
 
 
-def _over_context(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, strategy: str, layout: str, **_):
+def _over_context(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, strategy: str, layout: str, window: int | None = None,
+                  **_):
     """The kernel inside a ``shard_map`` manual over the context axis (or as it is, already inside one)."""
     axis, context = context_axis()
-    body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=strategy, layout=layout)
+    window = check_window(window)
+    body = lambda q, k, v, s: _kernel(q, k, v, s, axis=axis, context=context, strategy=strategy, layout=layout,
+                                      window=window)
     if _manual_context(jax.sharding.get_abstract_mesh()):   # local arrays already
         return body(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
     spec = P(None, axis)
@@ -413,10 +464,11 @@ def _over_context(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, strategy: str, layo
         q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
 
 
-# The backend table: name -> fn(q_BLHK, k, v, segment_ids_BL, *, num_blocks, layout) -> [B, L, H, K]. The one-device
-# backends (ONE_DEVICE) take keys and values with the queries' H heads; the context strategies take the G heads.
+# The backend table: name -> fn(q_BLHK, k, v, segment_ids_BL, *, num_blocks, layout, window) -> [B, L, H, K]. The
+# one-device backends (ONE_DEVICE) take keys and values with the queries' H heads; the context strategies take the
+# G heads. window: None (full causal) or a positive int (sliding window, jaxpar.layers.sliding_window).
 BACKENDS = {
-    "blocked": lambda q, k, v, s, *, num_blocks=2, **_: causal_attention(q, k, v, num_blocks, s),
+    "blocked": lambda q, k, v, s, *, num_blocks=2, window=None, **_: causal_attention(q, k, v, num_blocks, s, window),
     "xla": functools.partial(_fused, implementation="xla"),
     "cudnn": functools.partial(_fused, implementation="cudnn"),
     "ring": functools.partial(_over_context, strategy="ring"),
@@ -426,7 +478,8 @@ ONE_DEVICE = ("blocked", "xla", "cudnn")   # GPTConfig/LlamaConfig.attention
 
 
 def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_BL: jax.Array | None = None, *,
-           context_attention: str = "ring", layout: str = "contiguous", num_blocks: int = 2) -> jax.Array:
+           context_attention: str = "ring", layout: str = "contiguous", num_blocks: int = 2,
+           window: int | None = None) -> jax.Array:
     """Causal softmax attention ``softmax(q k^T / sqrt(K) + mask) v`` (Vaswani et al. 2017, eq. 1) that shards
     the sequence over the mesh axis the rules map ``seq`` to (:func:`context_axis`).
 
@@ -440,13 +493,19 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
         causal work) or ``"zigzag"`` (the sequence as :func:`to_zigzag` orders it: balanced; the caller
         reorders inputs, positions and targets, e.g. with :func:`shard_sequence`).
       num_blocks: the single-device path's query blocks (``context == 1``).
+      window: None (full causal) or a positive int: sliding-window attention by the tokens' positions (in the
+        original order, whatever the layout; :mod:`jaxpar.layers.sliding_window`). Keys outside every query's
+        window are skipped: key blocks on one device, ring steps over the context axis
+        (:func:`~jaxpar.layers.sliding_window.ring_steps`: the zigzag layout keeps far more of them than the
+        contiguous one, since every device holds an early and a late chunk).
 
     Returns:
       ``[B, L, H, K]`` in q's dtype, in the layout of the inputs.
 
     Raises:
       ValueError: an unknown strategy or layout; ``L`` not divisible by ``2 * context`` (zigzag) or ``context``;
-        ``H`` not a multiple of ``G``; shapes that disagree (segment ids included).
+        ``H`` not a multiple of ``G``; shapes that disagree (segment ids included); ``window`` not a positive int
+        or None.
 
     The zigzag layout is a promise about the inputs: they must have been reordered by :func:`shard_sequence` (or
     :func:`to_zigzag`) inside the traced loss, where the mesh is in context; inputs in their own order with
@@ -460,6 +519,7 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
     if segment_ids_BL is not None and tuple(segment_ids_BL.shape) != tuple(q_BLHK.shape[:2]):
         raise ValueError(f"segment_ids {tuple(segment_ids_BL.shape)} must be [B, L] = {tuple(q_BLHK.shape[:2])}, the "
                          "queries' batch and sequence")
+    window = check_window(window)
     axis, context = context_axis()
     mesh = jax.sharding.get_abstract_mesh()
     manual = _manual_context(mesh)   # already inside a shard_map over it: local arrays
@@ -468,8 +528,8 @@ def causal(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segment_ids_
     if context == 1:
         reps = q_BLHK.shape[2] // k_BLGK.shape[2]
         k, v = (jnp.repeat(t, reps, axis=2) if reps > 1 else t for t in (k_BLGK, v_BLGK))
-        return BACKENDS["blocked"](q_BLHK, k, v, segment_ids_BL, num_blocks=num_blocks)
-    return BACKENDS[context_attention](q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, layout=layout)
+        return BACKENDS["blocked"](q_BLHK, k, v, segment_ids_BL, num_blocks=num_blocks, window=window)
+    return BACKENDS[context_attention](q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, layout=layout, window=window)
 
 
 def _backend(cfg: Any, dtype: Any, segments: bool) -> str:
@@ -493,7 +553,7 @@ def _backend(cfg: Any, dtype: Any, segments: bool) -> str:
 
 
 def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
-              segment_ids_BL: jax.Array | None = None, expand: Any = None) -> jax.Array:
+           segment_ids_BL: jax.Array | None = None, expand: Any = None, window: int | None = None) -> jax.Array:
     """Causal attention by ``cfg.attention`` (a GPTConfig or LlamaConfig) from :data:`BACKENDS`; float16 is taken
     in float32.
 
@@ -501,11 +561,15 @@ def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
     ``"blocked"`` and ``"xla"`` paths. ``expand``: the model's ``[B, L, G, K] -> [B, L, H, K]`` of keys and values
     (grouped-query heads), applied here on one device's sequence; with the sequence sharded over a context axis
     (:func:`jaxpar.layers.attention.context_axis`), the ``G`` heads go to :func:`jaxpar.layers.attention.causal` (zigzag layout,
-    ``cfg.context_attention``), which repeats them locally.
+    ``cfg.context_attention``), which repeats them locally. ``window``: None (full causal) or a positive int, the
+    sliding window of this layer (key ``j`` visible from query ``i`` iff ``j <= i`` and ``i - j < window``, by
+    position; every backend; :mod:`jaxpar.layers.sliding_window`).
 
     Raises:
-      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids or a context axis.
+      ValueError: ``"cudnn"`` off a GPU or in float32; ``"cudnn"`` with segment ids or a context axis; ``window``
+        not a positive int or None.
     """
+    window = check_window(window)
     dtype = q_BLHK.dtype
     name = _backend(cfg, dtype, segment_ids_BL is not None)
     # fp16 attention logits overflow easily, and XLA:CPU cannot lower f16 dot_product_attention: take attention in
@@ -513,9 +577,10 @@ def attend(cfg: Any, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
     up = (lambda t: t.astype(jnp.float32)) if dtype == jnp.float16 and name != "cudnn" else (lambda t: t)
     if name not in ONE_DEVICE:
         return causal(up(q_BLHK), up(k_BLGK), up(v_BLGK), segment_ids_BL, context_attention=name,
-                      layout="zigzag").astype(dtype)
+                      layout="zigzag", window=window).astype(dtype)
     k_BLHK, v_BLHK = (k_BLGK, v_BLGK) if expand is None else (expand(k_BLGK), expand(v_BLGK))
-    a_BLHK = BACKENDS[name](up(q_BLHK), up(k_BLHK), up(v_BLHK), segment_ids_BL, num_blocks=cfg.attention_blocks)
+    a_BLHK = BACKENDS[name](up(q_BLHK), up(k_BLHK), up(v_BLHK), segment_ids_BL, num_blocks=cfg.attention_blocks,
+                            window=window)
     return a_BLHK.astype(dtype)
 
 

@@ -35,6 +35,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 @jax.checkpoint
+def rms_norm_plus_one(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm scaled by ``1 + scale``, all in float32 and cast last, as Hugging Face's ``GemmaRMSNorm`` /
+    ``Gemma3RMSNorm``: ``(x / sqrt(mean(x^2) + eps)) * (1 + scale)`` (a zero scale is the identity scaling);
+    rematerialised like :func:`layer_norm`."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)
+    return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+@jax.checkpoint
 def gelu(x: jax.Array) -> jax.Array:
     """GELU with the tanh approximation (Hendrycks & Gimpel 2016, sec. 2), ``jax.nn.gelu(approximate=True)``.
 
@@ -51,4 +61,4 @@ def silu(x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
-__all__ = ["gelu", "layer_norm", "rms_norm", "silu"]
+__all__ = ["gelu", "layer_norm", "rms_norm", "rms_norm_plus_one", "silu"]

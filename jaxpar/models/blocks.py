@@ -17,10 +17,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.layers import attention as cp
+from jaxpar.layers import sliding_window
 from jaxpar.layers.attention import attend
-from jaxpar.layers.norms import gelu, layer_norm, rms_norm, silu
+from jaxpar.layers.norms import gelu, layer_norm, rms_norm, rms_norm_plus_one, silu
 from jaxpar.layers.rotary import rope
 from jaxpar.layers.per_token import token_names, tokens
 from jaxpar.precision import fp8
@@ -29,26 +31,40 @@ from jaxpar.sharding.rules import constrain
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """What makes a decoder family: its attention variant, norm, MLP activation and projection biases. Positions
-    (``cfg.positions``: learned or rotary, ``cfg.rotary_freq()`` for scaled frequencies) and the tied head
-    (``cfg.tie_embeddings``) are config fields of their own.
+    """What makes a decoder family: its attention variant, norms, MLP activation and projection biases. Positions
+    (``cfg.positions``: learned or rotary, ``cfg.rotary_freq()`` for scaled frequencies), the tied head
+    (``cfg.tie_embeddings``), biases on the q/k/v projections alone (``cfg.qkv_bias``) and what differs between
+    layers (:func:`layer_kinds`: sliding windows, rotary bases) are config fields of their own.
 
     The parameter names follow from it (checkpoints, weight adapters and pruning read them): the norms are
     ``ln1``/``ln2``/``ln`` (LayerNorm: ``_scale`` and ``_bias``) or ``attn_norm``/``mlp_norm``/``norm`` (RMSNorm:
-    ``_scale``) before attention, before the MLP and in the head.
+    ``_scale``) before attention, before the MLP and in the head; ``post_norms`` adds ``attn_post_norm`` and
+    ``mlp_post_norm`` (after each, before its residual: Gemma 2 and 3); ``qk_norm`` adds ``q_norm_scale`` /
+    ``k_norm_scale`` ``[K]``, an RMSNorm over each head of the queries and keys before rotary positions (Qwen3,
+    Gemma 3; Dehghani et al. 2023, sec. 3.1.1). The defaults are the GPT's and the Llama's computation.
     """
     attention: str = "mha"   # "mha": one fused [D, H, 3, K] q/k/v kernel (qkv_kernel; qkv_bias when cfg.qkv_bias);
                              # "gqa": q_kernel [D, H, K], k_kernel / v_kernel [D, G, K] with G = cfg.kv_heads
+                             # (q_bias [H, K], k_bias / v_bias [G, K] when cfg.qkv_bias)
     norm: str = "layer"      # "layer": LayerNorm (scale and bias); "rms": RMSNorm (scale; epsilon cfg.norm_eps)
-    mlp: str = "gelu"        # "gelu": down(gelu(up h)); "swiglu": down(silu(gate h) * up h) (Shazeer 2020)
+    mlp: str = "gelu"        # "gelu": down(gelu(up h)); "swiglu": down(silu(gate h) * up h) (Shazeer 2020);
+                             # "geglu": down(gelu(gate h) * up h), gelu tanh-approximated (Shazeer 2020; Gemma)
     bias: bool = True        # biases on the out, gate, up and down projections
+    qk_norm: bool = False    # RMSNorm of each query and key head before rotary positions (Qwen3, Gemma 3)
+    post_norms: bool = False  # norms after attention and after the MLP too, before their residuals (Gemma 3)
+    norm_plus_one: bool = False  # RMSNorm multiplies by (1 + scale), in float32, scales initialised at 0 (Gemma)
+    embed_scale: bool = False    # embeddings times sqrt(d_model), rounded to the compute dtype first (Gemma)
 
     def __post_init__(self):
-        for name, allowed in (("attention", ("mha", "gqa")), ("norm", ("layer", "rms")), ("mlp", ("gelu", "swiglu"))):
+        for name, allowed in (("attention", ("mha", "gqa")), ("norm", ("layer", "rms")),
+                              ("mlp", ("gelu", "swiglu", "geglu"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Architecture.{name}={getattr(self, name)!r}; use one of {list(allowed)}")
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"Architecture.bias={self.bias!r} must be True or False")
+        for name in ("bias", "qk_norm", "post_norms", "norm_plus_one", "embed_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Architecture.{name}={getattr(self, name)!r} must be True or False")
+        if self.norm == "layer" and (self.qk_norm or self.norm_plus_one):
+            raise ValueError("Architecture: qk_norm and norm_plus_one are RMSNorm variants; set norm='rms'")
 
     @property
     def norm_names(self) -> tuple[str, str, str]:
@@ -64,6 +80,25 @@ class Architecture:
         return ("up", "down") if self.mlp == "gelu" else ("gate", "up", "down")
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What may differ between the layers of one decoder (static: each kind is its own compiled block).
+
+    ``window``: sliding-window attention, keys ``j`` visible from query ``i`` iff ``0 <= i - j < window``
+    (Beltagy et al. 2020; Hugging Face's semantics); None: all earlier keys. ``inv_freq``: this layer's ``K // 2``
+    rotary inverse frequencies (None: ``cfg.rotary_freq()``'s, e.g. Gemma 3's local layers have their own base).
+    """
+    window: int | None = None
+    inv_freq: tuple[float, ...] | None = None
+
+
+def layer_kinds(cfg: Any) -> tuple[LayerKind, ...]:
+    """One :class:`LayerKind` per layer: ``cfg.layer_kinds()`` where the config defines it, else all the default
+    (the GPT and the Llama: every layer the same)."""
+    kinds = getattr(cfg, "layer_kinds", None)
+    return tuple(kinds()) if kinds is not None else (LayerKind(),) * cfg.num_layers
+
+
 def kv_heads(cfg: Any) -> int:
     """The key/value heads a block computes and a cache keeps: ``cfg.kv_heads`` under grouped-query attention,
     else one per query head."""
@@ -71,8 +106,9 @@ def kv_heads(cfg: Any) -> int:
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, std: float | None):
-    init = nn.initializers.normal(std) if std is not None else (
-        nn.initializers.ones if name.endswith("scale") else nn.initializers.zeros)
+    # a norm's scale starts at the identity: 1, or 0 where the norm multiplies by (1 + scale)
+    ones = name.endswith("scale") and not module.cfg.architecture.norm_plus_one
+    init = nn.initializers.normal(std) if std is not None else (nn.initializers.ones if ones else nn.initializers.zeros)
     return module.param(name, nn.with_logical_partitioning(init, names), shape,
                         jnp.float32 if module.cfg.param_dtype is None else module.cfg.param_dtype)
 
@@ -91,8 +127,11 @@ def _norm_params(module: nn.Module, prefix: str) -> dict:
 
 
 def _normalize(cfg: Any, x_BLD: jax.Array, p: dict) -> jax.Array:
+    """The architecture's norm over the last axis of ``x`` (any leading shape)."""
     if cfg.architecture.norm == "layer":
         return layer_norm(x_BLD, p["scale"], p["bias"])
+    if cfg.architecture.norm_plus_one:
+        return rms_norm_plus_one(x_BLD, p["scale"], cfg.norm_eps)
     return rms_norm(x_BLD, p["scale"], cfg.norm_eps)
 
 
@@ -118,6 +157,8 @@ class Embed(nn.Module):
         # is a vocab-parallel gather whose output can take the batch sharding directly.
         table_VD = constrain(self.embedding.astype(dtype), "vocab", None)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
+        if c.architecture.embed_scale:   # the factor rounded to the compute dtype first, as Gemma's embedding does
+            x_BLD = x_BLD * jnp.asarray(math.sqrt(c.d_model), dtype)
         if c.positions == "learned":
             L = tokens_BL.shape[1]
             if positions_BL is not None:
@@ -137,9 +178,12 @@ class Embed(nn.Module):
 class Block(nn.Module):
     """One pre-norm block ``x_BLD -> x_BLD`` (Megatron split: q/k/v, gate/up by column; out/down by row).
 
-    Params are declared in one order for every family (norm, attention, out, norm, MLP), which fixes each one's
-    initialisation key."""
+    Params are declared in one order for every family (norm, attention, out, norm, MLP, then the optional q/k
+    biases, q/k norms and post-norms), which fixes each one's initialisation key. ``kind``: what this layer does
+    differently (:class:`LayerKind`: its sliding window, its rotary frequencies); it holds no params, so every
+    kind's params have the same tree."""
     cfg: Any
+    kind: LayerKind = LayerKind()
 
     def setup(self):
         c, a = self.cfg, self.cfg.architecture
@@ -167,6 +211,14 @@ class Block(nn.Module):
             w[name] = _param(self, f"{name}_kernel", shape, names, std)
             if a.bias:
                 w[f"{name}_bias"] = _param(self, f"{name}_bias", bias_shape, bias_names, None)
+        if a.attention == "gqa" and c.qkv_bias:   # biases on q, k, v alone (Qwen2)
+            w["q_bias"] = _param(self, "q_bias", (H, K), ("heads", "kv"), None)
+            w["k_bias"] = _param(self, "k_bias", (G, K), ("kv_heads", "kv"), None)
+            w["v_bias"] = _param(self, "v_bias", (G, K), ("kv_heads", "kv"), None)
+        if a.qk_norm:   # one [K] scale shared by every head: pruning a head leaves it whole
+            self.qk_norm = {t: {"scale": _param(self, f"{t}_norm_scale", (K,), ("kv",), None)} for t in ("q", "k")}
+        if a.post_norms:
+            self.post_norms = (_norm_params(self, "attn_post_norm"), _norm_params(self, "mlp_post_norm"))
         self.weights = w
         self.fp8_meta = fp8.declare(self, a.qkv_names + ("out",) + a.mlp_names)   # None unless dot=fp8
 
@@ -198,20 +250,31 @@ class Block(nn.Module):
                 qkv_flat = qkv_flat + self._w("qkv_bias", x_BLD).reshape(H * 3 * K)
             qkv = qkv_flat.reshape(B, L, H, 3, K)
             return tuple(constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
-        w = lambda n: self._w(n, x_BLD).reshape(D, -1)
-        q = constrain(self._dot("q", h_TD, w("q")).reshape(B, L, H, K), "batch", "seq", "heads", "kv")
-        k, v = (self._dot(n, h_TD, w(n)).reshape(B, L, c.kv_heads, K) for n in ("k", "v"))
+        a = c.architecture
+
+        def project(n: str, heads: int) -> jax.Array:
+            t = self._dot(n, h_TD, self._w(n, x_BLD).reshape(D, -1))
+            t = t + self._w(f"{n}_bias", x_BLD).reshape(-1) if c.qkv_bias else t
+            t = t.reshape(B, L, heads, K)
+            return _normalize(c, t, self.qk_norm[n]) if a.qk_norm and n != "v" else t
+        q = project("q", H)
+        scalar = getattr(c, "query_pre_attn_scalar", None)
+        if scalar is not None and scalar != K:
+            # logits q.k / sqrt(scalar) (Gemma) from every kernel's q.k / sqrt(K): scale the queries, not the kernels
+            q = q * jnp.asarray(math.sqrt(K / scalar), q.dtype)
+        k, v = project("k", c.kv_heads), project("v", c.kv_heads)
+        q = constrain(q, "batch", "seq", "heads", "kv")
         return q, constrain(k, "batch", "seq", "kv_heads", "kv"), constrain(v, "batch", "seq", "kv_heads", "kv")
 
     def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0,
                    positions_BL: jax.Array | None = None):
         """Rotary positions on queries and keys (learned positions: unchanged); row 0 is position ``offset``, or
         each token is at ``positions_BL`` when given. ``cfg.rotary_freq()``: the inverse frequencies (None:
-        ``rope_base``'s)."""
+        ``rope_base``'s), or the layer's own (``kind.inv_freq``)."""
         c = self.cfg
         if c.positions != "rotary":
             return q_BLHK, k_BLGK
-        freq = c.rotary_freq()
+        freq = c.rotary_freq() if self.kind.inv_freq is None else np.asarray(self.kind.inv_freq, np.float32)
         return (rope(q_BLHK, c.rope_base, offset, freq, positions_BL),
                 rope(k_BLGK, c.rope_base, offset, freq, positions_BL))
 
@@ -229,16 +292,19 @@ class Block(nn.Module):
         """The attention output projection and residual, then the MLP and its residual: ``x_BLD -> x_BLD``."""
         c = self.cfg
         B, L, D = x_BLD.shape
-        o_TD = self._proj("out", tokens(a_BLHK), self._w("out", x_BLD).reshape(-1, D), x_BLD)
+        a = c.architecture
+        post = (lambda y_TD, i: _normalize(c, y_TD, self.post_norms[i])) if a.post_norms else (lambda y_TD, i: y_TD)
+        o_TD = post(self._proj("out", tokens(a_BLHK), self._w("out", x_BLD).reshape(-1, D), x_BLD), 0)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
         h_TD = tokens(_normalize(c, x_BLD, self.norm2))
         mlp = lambda u_TF: constrain(u_TF, *token_names(), "mlp")
-        if c.architecture.mlp == "gelu":
+        if a.mlp == "gelu":
             u_TF = mlp(gelu(self._proj("up", h_TD, self._w("up", x_BLD), x_BLD)))
         else:
-            g_TF = mlp(silu(self._proj("gate", h_TD, self._w("gate", x_BLD), x_BLD)))
+            act = silu if a.mlp == "swiglu" else gelu
+            g_TF = mlp(act(self._proj("gate", h_TD, self._w("gate", x_BLD), x_BLD)))
             u_TF = mlp(g_TF * self._proj("up", h_TD, self._w("up", x_BLD), x_BLD))
-        m_TD = self._proj("down", u_TF, self._w("down", x_BLD), x_BLD)
+        m_TD = post(self._proj("down", u_TF, self._w("down", x_BLD), x_BLD), 1)
         return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
 
     def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
@@ -247,12 +313,12 @@ class Block(nn.Module):
         positions from ``positions_BL`` (both int ``[B, L]``, optional)."""
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
         q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, positions_BL=positions_BL)
-        a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv)
+        a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv, self.kind.window)
         a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
         return self._finish(x_BLD, a_BLHK)
 
     def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
-               start_B: jax.Array | None = None):
+               start_B: jax.Array | None = None, window: int | None = None):
         """``L`` cache slots ``pos .. pos + L - 1`` of the block with a key/value cache of ``S`` slots:
         ``(x_BLD, k_BSGK, v_BSGK) -> (x_BLD, k_BSGK, v_BSGK)``, these slots' keys and values written.
 
@@ -261,6 +327,13 @@ class Block(nn.Module):
         ``start_B[b] <= s <= t`` (float32 logits and softmax, as :func:`jaxpar.layers.attention.causal_attention`).
         ``L = 1`` is one decode step; ``L > 1`` at ``pos = 0`` is a prompt's prefill in one pass. The cache keeps
         the G key/value heads.
+
+        ``window`` (the layer's sliding window, a positive int or None): a query at slot ``t`` also needs
+        ``t - s < window``, and the cache may be a ring buffer of ``S < pos + L`` slots (at least ``window``;
+        :func:`jaxpar.layers.sliding_window.cache_slots`) holding slot ``t`` at ``t % S``: the new queries meet the
+        cached keys (:func:`~jaxpar.layers.sliding_window.slot_indices`) and their own, then the last ``S`` of
+        theirs are written (:func:`~jaxpar.layers.sliding_window.ring_write`), so a prefill longer than the window
+        sees every key it needs.
         """
         c = self.cfg
         B, L, _ = x_BLD.shape
@@ -268,13 +341,23 @@ class Block(nn.Module):
         start_B = jnp.zeros((B,), jnp.int32) if start_B is None else start_B
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
         q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, pos - start_B)
-        k_BSGK = jax.lax.dynamic_update_slice_in_dim(k_BSGK, k_BLGK.astype(k_BSGK.dtype), pos, axis=1)
-        v_BSGK = jax.lax.dynamic_update_slice_in_dim(v_BSGK, v_BLGK.astype(v_BSGK.dtype), pos, axis=1)
-        k_all, v_all = self._expand_kv(k_BSGK), self._expand_kv(v_BSGK)
+        slot_L = pos + jnp.arange(L)
+        if window is None:   # slot t at t: the new keys written first, then every slot read
+            k_BSGK = jax.lax.dynamic_update_slice_in_dim(k_BSGK, k_BLGK.astype(k_BSGK.dtype), pos, axis=1)
+            v_BSGK = jax.lax.dynamic_update_slice_in_dim(v_BSGK, v_BLGK.astype(v_BSGK.dtype), pos, axis=1)
+            keys, values, slot_S = k_BSGK, v_BSGK, jnp.arange(S)
+        else:
+            keys, values = (jnp.concatenate([cached, new.astype(cached.dtype)], axis=1)
+                            for cached, new in ((k_BSGK, k_BLGK), (v_BSGK, v_BLGK)))
+            slot_S = jnp.concatenate([sliding_window.slot_indices(pos, S), slot_L])
+            k_BSGK, v_BSGK = sliding_window.ring_write(k_BSGK, k_BLGK, pos), sliding_window.ring_write(v_BSGK, v_BLGK, pos)
+        k_all, v_all = self._expand_kv(keys), self._expand_kv(values)
         s_BHLS = jnp.einsum("blhk,bshk->bhls", q_BLHK, k_all.astype(q_BLHK.dtype),
                             preferred_element_type=jnp.float32) * (1.0 / math.sqrt(c.head_dim))
-        slot_S, slot_L = jnp.arange(S), pos + jnp.arange(L)
-        visible_BLS = (slot_S[None, None, :] <= slot_L[None, :, None]) & (slot_S[None, None, :] >= start_B[:, None, None])
+        gap_LS = slot_L[:, None] - slot_S[None, :]
+        visible_BLS = (gap_LS >= 0)[None] & (slot_S[None, None, :] >= start_B[:, None, None])
+        if window is not None:
+            visible_BLS = visible_BLS & (gap_LS < window)[None]
         p_BHLS = jax.nn.softmax(jnp.where(visible_BLS[:, None], s_BHLS, jnp.finfo(jnp.float32).min / 2), axis=-1)
         a_BLHK = jnp.einsum("bhls,bshk->blhk", p_BHLS.astype(v_all.dtype), v_all).astype(x_BLD.dtype)
         return self._finish(x_BLD, a_BLHK), k_BSGK, v_BSGK

@@ -24,6 +24,7 @@ family class's: it knows its config's field names.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any
@@ -33,11 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar._validate import nonnegative_int, positive_int
 from jaxpar.layers import attention as cp
+from jaxpar.layers import sliding_window
 from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
 from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_packed_shapes
 from jaxpar.models import generation
-from jaxpar.models.blocks import Block, Embed, Head, kv_heads
+from jaxpar.models.blocks import Block, Embed, Head, LayerKind, kv_heads, layer_kinds
+from jaxpar.precision.policy import is_floating_dtype
 from jaxpar.sharding.names import KV_HEADS, TENSOR, Rules
 from jaxpar.sharding.rules import constrain, has_explicit_axes
 
@@ -69,6 +73,103 @@ def rotary_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> 
     return np.where(between, mid, out)
 
 
+class RotaryFields:
+    """What the decoder base reads from a rotary grouped-query config, derived from its fields (``rms_norm_eps``,
+    ``rope_theta``, ``num_kv_heads``, ``d_mlp``, ``vocab_size``, ``vocab_multiple``): mixed into
+    :class:`jaxpar.models.LlamaConfig` and :class:`jaxpar.models.families.FamilyConfig`."""
+
+    @property
+    def norm_eps(self) -> float:
+        return self.rms_norm_eps
+
+    @property
+    def rope_base(self) -> float:
+        return float(self.rope_theta)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.d_mlp
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+
+def check_rotary_fields(cfg: Any) -> None:
+    """Checks and completes, in place, the fields a rotary grouped-query config (:class:`jaxpar.models.LlamaConfig`,
+    :class:`jaxpar.models.families.FamilyConfig`) shares: sizes, ``num_kv_heads`` / ``head_dim`` / ``d_mlp`` of 0
+    resolved (``num_heads``; ``d_model // num_heads``; ``8 * d_model / 3`` rounded up to 64), dtypes, positive
+    numbers, flags and the kernels' names.
+
+    Raises:
+      ValueError: naming the field, the value and the constraint.
+    """
+    name = type(cfg).__name__
+    put = lambda field, value: object.__setattr__(cfg, field, value)
+    for field in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple",
+                  "attention_blocks"):
+        put(field, positive_int(f"{name}.{field}", getattr(cfg, field)))
+    for field, zero in (("num_kv_heads", "num_heads"), ("head_dim", "d_model // num_heads"),
+                        ("d_mlp", "8 * d_model / 3 rounded up to 64")):
+        put(field, nonnegative_int(f"{name}.{field}", getattr(cfg, field), f" (0 means {zero})"))
+    if cfg.num_kv_heads == 0:
+        put("num_kv_heads", cfg.num_heads)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"{name}.num_kv_heads={cfg.num_kv_heads} must divide num_heads={cfg.num_heads} "
+                         "(each key/value head serves num_heads // num_kv_heads query heads)")
+    if cfg.head_dim == 0:
+        if cfg.d_model % cfg.num_heads:
+            raise ValueError(f"d_model {cfg.d_model} is not divisible by num_heads {cfg.num_heads}; "
+                             "set head_dim explicitly or change num_heads")
+        put("head_dim", cfg.d_model // cfg.num_heads)
+    if cfg.head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {cfg.head_dim}")
+    if cfg.d_mlp == 0:
+        put("d_mlp", -(-(8 * cfg.d_model) // (3 * 64)) * 64)
+    for field in ("dtype", "param_dtype", "output_dtype"):
+        value = getattr(cfg, field)
+        if value is not None and not is_floating_dtype(value):
+            raise ValueError(f"{name}.{field}={value!r} must be a floating dtype (float32, bfloat16, float16)")
+    for field in ("init_std", "rope_theta", "rms_norm_eps"):
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}.{field}={value!r} must be a positive finite number")
+    for field in ("tie_embeddings", "scan_layers"):
+        if not isinstance(getattr(cfg, field), bool):
+            raise ValueError(f"{name}.{field}={getattr(cfg, field)!r} must be True or False")
+    if cfg.remat not in REMAT:
+        raise ValueError(f"remat={cfg.remat!r}; use one of {sorted(REMAT)}")
+    if cfg.attention not in ATTENTION:
+        raise ValueError(f"attention={cfg.attention!r}; use one of {list(ATTENTION)}")
+    if cfg.context_attention not in cp.STRATEGIES:
+        raise ValueError(f"context_attention={cfg.context_attention!r}; use one of {list(cp.STRATEGIES)}")
+
+
+def compact_grouped(cfg: Any, sizes: dict[tuple, int], family: str) -> Any:
+    """The config of a grouped-query family after compaction (its model's ``replace``): ``sizes`` maps
+    ``("blocks", "mlp")`` (the kept gated-MLP width: gate, up and down coupled) and ``("blocks", "heads")`` (the
+    kept query heads, the same number in each key/value group, see :mod:`jaxpar.pruning.groups`) to the kept
+    counts; ``num_kv_heads`` and ``head_dim`` are kept.
+
+    Raises:
+      ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``; a head count that is not a multiple
+        of ``num_kv_heads``.
+    """
+    bad = [k for k in sizes if tuple(k[:-1]) != ("blocks",) or k[-1] not in ("mlp", "heads")]
+    if bad:
+        raise ValueError(f"the {family}'s prunable groups are blocks/mlp (gate, up and down coupled) and blocks/heads "
+                         f"(query heads within their key/value group); got masks for {['/'.join(k) for k in bad]}")
+    heads, mlp = sizes.get(("blocks", "heads"), cfg.num_heads), sizes.get(("blocks", "mlp"), cfg.d_mlp)
+    if heads % cfg.num_kv_heads:
+        raise ValueError(f"a compacted {family} needs its query heads ({heads}) to be a multiple of num_kv_heads="
+                         f"{cfg.num_kv_heads}: each key/value group keeps the same number of query heads")
+    return dataclasses.replace(cfg, num_heads=heads, d_mlp=mlp, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
 def _check_auto_mesh(name: str) -> None:
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and has_explicit_axes(mesh):
@@ -96,6 +197,12 @@ def _warn_replicated_kv(name: str, cfg: Any) -> None:
     warnings.warn(f"the {name}'s {cfg.kv_heads} key/value heads are replicated over the tensor axis ({why}): "
                   f"every tensor shard computes all of them, the {cfg.num_heads} query heads are split (correct, "
                   "some duplicated work)", stacklevel=3)
+
+
+def _period(kinds: tuple) -> int:
+    """The smallest ``P`` with ``kinds[i] == kinds[i % P]`` for every ``i`` (Gemma 3's five local layers and one
+    global: 6; layers all alike: 1)."""
+    return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
 
 def _add_layers_axis(tree: Any) -> Any:
@@ -159,18 +266,55 @@ class Decoder:
         """Runs the blocks whose params are stacked along ``blocks``' leading axis (any number of layers).
 
         Packed documents: ``segment_ids_BL`` keeps attention within each document, ``positions_BL`` gives rotary
-        positions (int ``[B, L]`` each, optional; see :meth:`loss`)."""
-        block = Block(self.cfg)
+        positions (int ``[B, L]`` each, optional; see :meth:`loss`).
+
+        Layers of different kinds (:func:`jaxpar.models.blocks.layer_kinds`: windows, rotary bases) are different
+        programs. A slice of ``R < num_layers`` layers (a pipeline stage's) is taken to start at a multiple of
+        ``R``, as a pipeline's virtual stages do: every stage runs one program, so the model's kinds must repeat
+        every ``R`` layers. With ``scan_layers`` the scan runs over repeats of the kinds' period ``P`` (the
+        ``P`` layers of one repeat unrolled inside its body), and the ``R mod P`` layers left over run unrolled.
+
+        Raises:
+          ValueError: a slice of ``R`` layers of a model whose layer kinds do not repeat every ``R`` layers.
+        """
+        num = jax.tree.leaves(blocks)[0].shape[0]
+        kinds = self._slice_kinds(num)
+        period = _period(kinds)
         packed = segment_ids_BL is not None or positions_BL is not None
-        f = (lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL)) if packed else (
-            lambda p, x: block.apply({"params": p}, x))
-        if self.cfg.remat != "none":
-            f = jax.checkpoint(f, policy=REMAT[self.cfg.remat])
-        if self.cfg.scan_layers:
-            return jax.lax.scan(lambda x, p: (f(p, x), None), x_BLD, blocks)[0]
-        for i in range(jax.tree.leaves(blocks)[0].shape[0]):
-            x_BLD = f(jax.tree.map(lambda a: a[i], blocks), x_BLD)
+
+        def layer(kind: LayerKind):
+            block = Block(self.cfg, kind)
+            f = (lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL)) if packed else (
+                lambda p, x: block.apply({"params": p}, x))
+            return f if self.cfg.remat == "none" else jax.checkpoint(f, policy=REMAT[self.cfg.remat])
+        fs = [layer(kind) for kind in kinds[:period]]
+        take = lambda i: jax.tree.map(lambda a: a[i], blocks)
+        done = 0
+        if self.cfg.scan_layers and period == 1:
+            return jax.lax.scan(lambda x, p: (fs[0](p, x), None), x_BLD, blocks)[0]
+        if self.cfg.scan_layers and num >= period:
+            repeats = num // period
+            done = repeats * period
+            grouped = jax.tree.map(lambda a: a[:done].reshape((repeats, period) + a.shape[1:]), blocks)
+
+            def body(x, p):
+                for r in range(period):
+                    x = fs[r](jax.tree.map(lambda a: a[r], p), x)
+                return x, None
+            x_BLD = jax.lax.scan(body, x_BLD, grouped)[0]
+        for i in range(done, num):
+            x_BLD = fs[i % period](take(i), x_BLD)
         return x_BLD
+
+    def _slice_kinds(self, num: int) -> tuple[LayerKind, ...]:
+        """The layer kinds of a slice of ``num`` stacked layers (:meth:`stage`)."""
+        kinds = layer_kinds(self.cfg)
+        if num == len(kinds) or all(k == kinds[i % num] for i, k in enumerate(kinds)):
+            return kinds[:num]
+        raise ValueError(f"a stage of {num} layers of a {type(self.cfg).__name__} whose layers differ in kind "
+                         f"(sliding windows {[k.window for k in kinds]}, or rotary bases) that does not repeat every "
+                         f"{num} layers: pipeline stages run one program each; choose pipe x chunks so that each "
+                         "virtual stage's layers repeat the pattern of the model's layers")
 
     def logits(self, params: dict, x_BLD: jax.Array) -> jax.Array:
         """Logits ``[B, L, V]`` (``output_dtype``) with padded vocabulary entries set to a large negative value."""
@@ -271,14 +415,20 @@ class Decoder:
 
     # ------------------------------------- generation (the protocol; max_seq_len, vocab_size from self.cfg)
     def init_cache(self, params: dict, batch_size: int, max_len: int) -> dict:
-        """Zero keys and values ``{"k", "v"}: [layers, batch_size, max_len, heads, head_dim]`` (grouped-query
-        attention: its ``kv_heads``) in the compute dtype (``cfg.dtype``, else the params'), logical names ``("layers",
-        "batch", None, "heads" | "kv_heads", "kv")``."""
+        """Zero keys and values ``{"k", "v"}: [layers, batch_size, S, heads, head_dim]`` (grouped-query attention:
+        its ``kv_heads``) in the compute dtype (``cfg.dtype``, else the params'), logical names ``("layers",
+        "batch", None, "heads" | "kv_heads", "kv")``. ``S = max_len``, or for a layer with a sliding window shorter
+        than ``max_len`` the window (a ring buffer, :func:`jaxpar.layers.sliding_window.cache_slots`); where the
+        layers' slot counts differ (Gemma 3's global and local layers), ``"k"`` and ``"v"`` are tuples of one
+        ``[batch_size, S_layer, heads, head_dim]`` array per layer, each of its own length."""
         c = self.cfg
         dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
-        shape = (c.num_layers, batch_size, max_len, kv_heads(c), c.head_dim)
+        slots = [sliding_window.cache_slots(max_len, w) for w in sliding_window.layer_windows(c)]
         names = ("layers", "batch", None, "kv_heads" if c.architecture.attention == "gqa" else "heads", "kv")
-        return {"k": constrain(jnp.zeros(shape, dtype), *names), "v": constrain(jnp.zeros(shape, dtype), *names)}
+        zeros = lambda *shape: constrain(jnp.zeros((*shape, kv_heads(c), c.head_dim), dtype), *names[-len(shape) - 2:])
+        if len(set(slots)) == 1:
+            return {t: zeros(c.num_layers, batch_size, slots[0]) for t in ("k", "v")}
+        return {t: tuple(zeros(batch_size, S) for S in slots) for t in ("k", "v")}
 
     def decode_step(self, params: dict, tokens_B: jax.Array, cache: dict, pos: jax.Array,
                     start: jax.Array | None = None):
@@ -287,22 +437,24 @@ class Decoder:
         written, ``logits_BV`` those after the last of them, equal to ``apply(params, tokens)[:, pos]`` for the
         tokens written at ``0 .. pos`` (float32 rounding). ``start`` (int32 ``[B]``, default 0): the slot where
         each row's sequence begins (left-padded prompts), its positions counted from there and the slots before
-        it never attended to. Traceable; ``pos + L <= max_len`` of the cache."""
+        it never attended to. Traceable; ``pos + L <= max_len`` of the cache. Layers with a sliding window keep
+        the ring buffers :meth:`init_cache` made (:meth:`jaxpar.models.blocks.Block.decode`)."""
         self._check_layers(params)
         tokens_BL = jnp.asarray(tokens_B, jnp.int32)
         tokens_BL = tokens_BL[:, None] if tokens_BL.ndim == 1 else tokens_BL
         start_B = jnp.zeros(tokens_BL.shape[:1], jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         x_BLD = Embed(self.cfg).apply({"params": params["embed"]}, tokens_BL, pos - start_B)
         x_BLD = x_BLD * _nan_where_invalid(tokens_BL, self.cfg.vocab_size, x_BLD.dtype)[..., None]
-        block, ks, vs = Block(self.cfg), [], []
-        for i in range(self.cfg.num_layers):
-            layer = jax.tree.map(lambda a: a[i], params["blocks"])
-            x_BLD, k, v = block.apply({"params": layer}, x_BLD, cache["k"][i], cache["v"][i], pos, start_B,
+        kinds, ks, vs = layer_kinds(self.cfg), [], []
+        for i, kind in enumerate(kinds):
+            layer, block = jax.tree.map(lambda a: a[i], params["blocks"]), Block(self.cfg, kind)
+            x_BLD, k, v = block.apply({"params": layer}, x_BLD, cache["k"][i], cache["v"][i], pos, start_B, kind.window,
                                       method=Block.decode)
             ks.append(k)
             vs.append(v)
         logits_BV = self.logits(params, x_BLD[:, -1:])[:, 0].astype(jnp.float32)
-        return logits_BV, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+        stack = jnp.stack if isinstance(cache["k"], jax.Array) else tuple   # per-layer lengths: a tuple
+        return logits_BV, {"k": stack(ks), "v": stack(vs)}
 
     def generate(self, params: dict, prompts: Any, max_new_tokens: int, rng: jax.Array,
                  temperature: float = 0.8, *, top_k: int | None = None, top_p: float | None = None,

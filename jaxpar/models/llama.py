@@ -22,17 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar._validate import nonnegative_int, positive_int
-from jaxpar.layers.attention import STRATEGIES
 from jaxpar.models.blocks import Architecture
-from jaxpar.models.decoder import ATTENTION, REMAT, Decoder, rotary_inv_freq
-from jaxpar.precision.policy import is_floating_dtype
+from jaxpar.models.decoder import Decoder, RotaryFields, check_rotary_fields, compact_grouped, rotary_inv_freq
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(RotaryFields):
     vocab_size: int = 256          # tokens; padded to vocab_multiple
     num_layers: int = 4            # N blocks, stacked on a leading "layers" axis
     num_heads: int = 4             # H query heads
@@ -59,44 +56,7 @@ class LlamaConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "max_seq_len", "vocab_multiple",
-                     "attention_blocks"):
-            object.__setattr__(self, name, positive_int(f"LlamaConfig.{name}", getattr(self, name)))
-        for name, zero in (("num_kv_heads", "num_heads"), ("head_dim", "d_model // num_heads"),
-                           ("d_mlp", "8 * d_model / 3 rounded up to 64")):
-            object.__setattr__(self, name, nonnegative_int(f"LlamaConfig.{name}", getattr(self, name),
-                                                           f" (0 means {zero})"))
-        if self.num_kv_heads == 0:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
-                             "(each key/value head serves num_heads // num_kv_heads query heads)")
-        if self.head_dim == 0:
-            if self.d_model % self.num_heads:
-                raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; "
-                                 "set head_dim explicitly or change num_heads")
-            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-        if self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
-        if self.d_mlp == 0:
-            object.__setattr__(self, "d_mlp", -(-(8 * self.d_model) // (3 * 64)) * 64)
-        for name in ("dtype", "param_dtype", "output_dtype"):
-            value = getattr(self, name)
-            if value is not None and not is_floating_dtype(value):
-                raise ValueError(f"LlamaConfig.{name}={value!r} must be a floating dtype (float32, bfloat16, float16)")
-        for name in ("init_std", "rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name}={value!r} must be a positive finite number")
-        for name in ("tie_embeddings", "scan_layers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r} must be True or False")
-        if self.remat not in REMAT:
-            raise ValueError(f"remat={self.remat!r}; use one of {sorted(REMAT)}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
-        if self.context_attention not in STRATEGIES:
-            raise ValueError(f"context_attention={self.context_attention!r}; use one of {list(STRATEGIES)}")
+        check_rotary_fields(self)
         object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
 
     def as_model(self, params: Any = None) -> "Llama":
@@ -106,26 +66,6 @@ class LlamaConfig:
     architecture = Architecture(attention="gqa", norm="rms", mlp="swiglu", bias=False)
     positions = "rotary"
     qkv_bias = False
-
-    @property
-    def norm_eps(self) -> float:
-        return self.rms_norm_eps
-
-    @property
-    def rope_base(self) -> float:
-        return float(self.rope_theta)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads
-
-    @property
-    def mlp_dim(self) -> int:
-        return self.d_mlp
-
-    @property
-    def padded_vocab(self) -> int:
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def num_params(self, embeddings: bool = True) -> int:
         D, F, N, H, G, K = (self.d_model, self.d_mlp, self.num_layers, self.num_heads, self.num_kv_heads,
@@ -183,21 +123,11 @@ class Llama(Decoder):
     they are replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped)."""
 
     def replace(self, sizes: dict[tuple, int]) -> LlamaConfig:
-        """The config after compaction: ``sizes`` maps ``("blocks", "mlp")`` (the kept SwiGLU width: gate, up and down
-        coupled) and ``("blocks", "heads")`` (the kept query heads, the same number in each key/value group, see
-        :mod:`jaxpar.pruning.groups`) to the kept counts; ``num_kv_heads`` and ``head_dim`` are kept.
+        """The config after compaction (:func:`jaxpar.models.decoder.compact_grouped`): ``sizes`` maps
+        ``("blocks", "mlp")`` and ``("blocks", "heads")`` to the kept counts.
 
         Raises:
           ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``; a head count that is not a multiple
             of ``num_kv_heads``.
         """
-        bad = [k for k in sizes if tuple(k[:-1]) != ("blocks",) or k[-1] not in ("mlp", "heads")]
-        if bad:
-            raise ValueError(f"the Llama's prunable groups are blocks/mlp (gate, up and down coupled) and blocks/heads "
-                             f"(query heads within their key/value group); got masks for {['/'.join(k) for k in bad]}")
-        c = self.cfg
-        heads, mlp = sizes.get(("blocks", "heads"), c.num_heads), sizes.get(("blocks", "mlp"), c.d_mlp)
-        if heads % c.num_kv_heads:
-            raise ValueError(f"a compacted Llama needs its query heads ({heads}) to be a multiple of num_kv_heads="
-                             f"{c.num_kv_heads}: each key/value group keeps the same number of query heads")
-        return dataclasses.replace(c, num_heads=heads, d_mlp=mlp, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+        return compact_grouped(self.cfg, sizes, "Llama")

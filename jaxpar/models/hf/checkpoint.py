@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out, for any family with a weight adapter (:data:`ADAPTERS`):
 ``LlamaForCausalLM`` as :class:`jaxpar.models.Llama` (:mod:`jaxpar.models.hf.llama`), ``GPT2LMHeadModel`` as
-:class:`jaxpar.models.GPT` (:mod:`jaxpar.models.hf.gpt2`). Load dispatches on ``config.json``'s architecture, save
-on the model's config.
+:class:`jaxpar.models.GPT` (:mod:`jaxpar.models.hf.gpt2`), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``MistralForCausalLM``, ``Gemma3ForCausalLM`` and ``Gemma3ForConditionalGeneration``'s text decoder as
+:class:`jaxpar.models.FamilyModel` (:mod:`jaxpar.models.hf.families`). Load dispatches on ``config.json``'s
+architecture, save on the model's config.
 
 A checkpoint is a directory with ``config.json`` and ``model.safetensors``, or sharded
 ``model-0000i-of-0000n.safetensors`` files with their ``model.safetensors.index.json`` (the layout of
@@ -27,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxpar.models.hf import files as hf_files
-from jaxpar.models.hf import gpt2, llama
+from jaxpar.models.hf import families, gpt2, llama
 from jaxpar.models.hf.config import _arch, _read_config
 from jaxpar.models.hf.files import INDEX, SINGLE, Reader
 from jaxpar.models.hf.weights import Adapter, span
@@ -37,7 +39,7 @@ from jaxpar.sharding import rules as shd
 # buffers some checkpoints carry that are not weights: rotary frequencies, GPT-2's causal mask
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
-ADAPTERS = {adapter.model_type: adapter for adapter in (llama.ADAPTER, gpt2.ADAPTER)}
+ADAPTERS = {adapter.model_type: adapter for adapter in (llama.ADAPTER, gpt2.ADAPTER) + families.ADAPTERS}
 """The weight adapter of each family, by ``config.json``'s ``model_type``."""
 
 
@@ -49,9 +51,10 @@ def _adapter_of(model: Any) -> Adapter:
     """
     cfg = getattr(model, "cfg", None)
     for adapter in ADAPTERS.values():
-        if type(cfg) is adapter.config_type and isinstance(model, adapter.model):
+        if type(cfg) is adapter.config_type and isinstance(model, adapter.model) and adapter.saves \
+                and adapter.accepts(cfg):
             return adapter
-    names = " or ".join(a.model.__name__ for a in ADAPTERS.values())
+    names = " or ".join(sorted({a.model.__name__ for a in ADAPTERS.values()}))
     raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.{names}, got {type(model).__name__}")
 
 
@@ -61,8 +64,10 @@ def _fix_index(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_RULES, dtype: Any = None,
          **config_overrides: Any) -> tuple[Any, dict]:
-    """``(model, params)`` of a Hugging Face ``LlamaForCausalLM`` (a :class:`Llama`) or ``GPT2LMHeadModel`` (a
-    :class:`GPT`) checkpoint directory.
+    """``(model, params)`` of a Hugging Face ``LlamaForCausalLM`` (a :class:`Llama`), ``GPT2LMHeadModel`` (a
+    :class:`GPT`), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM`` or ``Gemma3ForCausalLM`` (a
+    :class:`jaxpar.models.FamilyModel`) checkpoint directory; a ``Gemma3ForConditionalGeneration``'s text decoder
+    with ``text_only=True`` (its vision tower is refused without it).
 
     Args:
       path_or_dir: the directory (``config.json`` and ``model.safetensors`` or sharded files with their index).
@@ -74,7 +79,8 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
       dtype: the params' dtype (default: an overridden ``param_dtype``, else float32; converted on read). The
         compute dtype is the config's ``dtype`` (an override, e.g. ``dtype=jnp.bfloat16`` here sets the params'
         dtype, ``config_overrides`` cannot: pass a policy to the train step instead).
-      config_overrides: config fields to set (e.g. ``scan_layers=True``, ``remat="full"``).
+      config_overrides: config fields to set (e.g. ``scan_layers=True``, ``remat="full"``); ``text_only=True``
+        for a ``Gemma3ForConditionalGeneration`` (the vision tower's tensors are left on disk).
 
     Returns:
       the model and its params ``{"embed", "blocks", "head"}`` (plain ``jax.Array`` leaves), ready for
@@ -101,7 +107,8 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
         if got != shape:
             raise ValueError(f"tensor {name!r} in {reader.path!r} has shape {got}; config.json implies {shape}")
         reader.check_dtype(name)
-    unused = sorted(k for k in reader.files if k not in expected and not k.endswith(_BUFFERS))
+    unused = sorted(k for k in reader.files if k not in expected and not k.endswith(_BUFFERS)
+                    and not k.startswith(adapter.left_on_disk))
     if unused:
         raise ValueError(f"{reader.path!r} holds {len(unused)} tensors the {type(model).__name__} of its config.json "
                          f"has no place for, e.g. {unused[:3]}: another architecture (biases, more layers than "
@@ -162,8 +169,10 @@ _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30, like: str | None = None) -> None:
-    """Writes ``params`` of ``model`` (a :class:`Llama`, or a :class:`GPT` with learned positions) as a Hugging Face
-    ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` checkpoint in ``dir``: ``config.json`` and float32 safetensors
+    """Writes ``params`` of ``model`` (a :class:`Llama`, a :class:`GPT` with learned positions, a
+    :class:`jaxpar.models.FamilyModel`) as a Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` /
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` checkpoint in ``dir``:
+    ``config.json`` and float32 safetensors
     (sharded into ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json`` when larger), read by ``from_pretrained(dir)``. The vocabulary padding is
     dropped; a GPT without ``qkv_bias`` writes zero biases.

@@ -52,7 +52,9 @@ def _flag(hf: dict, key: str, default: bool) -> bool:
     return value
 
 
-_HEADS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_HEADS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+          "gemma3": "Gemma3ForConditionalGeneration"}
 
 # Config fields that change what a model computes, in ways the models here do not: field -> (the values that
 # mean "off", what the field turns on). An absent field is off; a list is off when each of its items is (Gemma's
@@ -92,6 +94,16 @@ _UNSUPPORTED_BY_ARCH = {
                                                  "1/sqrt(head_dim))"),
              "reorder_and_upcast_attn": ((None, False), "another attention scaling (the GPT scales logits by "
                                          "1/sqrt(head_dim))")},
+    # the families of jaxpar.models.families (jaxpar.models.hf.family_config honours their windows and scales)
+    "qwen2": {"hidden_act": (("silu",), "another activation (Qwen2's SwiGLU uses silu)")},
+    "qwen3": {"hidden_act": (("silu",), "another activation (Qwen3's SwiGLU uses silu)"),
+              "attention_bias": ((None, False), "biases on q, k, v and o (Qwen3 has none)")},
+    "mistral": {"hidden_act": (("silu",), "another activation (Mistral's SwiGLU uses silu)")},
+    "gemma3_text": {"hidden_activation": ((None, "gelu_pytorch_tanh"), "another activation (Gemma 3's GeGLU uses "
+                                          "gelu with the tanh approximation)"),
+                    "hidden_act": ((None, "gelu_pytorch_tanh"), "another activation (Gemma 3's GeGLU uses gelu with "
+                                   "the tanh approximation)"),
+                    "attention_bias": ((None, False), "biases on q, k, v and o (Gemma 3 has none)")},
 }
 
 
@@ -99,10 +111,10 @@ def _off(value: Any, off: tuple) -> bool:
     return all(item in off for item in (value if isinstance(value, list) else [value]))
 
 
-def _check_computation(hf: dict, kind: str) -> None:
+def _check_computation(hf: dict, kind: str, honoured: tuple[str, ...] = ()) -> None:
     """Raises a ValueError naming the first field of :data:`UNSUPPORTED` (or ``kind``'s own) that ``hf`` (or its
-    ``rope_parameters``) sets on."""
-    fields = {**UNSUPPORTED, **_UNSUPPORTED_BY_ARCH[kind]}
+    ``rope_parameters``) sets on, but those the caller computes (``honoured``)."""
+    fields = {k: v for k, v in {**UNSUPPORTED, **_UNSUPPORTED_BY_ARCH[kind]}.items() if k not in honoured}
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     for where, values in (("", hf), ("rope_parameters.", rope)):
         for key, (off, what) in fields.items():
@@ -113,13 +125,13 @@ def _check_computation(hf: dict, kind: str) -> None:
 
 
 def _arch(hf: dict) -> str:
-    """``"llama"`` or ``"gpt2"``: ``model_type`` and, when given, ``architectures`` must name a causal LM of these."""
+    """The family (a key of ``_HEADS``): ``model_type`` and, when given, ``architectures`` must name its model."""
     arch = hf.get("architectures") or []
     kind = hf.get("model_type")
     kind = kind if kind in _HEADS else next((k for k, head in _HEADS.items() if head in arch), None)
     if kind is None:
         raise ValueError(f"config.json has model_type={hf.get('model_type')!r}, architectures={arch}; "
-                         "jaxpar.models.hf loads LlamaForCausalLM and GPT2LMHeadModel checkpoints")
+                         f"jaxpar.models.hf loads {', '.join(_HEADS.values())} checkpoints")
     if arch and _HEADS[kind] not in arch:
         raise ValueError(f"config.json has architectures={arch}: a {kind} model with another head; jaxpar.models.hf "
                          f"loads the causal language model {_HEADS[kind]} (save that one with save_pretrained)")

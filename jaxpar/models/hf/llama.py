@@ -20,9 +20,18 @@ from jaxpar.models.hf.weights import Adapter, checkpoint_shapes, host, linear, v
 from jaxpar.models.llama import Llama, LlamaConfig
 
 
-def _leaves(cfg: LlamaConfig, prefix: str) -> dict:
+def head_name(decoder: str) -> str:
+    """The untied head's tensor beside the decoder whose tensors are named ``decoder + "layers..."``:
+    ``lm_head.weight`` next to ``model.`` (and ``model.language_model.``), ``language_model.lm_head.weight`` next to
+    ``language_model.model.`` (Gemma 3's multimodal checkpoints)."""
+    return decoder[: -len("model.")] + "lm_head.weight" if decoder.endswith(".model.") else "lm_head.weight"
+
+
+def _leaves(cfg: LlamaConfig, prefix: str, decoder: str = "model.") -> dict:
+    """The params tree of leaf readers of a Llama-shaped checkpoint whose decoder's tensors start with ``decoder``
+    (the families of :mod:`jaxpar.models.hf.families` add theirs)."""
     N, D, H, G, K, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_mlp
-    lay = lambda suffix: (lambda i: f"model.layers.{i}.{suffix}")
+    lay = lambda suffix: (lambda i: f"{decoder}layers.{i}.{suffix}")
     blocks = {
         "attn_norm_scale": vector(lay("input_layernorm.weight"), N),
         "mlp_norm_scale": vector(lay("post_attention_layernorm.weight"), N),
@@ -36,21 +45,24 @@ def _leaves(cfg: LlamaConfig, prefix: str) -> dict:
         "up_kernel": linear(lay("mlp.up_proj.weight"), (F, D), 1, (1, 0), N),
         "down_kernel": linear(lay("mlp.down_proj.weight"), (D, F), 1, (1, 0), N),
     }
-    head = {"norm_scale": vector(lambda i: "model.norm.weight", None)}
+    head = {"norm_scale": vector(lambda i: f"{decoder}norm.weight", None)}
     if not cfg.tie_embeddings:
-        head["kernel"] = vocab_rows("lm_head.weight", cfg.vocab_size, transpose=True)
-    return {"embed": {"embedding": vocab_rows("model.embed_tokens.weight", cfg.vocab_size, transpose=False)},
+        head["kernel"] = vocab_rows(head_name(decoder), cfg.vocab_size, transpose=True)
+    return {"embed": {"embedding": vocab_rows(f"{decoder}embed_tokens.weight", cfg.vocab_size, transpose=False)},
             "blocks": blocks, "head": head}
 
 
-def _hf_shapes(cfg: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+def _hf_shapes(cfg: LlamaConfig, prefix: str, decoder: str = "model.", extra: dict | None = None) -> dict:
+    """``{HF tensor name: shape}``; ``extra``: more per-layer tensors (a family's)."""
     D, H, K, V, G, F = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.vocab_size, cfg.num_kv_heads, cfg.d_mlp
-    want = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    want = {f"{decoder}embed_tokens.weight": (V, D), f"{decoder}norm.weight": (D,)}
     per = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
            "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
            "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K),
-           "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
-    return checkpoint_shapes(want, per, "model.layers.", cfg.num_layers, None if cfg.tie_embeddings else (V, D))
+           "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
+           **(extra or {})}
+    want = checkpoint_shapes(want, per, f"{decoder}layers.", cfg.num_layers, None)
+    return want if cfg.tie_embeddings else {**want, head_name(decoder): (V, D)}
 
 
 def _export(cfg: LlamaConfig, params: dict) -> dict[str, Callable[[], np.ndarray]]:

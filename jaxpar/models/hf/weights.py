@@ -34,6 +34,10 @@ class Adapter:
     leaves: Callable[[Any, str], dict]               # (config, prefix) -> the params tree of leaf readers
     export: Callable[[Any, dict], dict]              # (config, params) -> {HF tensor name: export thunk}
     check_save: Callable[[Any], None] = lambda cfg: None   # raises ValueError for a config with no HF checkpoint
+    accepts: Callable[[Any], bool] = lambda cfg: True    # whether it writes this config (one config class, several
+                                                         # families: the family's adapter)
+    saves: bool = True                               # False: it reads checkpoints only (another adapter writes them)
+    left_on_disk: tuple[str, ...] = ()               # name prefixes of tensors it does not read (a vision tower)
 
 
 def host(a: Any) -> np.ndarray:

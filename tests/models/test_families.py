@@ -1,0 +1,159 @@
+"""jaxpar/models/families.py and its Hugging Face adapters (jaxpar/models/hf/families.py, family_config.py) against
+``transformers``' ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` and
+``Gemma3ForConditionalGeneration``, each built here on a tiny random config (random norms and biases too, so a
+swapped or missing tensor shows): logits within 1e-4 (float32), greedy cached generation equal to ``generate``'s,
+and ``hf.save`` read back by ``from_pretrained`` with the same tensors. The cases cover grouped-query and
+multi-head attention, tied and untied embeddings, Gemma 3's local/global pattern and Mistral's window shorter than
+the sequence, Qwen2's window written beside ``use_sliding_window: false`` (full attention), and bad configs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+from jaxpar.models import FamilyConfig, hf
+from jaxpar.models import families
+
+V, SEQ = 97, 24
+BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+# name -> (transformers config class, model class, fields beyond BASE)
+CASES = {
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(num_hidden_layers=2, tie_word_embeddings=True,
+                                                      use_sliding_window=False, sliding_window=4)),
+    "qwen2_window": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(num_hidden_layers=3, use_sliding_window=True,
+                                                             sliding_window=5, max_window_layers=1)),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(num_hidden_layers=2, head_dim=16)),
+    "qwen3_mha_tied": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(num_hidden_layers=2, head_dim=8, num_key_value_heads=4,
+                                                               tie_word_embeddings=True, rope_theta=1e6)),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(num_hidden_layers=2, sliding_window=5)),
+    "mistral_global": (T.MistralConfig, T.MistralForCausalLM, dict(num_hidden_layers=2, sliding_window=None,
+                                                                   tie_word_embeddings=True)),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=12, sliding_window_pattern=3,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma3_untied": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(
+        num_hidden_layers=4, head_dim=8, sliding_window=5, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
+}
+FAST = ("qwen2", "qwen3", "mistral", "gemma3")
+
+
+def hf_model(name: str, seed: int = 0):
+    cfg_cls, model_cls, extra = CASES[name]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**{**BASE, **extra})).eval()
+    with torch.no_grad():   # norms at 1 (or Gemma's at 0) and zero biases would hide a swapped or dropped tensor
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p) + (1.0 if "gemma" not in name and "norm" in pname else 0.0))
+    return model
+
+
+@pytest.fixture(scope="module", params=[n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def loaded(request, tmp_path_factory):
+    ref = hf_model(request.param)
+    path = tmp_path_factory.mktemp("hf") / request.param
+    ref.save_pretrained(path)
+    model, params = hf.load(str(path))
+    return request.param, ref, model, params
+
+
+def _logits(model, params, tokens):
+    return np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens, jnp.int32)))[..., :V]
+
+
+def test_logits_match_transformers_and_save_is_read_back(loaded, tmp_path):
+    name, ref, model, params = loaded
+    tokens = np.random.default_rng(1).integers(0, V, (2, SEQ))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens)).logits.numpy()
+    got = _logits(model, params, tokens)
+    print(f"\n[{name}] windows {model.cfg.windows}: max |logits - transformers'| {np.abs(got - want).max():.2e}")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    hf.save(model, params, str(tmp_path / "out"))
+    back = type(ref).from_pretrained(tmp_path / "out").eval()
+    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == ref.config.model_type
+    theirs, ours = ref.state_dict(), back.state_dict()
+    assert set(theirs) == set(ours)
+    for key in theirs:
+        np.testing.assert_array_equal(ours[key].numpy(), theirs[key].numpy(), err_msg=key)
+
+
+@pytest.mark.slow  # one compile of the cached decode per case: ~10 s each
+def test_greedy_cached_generation_equals_transformers(loaded):
+    name, ref, model, params = loaded
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, V, 7)]
+    new = 12   # past every window here: the ring buffers wrap
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    got = model.generate(params, prompt, new, jax.random.key(0), temperature=0.0)
+    assert got == want, (name, got, want)
+
+
+def test_family_configs_match_their_presets_and_refuse_bad_fields():
+    g = families.gemma3(num_layers=8, sliding_window=16)
+    assert g.windows == (16,) * 5 + (None,) + (16,) * 2
+    kinds = g.layer_kinds()
+    assert kinds[0].inv_freq is not None and kinds[5].inv_freq is None and kinds[0] == kinds[6]
+    assert families.mistral(sliding_window=8, num_layers=3).windows == (8, 8, 8)
+    assert families.qwen3().windows == () and families.qwen3().rope_theta == 1e6
+    for bad, match in [(dict(family="gemma2"), "family"), (dict(windows=(4, None)), "one entry per layer"),
+                       (dict(num_layers=2, windows=(4, 0)), r"windows\[1\]"),
+                       (dict(query_pre_attn_scalar=-1.0), "query_pre_attn_scalar"),
+                       (dict(rope_factor=0.0), "rope_factor")]:
+        with pytest.raises(ValueError, match=match):
+            FamilyConfig(**bad)
+
+
+@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                                          ("use_bidirectional_attention", True), ("attention_bias", True),
+                                          ("hidden_activation", "gelu")])
+def test_gemma3_fields_that_change_the_computation_are_refused(field, value):
+    from jaxpar.models.hf.family_config import family_config
+    hf_cfg = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "sliding_window": 4, "query_pre_attn_scalar": 8}
+    assert family_config(hf_cfg).windows == (4, 4)
+    with pytest.raises(ValueError, match=field):
+        family_config({**hf_cfg, field: value})
+
+
+def test_qwen_window_beside_use_sliding_window_false_is_full_attention_and_rope_types_are_checked():
+    from jaxpar.models.hf.family_config import family_config
+    hf_cfg = {"model_type": "qwen2", "vocab_size": V, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 4, "max_window_layers": 0,
+              "layer_types": ["sliding_attention"] * 2}
+    assert family_config({**hf_cfg, "use_sliding_window": False}).windows == ()
+    assert family_config({**hf_cfg, "use_sliding_window": True}).windows == (4, 4)
+    with pytest.raises(ValueError, match="yarn"):
+        family_config({**hf_cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="attention_bias"):
+        family_config({**hf_cfg, "model_type": "qwen3", "attention_bias": True})
+
+
+@pytest.mark.slow  # transformers' vision tower: ~5 s
+def test_gemma3_conditional_generation_loads_its_text_decoder_with_text_only(tmp_path):
+    text = {**BASE, **CASES["gemma3"][2]}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    ref = T.Gemma3ForConditionalGeneration(T.Gemma3Config(text_config=text, vision_config=vision,
+                                                           mm_tokens_per_image=4)).eval()
+    ref.save_pretrained(tmp_path / "mm")
+    with pytest.raises(ValueError, match="text_only=True"):
+        hf.load(str(tmp_path / "mm"))
+    model, params = hf.load(str(tmp_path / "mm"), text_only=True)
+    tokens = np.random.default_rng(3).integers(0, V, (1, SEQ))
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(_logits(model, params, tokens), want, atol=1e-4, rtol=0)
