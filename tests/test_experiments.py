@@ -225,6 +225,8 @@ def tiny_hf_model(family: str, vocab_size: int):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if family == "qwen3":   # q/k norms, a head size (32) other than hidden / heads (16), tied embeddings
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
     raise ValueError(family)
 
 
@@ -237,8 +239,9 @@ def transformers_loss(model, ids: np.ndarray, seq_len: int, windows: int = 16) -
         return float(model.eval()(batch, labels=batch).loss)
 
 
-@pytest.mark.slow  # ~40 s: 100 steps on data=2 x fsdp=2 x tensor=2; .ci/run runs it
-@pytest.mark.parametrize("family, vocab, tokenizer_vocab, beside", [("llama", 200, 200, False)])
+@pytest.mark.slow  # ~40 s each: 100 steps on data=2 x fsdp=2 x tensor=2; .ci/run runs it
+@pytest.mark.parametrize("family, vocab, tokenizer_vocab, beside", [("qwen3", 640, 512, True),
+                                                                     ("llama", 200, 200, False)])
 def test_finetune_with_a_tokenizer_lowers_the_loss_transformers_measures(tmp_path, family, vocab, tokenizer_vocab,
                                                                         beside):
     """experiments/finetune.py --hf on a tiny random transformers checkpoint whose tokenizer (a BPE trained on
