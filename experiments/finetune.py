@@ -1,4 +1,5 @@
-"""Fine-tune a Hugging Face checkpoint (``LlamaForCausalLM`` or ``GPT2LMHeadModel``) on a mesh, and save it back.
+"""Fine-tune a Hugging Face checkpoint (any ``jp.models.hf.load`` reads: Llama, GPT-2, Qwen2/2.5, Qwen3, Mistral,
+Gemma 3) on a mesh, and save it back.
 
 Command (CPU: simulates 8 devices, mesh data=2 x fsdp=2 x tensor=2)::
 
