@@ -1,22 +1,28 @@
-"""Fine-tune a Hugging Face checkpoint (``LlamaForCausalLM`` or ``GPT2LMHeadModel``) on a mesh, and save it back.
+"""Fine-tune a Hugging Face checkpoint (any ``jp.models.hf.load`` reads: Llama, GPT-2, Qwen2/2.5, Qwen3, Mistral,
+Gemma 3) on a mesh, and save it back.
 
 Command (CPU: simulates 8 devices, mesh data=2 x fsdp=2 x tensor=2)::
 
     python experiments/finetune.py --hf path/to/checkpoint --steps 100 --out-dir runs/finetune
 
 The checkpoint is read straight onto the mesh (``jp.models.hf.load(dir, mesh=mesh)``: each device's slice of
-each tensor read from the safetensors files by itself), trained with ``jp.optim.adamw`` on byte-level text
-(token ``i`` is byte ``i``: the checkpoint's vocabulary must hold the 256 byte values; a subword tokenizer is
-the subject of issue 27), checkpointed with orbax to ``<out-dir>/checkpoints`` every ``--checkpoint-interval`` steps
+each tensor read from the safetensors files by itself), trained with ``jp.optim.adamw`` on the text encoded by
+the checkpoint's own tokenizer (its ``tokenizer.json``, or ``--tokenizer``: any vocabulary size; every id it can
+produce must be one of the model's) or, when it has none, on bytes (token ``i`` is byte ``i``: the vocabulary must
+hold the 256 byte values), checkpointed with orbax to ``<out-dir>/checkpoints`` every ``--checkpoint-interval`` steps
 and at the end (a rerun of the same command resumes from the latest; SIGTERM saves and exits), and at the end written
 to ``<out-dir>/hf`` by ``jp.models.hf.save``, which ``transformers``' ``from_pretrained`` reads. The text is
-``--text`` (a UTF-8 file) or CPython's ``pydoc_data.topics``; metrics go to ``<out-dir>/metrics.jsonl``.
+``--text`` (a UTF-8 file) or CPython's ``pydoc_data.topics``, encoded whole (no special tokens added); training
+sequences are random windows of it. Metrics go to ``<out-dir>/metrics.jsonl``. A ``--tokenizer`` that is not the
+checkpoint's own is written into ``<out-dir>/hf`` as its ``tokenizer.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +32,7 @@ import numpy as np
 import jaxpar as jp
 from jaxpar.cli import experiment
 from jaxpar.models import hf
+from jaxpar.models.hf import tokenizer as hf_tokenizer
 
 experiment.require_extra("experiments/finetune.py")
 import tyro  # noqa: E402
@@ -40,11 +47,13 @@ class Config:
     mesh: Annotated[experiment.MeshConfig, Flat] = experiment.MeshConfig()
     steps: int = 100               # optimizer steps
     batch_size: int = 16           # global batch (sequences per step)
-    seq_len: int = 128             # bytes per training sequence
+    seq_len: int = 128             # tokens (bytes without a tokenizer) per training sequence
     learning_rate: float = 3e-4    # peak AdamW learning rate (warm-up then cosine)
     warmup_steps: int = 10
     seed: int = 0
     text: str | None = None        # a UTF-8 text file; None = CPython's pydoc_data.topics
+    tokenizer: str | None = None
+    """a tokenizer.json or a directory holding one; None: the checkpoint's own tokenizer.json, else bytes"""
     out_dir: str = "runs/finetune"
     checkpoint_interval: int = 50  # orbax checkpoint every this many steps (and at the end); 0: only at the end
 
@@ -64,16 +73,25 @@ RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "simulate_devic
                                "out_dir", "checkpoint_interval"})
 
 
-def byte_text(path: str | None) -> np.ndarray:
-    if path is None:
-        from pydoc_data.topics import topics
-        text = "\n\n".join(topics[k] for k in sorted(topics))
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    if data.size < 2:
-        raise ValueError(f"the text {path!r} is empty; pass a UTF-8 file with some text")
-    return data
+def token_stream(text: str, tokenizer) -> np.ndarray:
+    """``text`` as int32 token ids: ``tokenizer``'s (``jaxpar.models.hf.tokenizer.encode``), or its UTF-8 bytes
+    when None."""
+    if tokenizer is None:
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return hf_tokenizer.encode(tokenizer, text)
+
+
+def checkpoint_tokenizer(cfg: Config, vocab_size: int):
+    """The tokenizer fine-tuning encodes with (``--tokenizer``, else the checkpoint's ``tokenizer.json``) and its
+    file, or ``(None, None)`` for bytes; ids beyond ``vocab_size`` and a byte vocabulary under 256 are refused."""
+    file = hf_tokenizer.tokenizer_file(cfg.tokenizer if cfg.tokenizer is not None else cfg.hf)
+    if file is not None:
+        return hf_tokenizer.load_tokenizer(file, vocab_size), file
+    if vocab_size < 256:
+        raise ValueError(f"the checkpoint {cfg.hf!r} has no tokenizer.json and a vocabulary of {vocab_size} ids; "
+                         "byte-level fine-tuning needs at least 256 (one per byte value): pass --tokenizer with "
+                         "the model's tokenizer.json")
+    return None, None
 
 
 def batch(data: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int) -> dict:
@@ -89,15 +107,14 @@ def main(cfg: Config) -> dict:
     mesh = cfg.mesh.make()
     experiment.log_devices(mesh)
     model, params = hf.load(cfg.hf, mesh=mesh)
-    if model.cfg.vocab_size < 256:
-        raise ValueError(f"the checkpoint's vocabulary has {model.cfg.vocab_size} tokens; byte-level fine-tuning "
-                         "needs at least 256 (one per byte value)")
+    tokenizer, tokenizer_path = checkpoint_tokenizer(cfg, model.cfg.vocab_size)
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the checkpoint's max_position_embeddings "
                          f"{model.cfg.max_seq_len}")
-    data = byte_text(cfg.text)
+    data = token_stream(jp.data.load_text(cfg.text), tokenizer)
+    unit = "bytes" if tokenizer is None else "tokens"
     if data.size <= cfg.seq_len + 1:
-        raise ValueError(f"the text has {data.size} bytes; --seq-len {cfg.seq_len} needs more")
+        raise ValueError(f"the text has {data.size} {unit}; --seq-len {cfg.seq_len} needs more")
     tx = jp.optim.adamw(cfg.learning_rate, total_steps=cfg.steps, warmup_steps=min(cfg.warmup_steps, cfg.steps // 2),
                         axis_names=jax.eval_shape(model.init, jax.random.key(0)))
     # the loaded params are already in place: init_state keeps their layout (its init returns them)
@@ -111,7 +128,8 @@ def main(cfg: Config) -> dict:
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
         (out / "config.json").write_text(json.dumps(experiment.flat_config(cfg), indent=2))
-    print(f"{type(model).__name__} from {cfg.hf}: {model.cfg.num_params():,} params, {data.size:,} bytes of text"
+    print(f"{type(model).__name__} from {cfg.hf}: {model.cfg.num_params():,} params, {data.size:,} {unit} of text"
+          + (f" ({tokenizer_path})" if tokenizer_path else "")
           + (f"; resumed from step {step0}" if step0 else ""), flush=True)
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
     losses = {}
@@ -129,6 +147,9 @@ def main(cfg: Config) -> dict:
         return None
     # the source's tokenizer files and special token ids go with the fine-tuned weights
     hf.save(model, jp.train.to_model_order(result.state).params, str(out / "hf"), like=cfg.hf)
+    if tokenizer_path is not None and tokenizer_path != hf_tokenizer.tokenizer_file(cfg.hf):
+        shutil.copyfile(tokenizer_path, out / "hf" / "tokenizer.json.tmp")   # the ids it was trained on
+        os.replace(out / "hf" / "tokenizer.json.tmp", out / "hf" / "tokenizer.json")
     first, last = (losses[min(losses)], losses[max(losses)]) if losses else (float("nan"), float("nan"))
     experiment.say(f"fine-tuned steps {step0 + 1}-{cfg.steps}: loss {first:.4f} -> {last:.4f}; saved {out / 'hf'}")
     return {"first_loss": first, "last_loss": last, "saved": str(out / "hf")}

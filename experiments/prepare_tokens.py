@@ -8,6 +8,7 @@ Command (CPython's own documentation as the corpus, a byte-level BPE of 1024 ids
     python -c "from jaxpar.data import default_text; open('pydoc.txt', 'w').write(default_text())"
     python experiments/prepare_tokens.py --input pydoc.txt --train-bpe 1024 --out data/pydoc-bpe1k
     python experiments/prepare_tokens.py --input a.jsonl b.jsonl --field text --tokenizer tokenizer.json --out data/x
+    python experiments/prepare_tokens.py --input pydoc.txt --tokenizer path/to/hf-checkpoint --out data/z
     python experiments/prepare_tokens.py --input part-*.parquet --field content --train-bpe 32000 --out data/y
 
 Expected (2-core CPU): pydoc.txt (465k characters, 2608 paragraphs) in about 5 seconds, about 150k tokens with
@@ -17,6 +18,7 @@ Expected (2-core CPU): pydoc.txt (465k characters, 2608 paragraphs) in about 5 s
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 from jaxpar.cli import experiment
@@ -37,7 +39,8 @@ class Config:
     """txt: blank-line-separated paragraphs are documents; jsonl: one JSON object a line; parquet: rows;
     None: each file's suffix tells (.txt, .jsonl/.json, .parquet)"""
     field: str = "text"            # the JSON key / parquet column holding a document's text
-    tokenizer: str | None = None   # a Hugging Face tokenizers tokenizer.json (or --train-bpe)
+    tokenizer: str | None = None
+    """a Hugging Face tokenizers tokenizer.json, or a checkpoint directory holding one (or --train-bpe)"""
     train_bpe: int | None = None   # train a byte-level BPE with this many ids on the inputs (or --tokenizer)
     val_fraction: float = 0.01     # expected fraction of documents in val.bin (a hash of each document's index)
     seed: int = 0                  # seeds the train/validation split
@@ -48,7 +51,14 @@ class Config:
 
 def main(cfg: Config) -> dict:
     """Prepares the directory, prints a summary line and returns its meta.json dict."""
-    meta = tokens.prepare(cfg.input, cfg.out, format=cfg.format, field=cfg.field, tokenizer=cfg.tokenizer,
+    tokenizer = cfg.tokenizer
+    if tokenizer is not None and Path(tokenizer).is_dir():   # a checkpoint's tokenizer.json, read from inside it
+        from jaxpar.models.hf.tokenizer import tokenizer_file
+        tokenizer = tokenizer_file(tokenizer)   # a link out of the directory is refused
+        if tokenizer is None:
+            raise ValueError(f"--tokenizer {cfg.tokenizer}: the directory holds no tokenizer.json; pass a checkpoint "
+                             "directory with one, or the file")
+    meta = tokens.prepare(cfg.input, cfg.out, format=cfg.format, field=cfg.field, tokenizer=tokenizer,
                           train_bpe_vocab=cfg.train_bpe, val_fraction=cfg.val_fraction, seed=cfg.seed,
                           eod_token=cfg.eod_token, workers=cfg.workers, chunk_documents=cfg.chunk_documents)
     split = meta["splits"]

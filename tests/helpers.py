@@ -170,3 +170,22 @@ def recorded_batches(*paths) -> dict[int, dict[str, str]]:
                 assert rows.get(row, digest) == digest, f"step {entry['step']} row {row} differs between records"
                 rows[row] = digest
     return merged
+
+
+# ------------------------------------------------------------------------------------------ tokenizers
+
+def pydoc_tokenizer(vocab_size: int, chars: int = 50_000, eos: str = "<|endoftext|>"):
+    """A ``tokenizers`` BPE of ``vocab_size`` ids trained here on the first ``chars`` characters of CPython's
+    pydoc text (no download): GPT-2's byte-level pre-tokenizer and decoder, ``eos`` a special token. From 258
+    ids on, its alphabet is all 256 bytes; below, only the bytes of that text, and ``<unk>`` stands for others."""
+    import tokenizers as tk
+    small = vocab_size < 258
+    tokenizer = tk.Tokenizer(tk.models.BPE(unk_token="<unk>" if small else None))
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", eos] if small else [eos],
+                                     initial_alphabet=[] if small else tk.pre_tokenizers.ByteLevel.alphabet(),
+                                     show_progress=False)
+    tokenizer.train_from_iterator(jp.data.default_text()[:chars].split("\n\n"), trainer)
+    assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
+    return tokenizer

@@ -216,6 +216,75 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
             finetune.Config(hf=out["saved"] if out_dir.name == "run" else str(out_dir), out_dir=str(out_dir))
 
 
+def tiny_hf_model(family: str, vocab_size: int):
+    """A tiny random transformers causal LM of ``family`` (GQA; seeded), untrained."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if family == "qwen3":   # q/k norms, a head size (32) other than hidden / heads (16), tied embeddings
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
+    raise ValueError(family)
+
+
+def transformers_loss(model, ids: np.ndarray, seq_len: int, windows: int = 16) -> float:
+    """transformers' mean next-token loss of ``model`` over ``windows`` evenly spaced windows of ``ids``."""
+    import torch
+    starts = np.linspace(0, ids.size - seq_len - 1, windows).astype(int)
+    batch = torch.tensor(np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int64))
+    with torch.no_grad():
+        return float(model.eval()(batch, labels=batch).loss)
+
+
+@pytest.mark.slow  # ~40 s each: 100 steps on data=2 x fsdp=2 x tensor=2; .ci/run runs it
+@pytest.mark.parametrize("family, vocab, tokenizer_vocab, beside", [("qwen3", 640, 512, True),
+                                                                     ("llama", 200, 200, False)])
+def test_finetune_with_a_tokenizer_lowers_the_loss_transformers_measures(tmp_path, family, vocab, tokenizer_vocab,
+                                                                        beside):
+    """experiments/finetune.py --hf on a tiny random transformers checkpoint whose tokenizer (a BPE trained on
+    pydoc text in the test, saved by transformers) is in the checkpoint (``beside``) or passed by --tokenizer:
+    100 steps on the first 90% of CPython's pydoc text, saved; transformers reloads the result and its tokenizer,
+    and its loss on the held-out 10% (tokens by that tokenizer) is lower than the checkpoint's before. A
+    vocabulary under 256 works (no bytes). Without a tokenizer such a vocabulary is refused, as is a tokenizer
+    with more ids than the model."""
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from helpers import pydoc_tokenizer
+    text = jp.data.default_text()
+    cut = text.index("\n\n", int(0.9 * len(text)))
+    (tmp_path / "train.txt").write_text(text[:cut])
+    held_out = text[cut + 2:]
+    base, tokenizer_dir = tmp_path / "base", tmp_path / ("base" if beside else "tokenizer")
+    before = tiny_hf_model(family, vocab)
+    before.save_pretrained(base)
+    tokenizer = pydoc_tokenizer(tokenizer_vocab)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(tokenizer_dir)
+    finetune = load("finetune")
+    cfg = finetune.Config(hf=str(base), tokenizer=None if beside else str(tokenizer_dir), steps=100, batch_size=16,
+                          seq_len=64, learning_rate=3e-3, text=str(tmp_path / "train.txt"),
+                          out_dir=str(tmp_path / "run"), checkpoint_interval=0)
+    if not beside:   # refused before any step: bytes need 256 ids; a tokenizer beyond the model's vocabulary
+        with pytest.raises(ValueError, match=rf"no tokenizer.json and a vocabulary of {vocab} ids; byte-level"):
+            finetune.main(dataclasses.replace(cfg, tokenizer=None))
+        pydoc_tokenizer(vocab + 1).save(str(tmp_path / "big.json"))
+        with pytest.raises(ValueError, match=rf"has id {vocab} .*beyond the model's vocabulary of {vocab} ids"):
+            finetune.main(dataclasses.replace(cfg, tokenizer=str(tmp_path / "big.json")))
+    out = finetune.main(cfg)
+    assert out["last_loss"] < out["first_loss"] - 1.0, out
+
+    reloaded = AutoTokenizer.from_pretrained(out["saved"])   # the tokenizer it was trained with went with it
+    ids = np.asarray(reloaded(held_out, add_special_tokens=False)["input_ids"])
+    assert ids.tolist() == tokenizer.encode(held_out, add_special_tokens=False).ids and ids.max() < tokenizer_vocab
+    loss_before = transformers_loss(before, ids, 64)
+    loss_after = transformers_loss(AutoModelForCausalLM.from_pretrained(out["saved"]), ids, 64)
+    print(f"{family}: held-out loss in transformers {loss_before:.3f} -> {loss_after:.3f}; "
+          f"training loss {out['first_loss']:.3f} -> {out['last_loss']:.3f}")
+    assert loss_after < loss_before - 1.0, (loss_before, loss_after)
+
+
 # ------------------------------------------------------------------------------------- charlm on tokens
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ FIGURES = {
     "05_pruning.ipynb": 5,                # schedule, schedule with measured sparsity, per-layer sparsity, 2:4 mask,
                                           # accuracy vs sparsity
     "06_charlm_end_to_end.ipynb": 1,      # the loss curve across the checkpoint restore
+    "09_finetune_hugging_face.ipynb": 1,  # the fine-tuning loss curve (train and validation)
 }
 DEVICE_FLAG = 'os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")'
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import load_script
+from helpers import load_script, pydoc_tokenizer
 
 import jaxpar as jp
 from jaxpar.data import prepare as tokens
@@ -179,6 +179,22 @@ def test_prepare_tokens_cli(tmp_path, capsys):
     meta = script.main(cfg)
     assert meta["splits"]["val"]["documents"] > 0 and meta["field"] == "body"
     assert "vocab 300 (uint16)" in capsys.readouterr().out
+    # --tokenizer a Hugging Face checkpoint directory: its tokenizer.json (a BPE trained on pydoc text) encodes
+    reference = pydoc_tokenizer(280, chars=20_000)
+    (tmp_path / "ckpt").mkdir()
+    reference.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    docs = [json.loads(line)["body"] for line in (tmp_path / "docs.data").read_text().splitlines()]
+    args = ["--input", str(tmp_path / "docs.data"), "--format", "jsonl", "--field", "body", "--val-fraction", "0",
+            "--workers", "1"]
+    meta = script.main(tyro.cli(script.Config, args=args + ["--tokenizer", str(tmp_path / "ckpt"),
+                                                            "--out", str(tmp_path / "hf_tokens")]))
+    assert meta["vocab_size"] == 280 and meta["eod_id"] == reference.token_to_id(tokens.EOD_TOKEN)
+    assert_stream(tmp_path / "hf_tokens", docs)
+    assert tk.Tokenizer.from_file(str(tmp_path / "hf_tokens" / "tokenizer.json")).get_vocab() == reference.get_vocab()
+    (tmp_path / "no_tokenizer").mkdir()
+    with pytest.raises(ValueError, match="no_tokenizer: the directory holds no tokenizer.json"):
+        script.main(tyro.cli(script.Config, args=args + ["--tokenizer", str(tmp_path / "no_tokenizer"),
+                                                         "--out", str(tmp_path / "x")]))
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -170,20 +170,36 @@ def train_bpe(docs: Iterable[str], vocab_size: int, eod_token: str = EOD_TOKEN):
     return tokenizer
 
 
-def load_tokenizer(path: str | os.PathLike, eod_token: str = EOD_TOKEN):
-    """The ``tokenizers.Tokenizer`` saved at ``path``, with ``eod_token`` added as a special token if it lacks it.
+def read_tokenizer(path: str | os.PathLike, feature: str = "jaxpar.data.prepare.load_tokenizer",
+                   extra: str = "data"):
+    """The ``tokenizers.Tokenizer`` of the ``tokenizer.json`` file at ``path``, as saved.
+
+    Args:
+      feature, extra: what needs ``tokenizers`` and the pip extra that provides it (named when it is missing).
 
     Raises:
-      ValueError: a missing or unreadable tokenizer file.
+      ValueError: ``path`` is no file (a directory: pass its ``tokenizer.json``), or not a ``tokenizers`` file
+        (malformed JSON, an unknown model or field); the message names the path.
     """
-    tk = require("tokenizers", "jaxpar.data.prepare.load_tokenizer", "data")
+    tk = require("tokenizers", feature, extra)
     if not Path(path).is_file():
-        raise ValueError(f"tokenizer file {str(path)!r} does not exist; pass a tokenizers tokenizer.json, or "
-                         "--train-bpe VOCAB_SIZE to train one")
+        hint = " (a directory: pass its tokenizer.json)" if Path(path).is_dir() else ""
+        raise ValueError(f"tokenizer file {str(path)!r} does not exist{hint}; pass a tokenizers tokenizer.json")
     try:
-        tokenizer = tk.Tokenizer.from_file(str(path))
+        return tk.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise ValueError(f"{str(path)!r} is not a tokenizers tokenizer.json ({e})") from None
+        raise ValueError(f"{str(path)!r} is not a tokenizers tokenizer.json ({e}); pass the tokenizer.json that "
+                         "tokenizers' Tokenizer.save or transformers' save_pretrained wrote") from None
+
+
+def load_tokenizer(path: str | os.PathLike, eod_token: str = EOD_TOKEN):
+    """The ``tokenizers.Tokenizer`` saved at ``path`` (:func:`read_tokenizer`), with ``eod_token`` added as a
+    special token if it lacks it.
+
+    Raises:
+      ValueError: a missing or unreadable tokenizer file, or ``eod_token`` an ordinary token of it.
+    """
+    tokenizer = read_tokenizer(path)
     eod = tokenizer.token_to_id(eod_token)
     if eod is None:
         tokenizer.add_special_tokens([eod_token])
@@ -411,4 +427,4 @@ def _write_splits(out: Path, chunks, dtype: str, vocab_size: int, val_fraction: 
 
 
 __all__ = ["EOD_TOKEN", "FORMATS", "documents", "encode_documents", "encoded_chunks", "file_format", "load_tokenizer",
-           "prepare", "read_documents", "train_bpe", "validation_documents"]
+           "prepare", "read_documents", "read_tokenizer", "train_bpe", "validation_documents"]
