@@ -26,6 +26,7 @@ from jaxpar.layers.norms import gelu, layer_norm, rms_norm, rms_norm_plus_one, s
 from jaxpar.layers.rotary import rope
 from jaxpar.layers.per_token import token_names, tokens
 from jaxpar.precision import fp8
+from jaxpar.sharding.names import BATCH, EMBED, HEADS, KV, KV_HEADS, MLP, POSITION, SEQ, VOCAB
 from jaxpar.sharding.rules import constrain
 
 
@@ -121,9 +122,9 @@ def compute_dtype(cfg: Any, like: jax.Array) -> Any:
 
 def _norm_params(module: nn.Module, prefix: str) -> dict:
     D = module.cfg.d_model
-    out = {"scale": _param(module, f"{prefix}_scale", (D,), ("embed",), None)}
+    out = {"scale": _param(module, f"{prefix}_scale", (D,), (EMBED,), None)}
     if module.cfg.architecture.norm == "layer":
-        out["bias"] = _param(module, f"{prefix}_bias", (D,), ("embed",), None)
+        out["bias"] = _param(module, f"{prefix}_bias", (D,), (EMBED,), None)
     return out
 
 
@@ -142,9 +143,9 @@ class Embed(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.embedding = _param(self, "embedding", (c.padded_vocab, c.d_model), ("vocab", "embed"), c.init_std)
+        self.embedding = _param(self, "embedding", (c.padded_vocab, c.d_model), (VOCAB, EMBED), c.init_std)
         if c.positions == "learned":
-            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), ("position", "embed"),
+            self.pos_embedding = _param(self, "pos_embedding", (c.max_seq_len, c.d_model), (POSITION, EMBED),
                                         c.init_std / 2)
 
     def __call__(self, tokens_BL: jax.Array, offset: jax.Array | int = 0,
@@ -156,7 +157,7 @@ class Embed(nn.Module):
         dtype = compute_dtype(c, self.embedding)
         # Gather the FSDP-sharded model dim of the table first (as FSDP does for every weight), so the lookup
         # is a vocab-parallel gather whose output can take the batch sharding directly.
-        table_VD = constrain(self.embedding.astype(dtype), "vocab", None)
+        table_VD = constrain(self.embedding.astype(dtype), VOCAB, None)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if c.architecture.embed_scale:   # the factor rounded to the compute dtype first, as Gemma's embedding does
             x_BLD = x_BLD * jnp.asarray(math.sqrt(c.d_model), dtype)
@@ -173,7 +174,7 @@ class Embed(nn.Module):
                 pos_BL = jnp.clip(jnp.reshape(offset, (-1, 1)) + jnp.arange(L), 0, c.max_seq_len - 1)
                 pos_BLD = jnp.take(self.pos_embedding, pos_BL, axis=0)
             x_BLD = x_BLD + pos_BLD.astype(dtype)
-        return constrain(x_BLD, "batch", "seq", "embed")
+        return constrain(x_BLD, BATCH, SEQ, EMBED)
 
 
 class Block(nn.Module):
@@ -193,31 +194,31 @@ class Block(nn.Module):
         norm1, norm2, _ = a.norm_names
         self.norm1 = _norm_params(self, norm1)
         if a.attention == "mha":
-            w = {"qkv": _param(self, "qkv_kernel", (D, H, 3, K), ("embed", "heads", None, "kv"), c.init_std)}
+            w = {"qkv": _param(self, "qkv_kernel", (D, H, 3, K), (EMBED, HEADS, None, KV), c.init_std)}
             if c.qkv_bias:
-                w["qkv_bias"] = _param(self, "qkv_bias", (H, 3, K), ("heads", None, "kv"), None)
+                w["qkv_bias"] = _param(self, "qkv_bias", (H, 3, K), (HEADS, None, KV), None)
         else:
-            w = {"q": _param(self, "q_kernel", (D, H, K), ("embed", "heads", "kv"), c.init_std),
-                 "k": _param(self, "k_kernel", (D, G, K), ("embed", "kv_heads", "kv"), c.init_std),
-                 "v": _param(self, "v_kernel", (D, G, K), ("embed", "kv_heads", "kv"), c.init_std)}
-        w["out"] = _param(self, "out_kernel", (H, K, D), ("heads", "kv", "embed"), out_std)
+            w = {"q": _param(self, "q_kernel", (D, H, K), (EMBED, HEADS, KV), c.init_std),
+                 "k": _param(self, "k_kernel", (D, G, K), (EMBED, KV_HEADS, KV), c.init_std),
+                 "v": _param(self, "v_kernel", (D, G, K), (EMBED, KV_HEADS, KV), c.init_std)}
+        w["out"] = _param(self, "out_kernel", (H, K, D), (HEADS, KV, EMBED), out_std)
         if a.bias:
-            w["out_bias"] = _param(self, "out_bias", (D,), ("embed",), None)
+            w["out_bias"] = _param(self, "out_bias", (D,), (EMBED,), None)
         self.norm2 = _norm_params(self, norm2)
-        shapes = {"gate": ((D, F), ("embed", "mlp"), (F,), ("mlp",), c.init_std),
-                  "up": ((D, F), ("embed", "mlp"), (F,), ("mlp",), c.init_std),
-                  "down": ((F, D), ("mlp", "embed"), (D,), ("embed",), out_std)}
+        shapes = {"gate": ((D, F), (EMBED, MLP), (F,), (MLP,), c.init_std),
+                  "up": ((D, F), (EMBED, MLP), (F,), (MLP,), c.init_std),
+                  "down": ((F, D), (MLP, EMBED), (D,), (EMBED,), out_std)}
         for name in a.mlp_names:
             shape, names, bias_shape, bias_names, std = shapes[name]
             w[name] = _param(self, f"{name}_kernel", shape, names, std)
             if a.bias:
                 w[f"{name}_bias"] = _param(self, f"{name}_bias", bias_shape, bias_names, None)
         if a.attention == "gqa" and c.qkv_bias:   # biases on q, k, v alone (Qwen2)
-            w["q_bias"] = _param(self, "q_bias", (H, K), ("heads", "kv"), None)
-            w["k_bias"] = _param(self, "k_bias", (G, K), ("kv_heads", "kv"), None)
-            w["v_bias"] = _param(self, "v_bias", (G, K), ("kv_heads", "kv"), None)
+            w["q_bias"] = _param(self, "q_bias", (H, K), (HEADS, KV), None)
+            w["k_bias"] = _param(self, "k_bias", (G, K), (KV_HEADS, KV), None)
+            w["v_bias"] = _param(self, "v_bias", (G, K), (KV_HEADS, KV), None)
         if a.qk_norm:   # one [K] scale shared by every head: pruning a head leaves it whole
-            self.qk_norm = {t: {"scale": _param(self, f"{t}_norm_scale", (K,), ("kv",), None)} for t in ("q", "k")}
+            self.qk_norm = {t: {"scale": _param(self, f"{t}_norm_scale", (K,), (KV,), None)} for t in ("q", "k")}
         if a.post_norms:
             self.post_norms = (_norm_params(self, "attn_post_norm"), _norm_params(self, "mlp_post_norm"))
         self.weights = w
@@ -250,7 +251,7 @@ class Block(nn.Module):
             if c.qkv_bias:
                 qkv_flat = qkv_flat + self._w("qkv_bias", x_BLD).reshape(H * 3 * K)
             qkv = qkv_flat.reshape(B, L, H, 3, K)
-            return tuple(constrain(qkv[:, :, :, i], "batch", "seq", "heads", "kv") for i in range(3))
+            return tuple(constrain(qkv[:, :, :, i], BATCH, SEQ, HEADS, KV) for i in range(3))
         a = c.architecture
 
         def project(n: str, heads: int) -> jax.Array:
@@ -264,8 +265,8 @@ class Block(nn.Module):
             # logits q.k / sqrt(scalar) (Gemma) from every kernel's q.k / sqrt(K): scale the queries, not the kernels
             q = q * jnp.asarray(math.sqrt(K / scalar), q.dtype)
         k, v = project("k", c.kv_heads), project("v", c.kv_heads)
-        q = constrain(q, "batch", "seq", "heads", "kv")
-        return q, constrain(k, "batch", "seq", "kv_heads", "kv"), constrain(v, "batch", "seq", "kv_heads", "kv")
+        q = constrain(q, BATCH, SEQ, HEADS, KV)
+        return q, constrain(k, BATCH, SEQ, KV_HEADS, KV), constrain(v, BATCH, SEQ, KV_HEADS, KV)
 
     def _positions(self, q_BLHK: jax.Array, k_BLGK: jax.Array, offset: jax.Array | int = 0,
                    positions_BL: jax.Array | None = None):
@@ -287,7 +288,7 @@ class Block(nn.Module):
             return t_BLGK
         rep = c.num_heads // c.kv_heads
         t = t_BLGK if rep == 1 else jnp.repeat(t_BLGK, rep, axis=2)
-        return constrain(t, "batch", "seq", "heads", "kv")
+        return constrain(t, BATCH, SEQ, HEADS, KV)
 
     def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array) -> jax.Array:
         """The attention output projection and residual, then the MLP and its residual: ``x_BLD -> x_BLD``."""
@@ -296,9 +297,9 @@ class Block(nn.Module):
         a = c.architecture
         post = (lambda y_TD, i: _normalize(c, y_TD, self.post_norms[i])) if a.post_norms else (lambda y_TD, i: y_TD)
         o_TD = post(self._proj("out", tokens(a_BLHK), self._w("out", x_BLD).reshape(-1, D), x_BLD), 0)
-        x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), "batch", "seq", "embed")
+        x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), BATCH, SEQ, EMBED)
         h_TD = tokens(_normalize(c, x_BLD, self.norm2))
-        mlp = lambda u_TF: constrain(u_TF, *token_names(), "mlp")
+        mlp = lambda u_TF: constrain(u_TF, *token_names(), MLP)
         if a.mlp == "gelu":
             u_TF = mlp(gelu(self._proj("up", h_TD, self._w("up", x_BLD), x_BLD)))
         else:
@@ -306,7 +307,7 @@ class Block(nn.Module):
             g_TF = mlp(act(self._proj("gate", h_TD, self._w("gate", x_BLD), x_BLD)))
             u_TF = mlp(g_TF * self._proj("up", h_TD, self._w("up", x_BLD), x_BLD))
         m_TD = post(self._proj("down", u_TF, self._w("down", x_BLD), x_BLD), 1)
-        return constrain(x_BLD + m_TD.reshape(B, L, D), "batch", "seq", "embed")
+        return constrain(x_BLD + m_TD.reshape(B, L, D), BATCH, SEQ, EMBED)
 
     def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
                  positions_BL: jax.Array | None = None) -> jax.Array:
@@ -315,7 +316,7 @@ class Block(nn.Module):
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
         q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, positions_BL=positions_BL)
         a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv, self.kind.window)
-        a_BLHK = constrain(a_BLHK, "batch", "seq", "heads", "kv")
+        a_BLHK = constrain(a_BLHK, BATCH, SEQ, HEADS, KV)
         return self._finish(x_BLD, a_BLHK)
 
     def decode(self, x_BLD: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, pos: jax.Array,
@@ -373,7 +374,7 @@ class Head(nn.Module):
         c = self.cfg
         self.norm = _norm_params(self, c.architecture.norm_names[2])
         if not c.tie_embeddings:
-            self.kernel = _param(self, "kernel", (c.d_model, c.padded_vocab), ("embed", "vocab"), c.init_std)
+            self.kernel = _param(self, "kernel", (c.d_model, c.padded_vocab), (EMBED, VOCAB), c.init_std)
 
     def declare(self) -> None:
         """Creates the parameters without running the head (used by ``init``)."""
@@ -389,4 +390,4 @@ class Head(nn.Module):
         else:
             logits_TV = h_TD @ self.kernel.astype(dtype)
         out_dtype = dtype if c.output_dtype is None else c.output_dtype
-        return constrain(logits_TV.reshape(B, L, -1).astype(out_dtype), "batch", "seq", "vocab")
+        return constrain(logits_TV.reshape(B, L, -1).astype(out_dtype), BATCH, SEQ, VOCAB)

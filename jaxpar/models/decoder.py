@@ -45,7 +45,7 @@ from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_pac
 from jaxpar.models import generation
 from jaxpar.models.blocks import Block, Embed, Head, LayerKind, kv_heads, layer_kinds
 from jaxpar.precision.policy import is_floating_dtype
-from jaxpar.sharding.names import KV_HEADS, TENSOR, Rules
+from jaxpar.sharding.names import BATCH, HEADS, KV, KV_HEADS, LAYERS, TENSOR, Rules
 from jaxpar.sharding.rules import constrain, has_explicit_axes
 
 REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
@@ -427,7 +427,7 @@ class Decoder:
         c = self.cfg
         dtype = c.dtype if c.dtype is not None else params["embed"]["embedding"].dtype
         slots = [sliding_window.cache_slots(max_len, kind.window) for kind in layer_kinds(c)]
-        names = ("layers", "batch", None, "kv_heads" if c.architecture.attention == "gqa" else "heads", "kv")
+        names = (LAYERS, BATCH, None, KV_HEADS if c.architecture.attention == "gqa" else HEADS, KV)
         zeros = lambda *shape: constrain(jnp.zeros((*shape, kv_heads(c), c.head_dim), dtype), *names[-len(shape) - 2:])
         if len(set(slots)) == 1:
             return {t: zeros(c.num_layers, batch_size, slots[0]) for t in ("k", "v")}
