@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.sharding.names import BATCH, EMBED, MLP
+from jaxpar.sharding import names as logical   # (its MLP constant would shadow the model class here)
 from jaxpar.sharding.rules import constrain
 
 
@@ -57,14 +57,14 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BI: jax.Array) -> jax.Array:
         x = x_BI.astype(self.dtype)
-        names = [(EMBED, MLP), (MLP, EMBED)]
+        names = [(logical.EMBED, logical.MLP), (logical.MLP, logical.EMBED)]
         for i, width in enumerate(self.hidden):
             axes = names[i % 2]
             x = nn.Dense(width, dtype=self.dtype, param_dtype=self.param_dtype,
                          kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes),
                          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
                          name=f"dense_{i}")(x)
-            x = constrain(nn.relu(x), BATCH, axes[1])
+            x = constrain(nn.relu(x), logical.BATCH, axes[1])
         last = names[len(self.hidden) % 2][0]
         logits = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype,
                           kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (last, None)),
