@@ -47,9 +47,9 @@ _DTYPE_BYTES = {"pred": 1, "s1": 0.125, "u1": 0.125, "s2": 0.25, "u2": 0.25, "s4
                 "c64": 8, "c128": 16, "f4e2m1fn": 0.5, "f6e2m3fn": 0.75, "f6e3m2fn": 0.75,
                 **dict.fromkeys(("f8e5m2", "f8e4m3", "f8e4m3fn", "f8e4m3b11fnuz", "f8e5m2fnuz", "f8e4m3fnuz", "f8e3m4",
                                  "f8e8m0fnu"), 1)}
-_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "iota", "copy-start", "copy-done"}
-# Elementwise ops :meth:`_Walker._traffic` looks through from a fusion parameter to a slice or in-place update: XLA:CPU
+# Elementwise ops :meth:`Walker.traffic` looks through from a fusion parameter to a slice or in-place update: XLA:CPU
 # wraps a bf16 buffer's update in converts to f32 and back (its bf16 work is f32), which a GPU program does not.
 _LOOK_THROUGH = {"convert", "bitcast", "copy"}
 _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
@@ -233,7 +233,7 @@ def operand_bytes(instr: Instr, shapes: dict[str, str]) -> float:
     return typed or sum(shape_bytes(shapes.get(o, "")) for o in names)
 
 
-def _payload(instr: Instr, kind: str, group: int, shapes: dict[str, str]) -> float:
+def collective_payload(instr: Instr, kind: str, group: int, shapes: dict[str, str]) -> float:
     """Bytes of the full buffer a collective moves (all-gather: its output, ``group`` times its input; every other
     kind: its input), read from the operands: an async ``-start``'s result is the tuple of its operands and
     results (``((inputs), (outputs))``; all-reduce-start: the outputs alone), which would count the buffers twice."""
@@ -251,7 +251,7 @@ _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _JSON_DIMS = r'"{}_contracting_dimensions"\s*:\s*\[([^\]]*)\]'
 
 
-def _dot_flops(instr: Instr, shapes: dict[str, str]) -> float:
+def dot_flops(instr: Instr, shapes: dict[str, str]) -> float:
     """``2 * prod(output dims) * prod(contracted dims)`` of a ``dot`` or of a cuBLAS GEMM ``custom-call`` (XLA:GPU
     writes the dot's dimension numbers into its ``backend_config``; its result is ``(output, workspace)``)."""
     out = array_dims(instr.shape)
@@ -291,12 +291,12 @@ def callees(instr: Instr) -> list[tuple[str, str]]:
     return out
 
 
-def _trip_count(instr: Instr) -> float | None:
+def trip_count(instr: Instr) -> float | None:
     m = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', instr.attrs)
     return float(m.group(1)) if m else None
 
 
-class _Walker:
+class Walker:
     """Costs of a computation with its callees: a dict of metric -> value (FLOPs, bytes, collectives)."""
 
     def __init__(self, comps: dict[str, list[Instr]], mesh_shape: dict[str, int]):
@@ -317,16 +317,16 @@ class _Walker:
         total: dict = defaultdict(float)
         for instr in instrs:
             if instr.opcode in ("dot", "convolution") or is_gemm_call(instr):
-                total["flops"] += _dot_flops(instr, shapes)
+                total["flops"] += dot_flops(instr, shapes)
             kind = instr.opcode.removesuffix("-start")
             if kind in COLLECTIVES:
                 self._collective(instr, kind, total, shapes, fused)
-            elif not fused and instr.opcode not in _NO_TRAFFIC and not instr.opcode.endswith("-done"):
-                total["bytes"] += self._traffic(instr, shapes)
+            elif not fused and instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
+                total["bytes"] += self.traffic(instr, shapes)
             self._add_callees(instr, total)
         return dict(total)
 
-    def _traffic(self, instr: Instr, shapes: dict[str, str]) -> float:
+    def traffic(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Output plus operand bytes; slices read only what they output and in-place updates touch only the
         update, also when a fusion slices or updates its parameters (through converts, bitcasts and copies:
         ``convert(dynamic-update-slice(convert(buffer), update))`` is XLA:CPU's form of an in-place bf16
@@ -364,7 +364,7 @@ class _Walker:
         else:
             groups = replica_groups(instr.attrs, self.num_devices)
             size = max(len(g) for g in groups)
-        payload = _payload(instr, kind, size, shapes)
+        payload = collective_payload(instr, kind, size, shapes)
         if not fused:
             total["bytes"] += _io_bytes(payload, kind, size)
         axes = group_axes(groups, self.mesh_shape)
@@ -382,7 +382,7 @@ class _Walker:
                 continue
             times = 1.0
             if instr.opcode == "while":
-                trips = _trip_count(instr)
+                trips = trip_count(instr)
                 if trips is None:
                     self.unknown_trips += 1
                     trips = 1.0
@@ -430,7 +430,7 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> HloStats:
       ValueError: text without an ENTRY computation, or replica groups in a form this parser does not know.
     """
     comps, entry = parse_module(text)
-    walker = _Walker(comps, dict(mesh_shape))
+    walker = Walker(comps, dict(mesh_shape))
     cost = walker.cost(entry)
     colls = [Collective(kind, cost[("coll_bytes", kind, label, size)] / n, n, tuple(label.split("+")), size)
              for (tag, kind, label, size), n in ((k, v) for k, v in cost.items() if isinstance(k, tuple))
@@ -465,7 +465,7 @@ def runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str,
                     continue
                 times, deeper = 1.0, 0
                 if instr.opcode == "while":
-                    times = (_trip_count(instr) or 1.0) + (1.0 if role == "condition" else 0.0)
+                    times = (trip_count(instr) or 1.0) + (1.0 if role == "condition" else 0.0)
                     deeper = int(role == "body")
                 visit(callee, runs * times, depth + deeper)
     visit(entry, 1.0, 0)
@@ -493,7 +493,7 @@ def collective_sites(text: str, mesh_shape: dict[str, int]) -> list[CollectiveSi
                       else replica_groups(instr.attrs, num_devices))
             size = 2 if kind == "collective-permute" else max(len(g) for g in groups)
             n, depth = runs[comp]
-            sites.append(CollectiveSite(kind, comp, _payload(instr, kind, size, shapes), n, depth,
+            sites.append(CollectiveSite(kind, comp, collective_payload(instr, kind, size, shapes), n, depth,
                                         group_axes(groups, mesh_shape), groups, operand_bytes(instr, shapes) <= 8))
     return sites
 
@@ -573,7 +573,8 @@ def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
     return _STABLE_CONSTRAINT.findall(text)
 
 
-__all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "analyze", "array_dims", "attribute", "callees",
-           "collective_counts", "collective_sites", "fused_call", "group_axes", "loop_depths", "parse_module", "permute_pairs",
-           "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes", "sharding_constraints",
-           "stablehlo_dots", "upcast_copies"]
+__all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "NO_TRAFFIC", "Walker", "analyze",
+           "array_dims", "attribute", "callees", "collective_counts", "collective_payload", "collective_sites",
+           "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "operand_bytes", "parse_module",
+           "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes", "sharding_constraints",
+           "stablehlo_dots", "trip_count", "upcast_copies"]
