@@ -174,3 +174,22 @@ def orbax_state_handler() -> ocp.PyTreeCheckpointHandler:
         return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
     except (AttributeError, TypeError):  # an orbax without these options: its defaults work, only slower
         return ocp.PyTreeCheckpointHandler()
+
+
+def device_target_config(devices: list) -> str:
+    """The XLA ``GpuTargetConfigProto`` text of real GPU ``devices``: the exact description the installed jaxlib
+    compiles for (``jax._src.lib.xla_client.get_topology_for_devices(devices).target_config``, jaxlib 0.10 and
+    0.11), so a compile for a topology of these GPUs matches them.
+
+    When JAX exposes a device's target config publicly: use that and delete this function.
+
+    Raises:
+      RuntimeError: this jaxlib has no such call, or the devices' topology has no target config.
+    """
+    try:
+        from jax._src.lib import xla_client
+        config = xla_client.get_topology_for_devices(list(devices)).target_config
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"this jaxlib ({jax.__version__}) cannot read the GPU's target config ({e}); use "
+                           "a shipped target (jp.plan.gpu_target(name, use_device_config=False))") from e
+    return config.decode() if isinstance(config, bytes) else str(config)

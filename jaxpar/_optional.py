@@ -15,7 +15,8 @@ from types import ModuleType
 _PIP_NAMES = {"sklearn": "scikit-learn"}   # import name -> the name pip installs it by
 # import names of pyproject.toml's [project.optional-dependencies] (tests/test_core_install.py keeps them equal)
 EXTRAS = {"experiments": ("tyro", "tqdm", "tensorboardX", "matplotlib", "sklearn"),
-          "data": ("tokenizers", "pyarrow", "grain")}
+          "data": ("tokenizers", "pyarrow", "grain"),
+          "gpu": ("jax_cuda12_plugin", "jax_plugins.xla_cuda12")}
 
 
 def _install(extra: str) -> str:

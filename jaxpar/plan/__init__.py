@@ -11,6 +11,8 @@ compilation).
   checks a layout must pass (:func:`check_layout`) and the changes that make one fit (``suggestions``).
 * :mod:`jaxpar.plan.costs`: datasheet GPUs (:func:`gpu`, :class:`GPU`) and the step-time models
   (:func:`roofline` from the compiled program, :func:`analytic_time` from the model's sizes).
+* :mod:`jaxpar.plan.targets`: GPU targets (:func:`gpu_target`, :class:`GpuTarget`): compile-only H100 / H200 /
+  B200 / A100 devices of XLA's GPU compiler, for compiling GPU programs on a CPU-only machine.
 * :mod:`jaxpar._hlo`: reading a compiled program's HLO text (FLOPs with loops by trip count, bytes accessed,
   collectives by mesh axis).
 * :mod:`jaxpar.plan.memory`: the analytic per-device memory of the GPT train step.
@@ -20,7 +22,8 @@ from jaxpar import _hlo as hlo
 from jaxpar.plan import memory
 from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
 from jaxpar.plan.mesh_sizes import check_layout, host_split
+from jaxpar.plan.targets import GpuTarget, gpu_target
 from jaxpar.plan.planner import MAX_DEVICES, Plan, build_step, estimate, plan, planning_mesh, policy_of
 
-__all__ = ["GPU", "MAX_DEVICES", "Plan", "analytic_time", "build_step", "check_layout", "estimate", "gpu", "hlo",
+__all__ = ["GPU", "GpuTarget", "MAX_DEVICES", "Plan", "analytic_time", "build_step", "check_layout", "estimate", "gpu", "gpu_target", "hlo",
            "host_split", "memory", "plan", "planning_mesh", "policy_of", "roofline"]

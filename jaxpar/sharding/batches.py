@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -47,10 +48,14 @@ class Batches:
                              "leading (global batch) axis")
         return sizes.pop()
 
-    def place(self, batch: Any) -> Any:
-        """Global arrays with the leading axis over the batch axes (abstract leaves get the sharding)."""
+    def place(self, batch: Any, abstract: bool = False) -> Any:
+        """Global arrays with the leading axis over the batch axes (abstract leaves get the sharding). With
+        ``abstract``, host leaves become ``jax.ShapeDtypeStruct``\\ s of their global shape instead: lowering
+        needs no data, and compile-only devices (``jp.plan.gpu_target``) cannot hold any."""
         def place(x):
             sharding = self.sharding(np.ndim(x))
+            if abstract and not isinstance(x, jax.Array):
+                x = jax.ShapeDtypeStruct((self.global_rows(x), *np.shape(x)[1:]), jnp.result_type(x))
             if isinstance(x, jax.ShapeDtypeStruct):
                 return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             if isinstance(x, jax.Array):

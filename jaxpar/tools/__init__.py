@@ -1,6 +1,6 @@
 """Tools around a run: metrics files and throughput (MFU), plots, GPU defaults. The training core never imports
 them."""
 
-from jaxpar.tools import gpu, metrics, plot
+from jaxpar.tools import datasheets, gpu, metrics, plot
 
-__all__ = ["gpu", "metrics", "plot"]
+__all__ = ["datasheets", "gpu", "metrics", "plot"]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar._optional import require
+from jaxpar.tools import datasheets as _datasheets
 
 
 class MetricsWriter:
@@ -86,39 +87,26 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# Dense (no structured sparsity) bfloat16 tensor-core peak, FLOP/s per GPU, from NVIDIA's datasheets: A100
-# (SXM and PCIe, 312 TFLOPS; "NVIDIA A100 Tensor Core GPU" datasheet), H100 SXM (989 TFLOPS), H100 PCIe (756),
-# H100 NVL (835), H200 SXM (989), H200 NVL (835) ("NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor Core
-# GPU" datasheets; they print twice these figures "with sparsity"). Matched in order against ``device_kind``.
-GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIE", 756e12), ("H100", 989e12),
-    ("A100", 312e12),
-)
+# Dense bf16 tensor-core peak, FLOP/s per GPU, by device-kind pattern, in match order: read from the one GPU table
+# (:mod:`jaxpar.tools.datasheets`, which names the NVIDIA datasheets).
+GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = tuple((d.kind, d.bf16_flops) for d in _datasheets.DATASHEETS)
 
 
 def datasheet_peak_flops(device_kind: str) -> float | None:
     """The table's dense bf16 peak (FLOP/s) for a GPU ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``), or None."""
-    kind = device_kind.upper()
-    for name, flops in GPU_PEAK_BF16_FLOPS:
-        if name in kind:
-            return flops
-    return None
+    row = _datasheets.for_device_kind(device_kind)
+    return None if row is None else row.bf16_flops
 
 
-# Per-GPU datasheet figures for planning runs (``jaxpar.plan``): memory capacity (bytes, the datasheet's GB =
-# 1e9 bytes), HBM bandwidth and link bandwidths per GPU per direction (bytes/s). Sources: "NVIDIA H100 Tensor Core
-# GPU" datasheet (SXM: 80 GB, 3.35 TB/s, NVLink 900 GB/s = 450 GB/s each way), "NVIDIA H200 Tensor Core GPU"
-# datasheet (SXM: 141 GB, 4.8 TB/s, NVLink 900 GB/s), "NVIDIA A100 Tensor Core GPU" datasheet (SXM 80GB: 2,039
-# GB/s, NVLink 600 GB/s = 300 GB/s each way); InfiniBand: one ConnectX-7 400 Gb/s (50 GB/s) NIC per GPU in DGX
-# H100 / H200, one ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU in DGX A100 (the DGX user guides). The peak dense
-# bf16 FLOP/s is the table above's, looked up by ``kind``.
+# Per-GPU figures for planning runs (``jaxpar.plan``), by name (aliases included): memory capacity (bytes), HBM
+# bandwidth and link bandwidths per GPU per direction (bytes/s), dense bf16 / fp8 FLOP/s; ``kind`` looks the row
+# up again in :func:`datasheet_peak_flops`. Read from :mod:`jaxpar.tools.datasheets` (sources there); only the
+# GPUs of multi-host systems (an InfiniBand figure) are planning targets.
 GPU_DATASHEETS: dict[str, dict[str, Any]] = {
-    "h100-80gb": dict(kind="H100 SXM", memory_bytes=80e9, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9,
-                      infiniband_bytes_per_s=50e9),
-    "h200": dict(kind="H200 SXM", memory_bytes=141e9, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9,
-                 infiniband_bytes_per_s=50e9),
-    "a100-80gb": dict(kind="A100 SXM", memory_bytes=80e9, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=300e9,
-                      infiniband_bytes_per_s=25e9),
+    name: dict(kind=d.kind, memory_bytes=d.memory_bytes, hbm_bytes_per_s=d.hbm_bytes_per_s,
+               nvlink_bytes_per_s=d.nvlink_bytes_per_s, infiniband_bytes_per_s=d.infiniband_bytes_per_s,
+               bf16_flops=d.bf16_flops, fp8_flops=d.fp8_flops, source=d.source)
+    for d in _datasheets.DATASHEETS if d.infiniband_bytes_per_s is not None for name in (d.name, *d.aliases)
 }
 
 

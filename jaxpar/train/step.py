@@ -399,7 +399,7 @@ class Step:
         check_batch_size(b.size(batch), b.mesh, b.rules, g.grad_accum_steps if g else 1, g.microbatches if g else 1)
         if self._check_batch is not None and concrete:
             self._check_batch(batch)
-        batch = b.place(batch)
+        batch = b.place(batch, abstract=not concrete)
         if first:
             if g is not None:
                 abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
