@@ -449,6 +449,8 @@ class CollectiveSite:
     axes: tuple[str, ...]
     groups: list[list[int]]      # replica groups (a permute: its source-target pairs)
     scalar: bool                 # a result of at most 8 bytes (a loss or metric reduction)
+    dtypes: tuple[str, ...] = ()  # the element types of its operands, sorted
+    is_async: bool = False       # an async ``-start`` (its ``-done`` elsewhere in the schedule)
 
 
 def runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str, tuple[float, int]]:
@@ -493,8 +495,10 @@ def collective_sites(text: str, mesh_shape: dict[str, int]) -> list[CollectiveSi
                       else replica_groups(instr.attrs, num_devices))
             size = 2 if kind == "collective-permute" else max(len(g) for g in groups)
             n, depth = runs[comp]
+            dtypes = sorted({d for o in instr.operands for d, _ in array_dims(shapes.get(o, ""))})
             sites.append(CollectiveSite(kind, comp, collective_payload(instr, kind, size, shapes), n, depth,
-                                        group_axes(groups, mesh_shape), groups, operand_bytes(instr, shapes) <= 8))
+                                        group_axes(groups, mesh_shape), groups, operand_bytes(instr, shapes) <= 8,
+                                        tuple(dtypes), instr.opcode.endswith("-start")))
     return sites
 
 

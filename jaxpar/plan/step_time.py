@@ -44,12 +44,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar import _hlo
+from jaxpar.plan import gpu_program
+from jaxpar.tools import metrics as _metrics
 
 _US = 1e-6
 # NCCL's tuning model (src/graph/tuning.cc), Simple protocol, microseconds.
 _RING_BASE_US, _RING_NVLINK_US, _RING_NET_US = 8.4, 3.4, 9.6
 _TREE_NVLINK_US, _TREE_NET_US = 28.0, 50.0
-_FP8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz", "f8e3m4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +64,13 @@ class Peaks:
 
     @classmethod
     def of(cls, spec: Any) -> Peaks:
-        """From a :class:`jaxpar.plan.costs.GPU` or a GPU target (attributes ``peak_flops`` or ``bf16_flops``,
-        ``fp8_flops`` (absent or None: fp8 dots at the bf16 peak), ``hbm_bytes_per_s``, ``nvlink_bytes_per_s``,
-        ``infiniband_bytes_per_s``)."""
+        """From a GPU target (:func:`jaxpar.plan.gpu_target`) or a :class:`jaxpar.plan.costs.GPU` (its fp8 peak
+        then read from the GPU table by name); a GPU without fp8 tensor cores runs fp8 dots at its bf16 peak."""
         bf16 = getattr(spec, "bf16_flops", None) or spec.peak_flops
-        return cls(bf16, getattr(spec, "fp8_flops", None) or bf16, spec.hbm_bytes_per_s, spec.nvlink_bytes_per_s,
-                   spec.infiniband_bytes_per_s)
+        fp8 = getattr(spec, "fp8_flops", None)
+        if fp8 is None and not hasattr(spec, "fp8_flops"):
+            fp8 = _metrics.GPU_DATASHEETS.get(spec.name, {}).get("fp8_flops")
+        return cls(bf16, fp8 or bf16, spec.hbm_bytes_per_s, spec.nvlink_bytes_per_s, spec.infiniband_bytes_per_s)
 
 
 def collective_seconds(kind: str, payload: float, size: int, hosts: int, peaks: Peaks) -> float:
@@ -132,7 +134,7 @@ class _Replayer:
     def _has_fp8_dot(self, callee: str | None, instr: _hlo.Instr, shapes: dict[str, str]) -> bool:
         dots = [(i, {j.name: j.shape for j in self.comps[callee]}) for i in self.comps.get(callee, [])
                 if i.opcode == "dot"] if callee else [(instr, shapes)]
-        return any(d and d[0][0] in _FP8 for i, s in dots for d in [_hlo.array_dims(s.get(i.operands[0], ""))])
+        return any(d and gpu_program.is_fp8(d[0][0]) for i, s in dots for d in [_hlo.array_dims(s.get(i.operands[0], ""))])
 
     def _collective(self, instr: _hlo.Instr, kind: str, shapes: dict[str, str]) -> tuple[float, str]:
         if kind == "collective-permute":

@@ -85,3 +85,57 @@ def test_replay_hides_async_gathers_behind_kernels_and_exposes_synchronous_colle
         assert r["comm_s_by"][f"all-reduce/fsdp/{kind}"] == pytest.approx(3 * reduce)
     with pytest.raises(ValueError, match="host_of has 4 entries"):
         step_time.scheduled_time(_MODULE, {"fsdp": 8}, [0] * 4, _PEAKS)
+
+
+def _gpu_target_or_skip(hosts: int = 1):
+    from jaxpar.plan import targets
+    try:
+        targets.check_cuda_plugin()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"compiling for a GPU target needs the jax CUDA plugin (the gpu extra): {e}")
+    return targets.gpu_target("h100", hosts=hosts)
+
+
+@pytest.fixture(scope="module")
+def gpu_steps():
+    """The optimized H100 HLO of one small GPT train step under a bf16 policy and under bf16 with fp8 dots (FSDP
+    over 2 hosts x 4 GPUs)."""
+    import jax.numpy as jnp
+
+    from jaxpar.models import GPTConfig
+    from jaxpar.plan import planner
+    from jaxpar.precision.policy import Policy
+    from jaxpar.train import step as train
+    target = _gpu_target_or_skip(hosts=2)
+    mesh = target.mesh(data=2, fsdp=8)
+    cfg = GPTConfig(d_model=256, num_layers=2, num_heads=4, vocab_size=1024, max_seq_len=256, positions="rotary",
+                    scan_layers=True, dtype=jnp.bfloat16)
+    out = {}
+    for name, dot in (("bf16", None), ("fp8", "fp8")):
+        model, tx, step, _ = planner.build_step(cfg, mesh)
+        state = train.abstract_state(model.init, tx, mesh=mesh, policy=Policy(jnp.float32, jnp.bfloat16,
+                                                                               jnp.float32, dot=dot))
+        out[name] = step.lower(state, planner.batch_structs(32, 256)).compile().as_text()
+    return target, mesh, out, cfg.num_params()
+
+
+@pytest.mark.slow
+def test_fp8_step_counts_the_flops_of_the_bf16_step_on_gpu_hlo(gpu_steps):
+    from jaxpar import _hlo
+    from jaxpar.plan import gpu_program
+    target, mesh, text, num_params = gpu_steps
+    stats = {k: _hlo.analyze(t, dict(mesh.shape)) for k, t in text.items()}
+    assert stats["fp8"].flops == pytest.approx(stats["bf16"].flops, rel=0.01)
+    fp8 = gpu_program.dots(text["fp8"])
+    assert fp8["fp8_dots"] > 0 and fp8["fp8_triton_gemms"] + fp8["fp8_cublaslt_gemms"] == fp8["fp8_dots"]
+    assert gpu_program.dots(text["bf16"])["fp8_dots"] == 0
+    # the gradients reduce-scattered once per step: at most float32 bytes of every parameter (counting an async
+    # start's (operands, results) tuple gave 9 times the operands on 8 devices)
+    grads = sum(r["bytes"] for r in gpu_program.collectives(text["bf16"], dict(mesh.shape))
+                if r["kind"] == "reduce-scatter")
+    assert 0 < grads <= 4 * num_params
+    host_of = [d.process_index for d in mesh.devices.flat]
+    times = {k: step_time.scheduled_time(t, dict(mesh.shape), host_of, target) for k, t in text.items()}
+    assert all(r["unknown_trip_counts"] == 0 and r["step_s"] >= r["compute_s"] > 0 for r in times.values())
+    assert times["fp8"]["fp8_gemm_s"] > 0 == times["bf16"]["fp8_gemm_s"]
+    assert any(k.endswith("/infiniband") for k in times["bf16"]["comm_s_by"])   # data spans the two hosts
