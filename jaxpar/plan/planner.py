@@ -97,12 +97,16 @@ class Plan:
     advice: str
     compile_s: float
     analytic_time: dict
+    gpu: dict | None = None    # a GPU target's plan (jaxpar.plan.gpu_plan): collectives by dtype, fp8 GEMMs, attention
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def report(self) -> str:
         """A few lines: layout, memory (compiled beside analytic), FLOPs, collectives, time, fit."""
+        if self.gpu is not None:
+            from jaxpar.plan import gpu_plan
+            return gpu_plan.report(self)
         mem, gib = self.memory, _bytes
         across = [f"{a}={s}" for a, s in self.hosts["across_hosts"].items() if s > 1]
         lines = [f"{self.label}: {self.model['name']} on {' x '.join(f'{a}={s}' for a, s in self.mesh.items())}"
@@ -166,10 +170,11 @@ def default_tx(model: Any) -> Any:
 
 
 def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True,
-               *, tx: Any = None):
+               *, tx: Any = None, policy: Any = None):
     """``(model, tx, step, abstract_state)`` of the train step of a model of the protocol, or of the model a config
     builds, on ``mesh``: the same step a run builds (a pipeline's state in its schedule's stage layout, as
-    ``experiments/charlm.py`` trains it). ``tx``: the optimizer (None: :func:`default_tx`).
+    ``experiments/charlm.py`` trains it). ``tx``: the optimizer (None: :func:`default_tx`); ``policy``: the
+    precision policy (None: :func:`policy_of` the config; give one for fp8 dots, ``dot="fp8"``).
 
     Raises:
       TypeError: as :func:`jaxpar.plan.memory.model_and_config`.
@@ -181,7 +186,7 @@ def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_st
     pipe = None if schedule is None else pipeline.Pipeline.from_model(model, schedule)
     step = train.make_train_step(model.loss if pipe is None else pipe, tx, mesh=mesh,
                                  grad_accum_steps=grad_accum_steps, donate=donate)
-    state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy_of(cfg), pipeline=pipe)
+    state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy or policy_of(cfg), pipeline=pipe)
     return model, tx, step, state
 
 
@@ -220,11 +225,11 @@ def _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len
 
 
 def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
-               memory_fraction, tx=None) -> Plan:
+               memory_fraction, tx=None, policy=None) -> Plan:
     start = time.perf_counter()
     per_host, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
-    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx)
+    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy)
     cfg = plan_memory.model_and_config(model_config)[1]
     compiled = step.lower(state, batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
@@ -243,7 +248,7 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
     needed = memory["compiled_bytes"]
     fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
                                    schedule, grad_accum_steps, gpus_per_host)
-    return Plan(label="XLA:CPU compilation", model=_model_summary(model, cfg), mesh=sizes,
+    return Plan(label="XLA:CPU compilation", model=model_summary(model, cfg), mesh=sizes,
                 hosts={"per_host": per_host, "across_hosts": across}, device=spec.name,
                 global_batch=global_batch, seq_len=seq_len, schedule=None if schedule is None else schedule.name,
                 grad_accum_steps=grad_accum_steps, memory=memory,
@@ -255,7 +260,7 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
                                             grad_accum_steps))
 
 
-def _model_summary(model: Any, cfg: Any) -> dict:
+def model_summary(model: Any, cfg: Any) -> dict:
     n = cfg.num_params()
     name = f"{type(model).__name__} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} (d={cfg.d_model}, layers={cfg.num_layers}, heads={cfg.num_heads})"
     return {"name": name, "num_params": cfg.num_params(), "d_model": cfg.d_model, "num_layers": cfg.num_layers,
@@ -336,8 +341,10 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
 
 def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
          device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
-         gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0, tx: Any = None) -> Plan:
-    """Compiles a model's train step for ``mesh_shape`` on simulated CPU devices and returns its :class:`Plan`.
+         gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0, tx: Any = None,
+         target: Any = None, policy: Any = None, compare_cpu: bool = False) -> Plan:
+    """Compiles a model's train step for ``mesh_shape`` on simulated CPU devices, or with XLA's GPU compiler for
+    a GPU ``target``, and returns its :class:`Plan`.
 
     Args:
       model_config: a model config that builds a model of the protocol (``jaxpar.models.GPTConfig``,
@@ -358,6 +365,14 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
       timeout: seconds allowed for the planning subprocess (when one is needed).
       tx: the optimizer (an optax ``GradientTransformation``; None: :func:`default_tx`, AdamW). A plan in a
         subprocess sends it pickled.
+      target: None (simulated CPU devices), or a GPU target: a :func:`jaxpar.plan.gpu_target` whose device
+        count is the mesh's, or its name (``"h100"``, ``"h200"``, ...; ``prod(mesh) / gpus_per_host`` hosts). The
+        step is compiled by XLA:GPU for its compile-only devices in this process (:mod:`jaxpar.plan.gpu_plan`:
+        GPU memory, collectives by dtype, fp8 GEMMs, attention kernel, a replayed step time); ``device`` is then
+        the target's.
+      policy: the precision policy (None: the config's, :func:`policy_of`); e.g. ``dot="fp8"`` for fp8 matmuls.
+      compare_cpu: with a ``target``, also compile for simulated CPU devices and put that plan's memory beside
+        the GPU's (``memory["cpu_compiled_bytes"]``).
 
     Returns:
       A :class:`Plan`; a layout that does not fit is a Plan with ``fits=False`` and ``advice`` reading "does not
@@ -373,15 +388,31 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         ``memory_fraction`` (any real number type, numpy's included); a ``timeout`` that is not a positive
         finite number.
       RuntimeError: the planning subprocess failed (its stderr attached) or ran past ``timeout``.
+      ImportError / RuntimeError: a ``target`` without the jax CUDA plugin of jaxlib's version.
     """
     if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(float(timeout))
             or float(timeout) <= 0):
         raise ValueError(f"timeout={timeout!r} must be a positive finite number of seconds, e.g. timeout=1800")
+    if target is not None:
+        device = target if isinstance(target, str) else target.name
+        gpus_per_host = gpus_per_host if isinstance(target, str) else target.gpus_per_host
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
                             grad_accum_steps, gpus_per_host, memory_fraction)
     args = (model_config, sizes, int(global_batch), int(seq_len), schedule, spec, int(grad_accum_steps),
-            int(gpus_per_host), float(memory_fraction), tx)
+            int(gpus_per_host), float(memory_fraction), tx, policy)
     n = math.prod(sizes.values())
+    if target is not None:
+        from jaxpar.plan import gpu_plan
+        resolved = gpu_plan.resolve_target(target, n, int(gpus_per_host))
+        result = gpu_plan.plan_on_target(model_config, sizes, resolved, int(global_batch), int(seq_len), schedule,
+                                         int(grad_accum_steps), float(memory_fraction), tx, policy)
+        if compare_cpu:
+            cpu = plan(model_config, sizes, global_batch=global_batch, seq_len=seq_len, schedule=schedule,
+                       device=device, grad_accum_steps=grad_accum_steps, gpus_per_host=gpus_per_host,
+                       memory_fraction=memory_fraction, timeout=timeout, tx=tx, policy=policy)
+            result.memory.update(cpu_compiled_bytes=cpu.needed_bytes, cpu_temp_bytes=cpu.memory["temp_bytes"],
+                                 cpu_upcast_bytes=cpu.memory["cpu_upcast_bytes"])
+        return result
     if len(_cpu_devices()) >= n:
         return _plan_here(*args)
     try:
