@@ -73,7 +73,7 @@ def test_bad_flags_are_refused_by_the_parser(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--device", "tpu-v5"], "--device: device='tpu-v5' is not in the datasheet table"),
+    (["--device", "tpu-v5"], "--target: .tpu-v5. is not a GPU target; use one of"),
     # the schedule names are jp.pipeline.SCHEDULES', read once jax has started with the sweep's devices
     (["--schedules", "pipedream"], r"invalid choice: 'pipedream' \(choose from 'gpipe', '1f1b', .*'dualpipev'\)"),
     # one GPU a host keeps tensor at 1, so data x fsdp = 4 rows never split a batch of 3

@@ -84,10 +84,7 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
     memory = _memory(compiled, state, parts)
     n = math.prod(sizes.values())
     model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
-    collectives: dict[str, dict[str, float]] = {}
-    for c in stats.collectives:
-        by_axes = collectives.setdefault(c.kind, {})
-        by_axes["+".join(c.axes)] = by_axes.get("+".join(c.axes), 0.0) + c.bytes * c.count
+    collectives = planner.collectives_by_kind(stats)
     host_of = [d.process_index for d in mesh.devices.flat]
     replay = step_time.scheduled_time(text, shape, host_of, target)
     replay.update(step_time.throughput(replay["step_s"], global_batch * seq_len, n, 6.0 * cfg.num_params(),

@@ -215,6 +215,15 @@ def planning_mesh(sizes: dict[str, int], gpus_per_host: int):
     return make_mesh(**sizes, devices=devices[:n], hosts=n // gpus_per_host, devices_per_host=gpus_per_host)
 
 
+def collectives_by_kind(stats: plan_hlo.HloStats) -> dict[str, dict[str, float]]:
+    """``{kind: {axes: payload bytes per step}}`` of a program's collectives (axes ``"+"``-joined)."""
+    out: dict[str, dict[str, float]] = {}
+    for c in stats.collectives:
+        by_axes = out.setdefault(c.kind, {})
+        by_axes["+".join(c.axes)] = by_axes.get("+".join(c.axes), 0.0) + c.bytes * c.count
+    return out
+
+
 def _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len, schedule, grad_accum_steps,
          gpus_per_host) -> tuple[bool, float, str]:
     available = spec.memory_bytes * memory_fraction
@@ -241,10 +250,7 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     n = math.prod(sizes.values())
     model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
-    collectives: dict[str, dict[str, float]] = {}
-    for c in stats.collectives:
-        by_axes = collectives.setdefault(c.kind, {})
-        by_axes["+".join(c.axes)] = by_axes.get("+".join(c.axes), 0.0) + c.bytes * c.count
+    collectives = collectives_by_kind(stats)
     needed = memory["compiled_bytes"]
     fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
                                    schedule, grad_accum_steps, gpus_per_host)
