@@ -81,7 +81,7 @@ def published_row(row: dict) -> dict:
     predicted = p.time["tokens_per_s_per_gpu"]
     return {"name": row["name"], "source": row["source"], "mesh": p.mesh, "batch": row["batch"], "seq": row["seq"],
             "gpu_gib_per_device": p.needed_bytes / 2**30, "step_s": p.time["step_s"],
-            "compute_s": p.time["compute_s"], "exposed_comm_s": p.time["exposed_comm_s"],
+            "compute_s": p.time["compute_s"], "gemm_s": p.time["gemm_s"], "exposed_comm_s": p.time["exposed_comm_s"],
             "predicted_tokens_per_s_per_gpu": predicted, "predicted_mfu": p.time["mfu"],
             "published_tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
             "published_mfu_6n": row["tokens_per_s_per_gpu"] * 6 * cfg.num_params() / PEAK_BF16,

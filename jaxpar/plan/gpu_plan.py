@@ -138,7 +138,8 @@ def report(plan: Any) -> str:
         f"  FLOPs/device: HLO {plan.flops['hlo']:.3e} (model 6N {plan.flops['model']:.3e}); {fp8}",
         f"  attention: {g['attention']}",
         "  collectives/step: " + ("; ".join(rows) or "none"),
-        f"  time (replayed schedule, optimistic): kernels {t['compute_s'] * 1e3:.4g} ms, collectives "
+        f"  time (replayed schedule, optimistic): kernels {t['compute_s'] * 1e3:.4g} ms (with matmuls "
+        f"{t['gemm_s'] * 1e3:.4g} ms), collectives "
         f"{t['comm_s'] * 1e3:.4g} ms ({by_link or 'none'}), exposed {t['exposed_comm_s'] * 1e3:.4g} ms -> step "
         f"{t['step_s'] * 1e3:.4g} ms, {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {t['mfu']:.1%}; "
         f"analytic step {plan.analytic_time['step_s'] * 1e3:.4g} ms",

@@ -96,12 +96,14 @@ class _Replay:
     """One computation's replay: seconds of the whole, of its kernels, of its collectives (hidden or not)."""
     seconds: float = 0.0
     compute_s: float = 0.0
+    gemm_s: float = 0.0
     fp8_gemm_s: float = 0.0
     comm_s: float = 0.0
     by_collective: dict = dataclasses.field(default_factory=lambda: defaultdict(float))
 
     def add(self, other: _Replay, times: float) -> None:
         self.compute_s += times * other.compute_s
+        self.gemm_s += times * other.gemm_s
         self.fp8_gemm_s += times * other.fp8_gemm_s
         self.comm_s += times * other.comm_s
         for k, v in other.by_collective.items():
@@ -121,15 +123,15 @@ class _Replayer:
             self.memo[name] = self._replay(name)
         return self.memo[name]
 
-    def _kernel(self, instr: _hlo.Instr, shapes: dict[str, str]) -> tuple[float, bool]:
-        """Seconds of one kernel and whether it runs fp8 dots."""
+    def _kernel(self, instr: _hlo.Instr, shapes: dict[str, str]) -> tuple[float, float, bool]:
+        """Seconds of one kernel, its FLOPs and whether it runs fp8 dots."""
         callee = dict(_hlo.callees(instr)).get("calls") if instr.opcode == "fusion" else None
         flops = self.walker.cost(callee, fused=True).get("flops", 0.0) if callee else 0.0
         if instr.opcode == "dot" or _hlo.is_gemm_call(instr):
             flops += _hlo.dot_flops(instr, shapes)
         fp8 = flops > 0 and self._has_fp8_dot(callee, instr, shapes)
         peak = self.peaks.fp8_flops if fp8 else self.peaks.bf16_flops
-        return max(flops / peak, self.walker.traffic(instr, shapes) / self.peaks.hbm_bytes_per_s), fp8
+        return max(flops / peak, self.walker.traffic(instr, shapes) / self.peaks.hbm_bytes_per_s), flops, fp8
 
     def _has_fp8_dot(self, callee: str | None, instr: _hlo.Instr, shapes: dict[str, str]) -> bool:
         dots = [(i, {j.name: j.shape for j in self.comps[callee]}) for i in self.comps.get(callee, [])
@@ -169,9 +171,10 @@ class _Replayer:
             elif instr.opcode in ("while", "conditional", "call"):
                 t += self._control(instr, out)
             elif instr.opcode not in _hlo.NO_TRAFFIC and not instr.opcode.endswith(("-start", "-done")):
-                seconds, fp8 = self._kernel(instr, shapes)
+                seconds, flops, fp8 = self._kernel(instr, shapes)
                 t += seconds
                 out.compute_s += seconds
+                out.gemm_s += seconds if flops else 0.0
                 out.fp8_gemm_s += seconds if fp8 else 0.0
         out.seconds = max([t, comm_free, *pending.values()])
         return out
@@ -204,8 +207,9 @@ def scheduled_time(text: str, mesh_shape: dict[str, int], host_of: Sequence[int]
       spec: the GPU's figures (:meth:`Peaks.of`).
 
     Returns:
-      ``{"step_s", "compute_s", "fp8_gemm_s", "comm_s", "exposed_comm_s", "comm_s_by": {"kind/axes/link": s},
-      "unknown_trip_counts"}`` in seconds: ``compute_s`` the kernels' sum, ``comm_s`` the collectives' sum,
+      ``{"step_s", "compute_s", "gemm_s", "fp8_gemm_s", "comm_s", "exposed_comm_s", "comm_s_by":
+      {"kind/axes/link": s}, "unknown_trip_counts"}`` in seconds: ``compute_s`` the kernels' sum (``gemm_s`` of
+      those with matmuls, ``fp8_gemm_s`` of those with fp8 matmuls), ``comm_s`` the collectives' sum,
       ``exposed_comm_s = step_s - compute_s`` the communication the schedule does not hide.
 
     Raises:
@@ -217,7 +221,8 @@ def scheduled_time(text: str, mesh_shape: dict[str, int], host_of: Sequence[int]
                          "[d.process_index for d in mesh.devices.flat]")
     replayer = _Replayer(text, mesh_shape, host_of, Peaks.of(spec))
     r = replayer.replay(replayer.entry)
-    return {"step_s": r.seconds, "compute_s": r.compute_s, "fp8_gemm_s": r.fp8_gemm_s, "comm_s": r.comm_s,
+    return {"step_s": r.seconds, "compute_s": r.compute_s, "gemm_s": r.gemm_s, "fp8_gemm_s": r.fp8_gemm_s,
+            "comm_s": r.comm_s,
             "exposed_comm_s": max(0.0, r.seconds - r.compute_s), "comm_s_by": dict(r.by_collective),
             "unknown_trip_counts": replayer.walker.unknown_trips}
 
