@@ -25,7 +25,8 @@ Published rows (sources):
   sequence 8192, bf16: 15.563 s/step = 1,052 tokens/s per GPU, 51.2% MFU (NVIDIA DGX Cloud Benchmarking
   recipe "Maxtext Llama3 70B", README).
 
-The grid picks each cell's layout as ``experiments/plan.py`` does (``jp.plan.estimate``: fitting first, then
+Both compile with jaxpar's GPU flags (``jp.tools.gpu.apply_gpu_defaults``: latency-hiding scheduler, combined and
+pipelined collectives, loop double buffering), as a jaxpar run on GPUs does. The grid picks each cell's layout as ``experiments/plan.py`` does (``jp.plan.estimate``: fitting first, then
 the analytic step time; remat full or none) and compiles the best one.
 """
 
@@ -56,6 +57,7 @@ PUBLISHED = [
          seq=8192, dot=None, tokens_per_s_per_gpu=8192 * 256 / 15.563 / 128, mfu=0.512,
          source="NVIDIA DGX Cloud Benchmarking recipe 'Maxtext Llama3 70B' (README)"),
 ]
+TINY = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_mlp=128, vocab_size=128)
 GRID_MODELS = ["125m", "1.3b", "llama3-8b", "llama3-70b"]
 GRID_DEVICES = [8, 64, 512]
 
@@ -115,12 +117,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--models", nargs="+", default=GRID_MODELS, help="grid models (experiments/plan.py names)")
     ap.add_argument("--devices", nargs="+", type=int, default=GRID_DEVICES, help="grid device counts")
     ap.add_argument("--out", default="runs/gpu_published.json", help="where the JSON rows go")
+    ap.add_argument("--tiny", action="store_true", help="the published rows' layouts on one host with a tiny Llama "
+                                                        "(a check of the script, seconds per row)")
     args = ap.parse_args(argv)
     most = max(args.devices) if args.grid else 8
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={most}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(ROOT))
+    import jax
+
+    from jaxpar.tools import gpu as gpu_defaults
+    gpu_defaults.apply_gpu_defaults(platform="gpu")   # the overlap flags a jaxpar GPU run compiles with
+    jax.devices("cpu")   # start jax with the grid's largest device count before the sweeps set theirs
     rows = []
     if args.grid:
         import importlib.util
@@ -129,7 +138,8 @@ def main(argv=None) -> list[dict]:
         spec.loader.exec_module(plan_cli)
         cells = [(m, d) for m in args.models for d in args.devices]
     else:
-        cells = PUBLISHED
+        tiny = dict(model=TINY, hosts=1, mesh=dict(fsdp=8), batch=16, seq=64)
+        cells = [dict(r, **tiny) for r in PUBLISHED[:2]] if args.tiny else PUBLISHED   # bf16 and fp8
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for cell in cells:

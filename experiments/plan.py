@@ -228,6 +228,9 @@ def main(argv=None) -> list:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.target is not None:   # compile what a jaxpar GPU run compiles: its overlap flags, read once at start
+        from jaxpar.tools import gpu as gpu_defaults
+        gpu_defaults.apply_gpu_defaults(platform="gpu")
     if "jax" in sys.modules and len(sys.modules["jax"].devices("cpu")) < args.devices:
         ap.error(f"jax is already running with fewer than {args.devices} CPU devices; run this script in a fresh "
                  "process")

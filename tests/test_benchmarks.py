@@ -204,3 +204,20 @@ def test_context_script_tiny():
                                                                ("all_gather", 2)]
     assert all(r["temp_bytes"] > 0 for r in memory) and memory[1]["ratio_to_context_1"] < 1
     assert [r["context"] for r in rows if r["part"] == "time"] == [1, 2]
+
+
+@pytest.mark.slow  # two XLA:GPU compiles of a tiny Llama on compile-only H100s (~30 s)
+def test_gpu_published_script_tiny(tmp_path, monkeypatch):
+    from jaxpar.plan import targets
+    try:
+        targets.check_cuda_plugin()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"the GPU planner needs the jax CUDA plugin (the gpu extra): {e}")
+    monkeypatch.setenv("XLA_FLAGS", __import__("os").environ.get("XLA_FLAGS", ""))   # main() sets it
+    import gpu_published
+    bf16, fp8 = gpu_published.main(["--tiny", "--out", str(tmp_path / "rows.json")])
+    for row, published in ((bf16, 5762), (fp8, 8532)):
+        assert "error" not in row, row
+        assert row["ratio"] == pytest.approx(row["predicted_tokens_per_s_per_gpu"] / published)
+        assert row["step_s"] >= row["compute_s"] > 0 and 0 < row["predicted_mfu"] < 1
+    assert bf16["fp8_dots"] == 0 < fp8["fp8_dots"]

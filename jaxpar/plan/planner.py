@@ -375,7 +375,9 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         count is the mesh's, or its name (``"h100"``, ``"h200"``, ...; ``prod(mesh) / gpus_per_host`` hosts). The
         step is compiled by XLA:GPU for its compile-only devices in this process (:mod:`jaxpar.plan.gpu_plan`:
         GPU memory, collectives by dtype, fp8 GEMMs, attention kernel, a replayed step time); ``device`` is then
-        the target's.
+        the target's. XLA reads its GPU flags once, from ``XLA_FLAGS`` when jax starts: to compile what a jaxpar
+        GPU run compiles, start the process after ``jp.tools.gpu.apply_gpu_defaults(platform="gpu")`` (the
+        latency-hiding scheduler, collective combining and pipelining; ``experiments/plan.py --target`` does).
       policy: the precision policy (None: the config's, :func:`policy_of`); e.g. ``dot="fp8"`` for fp8 matmuls.
       compare_cpu: with a ``target``, also compile for simulated CPU devices and put that plan's memory beside
         the GPU's (``memory["cpu_compiled_bytes"]``).
