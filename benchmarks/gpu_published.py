@@ -26,8 +26,9 @@ Published rows (sources):
   recipe "Maxtext Llama3 70B", README).
 
 Both compile with jaxpar's GPU flags (``jp.tools.gpu.apply_gpu_defaults``: latency-hiding scheduler, combined and
-pipelined collectives, loop double buffering), as a jaxpar run on GPUs does. The grid picks each cell's layout as ``experiments/plan.py`` does (``jp.plan.estimate``: fitting first, then
-the analytic step time; remat full or none) and compiles the best one.
+pipelined collectives, loop double buffering), as a jaxpar run on GPUs does. The grid picks each cell's layout
+as ``experiments/plan.py`` does (``jp.plan.estimate``: fitting first, then the analytic step time; remat full or
+none) and compiles the best one.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ class _Replayer:
     def _has_fp8_dot(self, callee: str | None, instr: _hlo.Instr, shapes: dict[str, str]) -> bool:
         dots = [(i, {j.name: j.shape for j in self.comps[callee]}) for i in self.comps.get(callee, [])
                 if i.opcode == "dot"] if callee else [(instr, shapes)]
-        return any(d and gpu_program.is_fp8(d[0][0]) for i, s in dots for d in [_hlo.array_dims(s.get(i.operands[0], ""))])
+        lhs = [_hlo.array_dims(s.get(i.operands[0], "")) for i, s in dots]
+        return any(d and gpu_program.is_fp8(d[0][0]) for d in lhs)
 
     def _collective(self, instr: _hlo.Instr, kind: str, shapes: dict[str, str]) -> tuple[float, str]:
         if kind == "collective-permute":
