@@ -206,7 +206,8 @@ def test_context_script_tiny():
     assert [r["context"] for r in rows if r["part"] == "time"] == [1, 2]
 
 
-@pytest.mark.slow  # two XLA:GPU compiles of a tiny Llama on compile-only H100s (~30 s)
+@pytest.mark.slow  # two XLA:GPU compiles of a tiny Llama on compile-only H100s (~30-60 s)
+@pytest.mark.filterwarnings("ignore:jp.gpu.apply_gpu_defaults\\(\\) ran after JAX's backends started")  # pytest's jax
 def test_gpu_published_script_tiny(tmp_path, monkeypatch):
     from jaxpar.plan import targets
     try:
