@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from jaxpar import _hlo
-from jaxpar.plan import gpu_program, step_time
+from jaxpar.plan import compiled_step, gpu_program, step_time
 from jaxpar.plan import memory as plan_memory
-from jaxpar.plan.mesh_sizes import GiB, does_not_fit_message, host_split, suggestions
+from jaxpar.plan.mesh_sizes import does_not_fit_message, host_split, suggestions
 
 
 def resolve_target(target: Any, num_devices: int, gpus_per_host: int) -> Any:
@@ -67,15 +67,14 @@ def _memory(compiled: Any, state: Any, parts: dict[str, float]) -> dict:
 def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global_batch: int, seq_len: int,
                    schedule: Any, grad_accum_steps: int, memory_fraction: float, tx: Any = None,
                    policy: Any = None):
-    """The :class:`jaxpar.plan.planner.Plan` of a layout compiled for ``target`` (module docstring); arguments as
+    """The :class:`jaxpar.plan.compiled_step.Plan` of a layout compiled for ``target`` (module docstring); arguments as
     :func:`jaxpar.plan.plan` (already checked), ``target`` a :class:`jaxpar.plan.GpuTarget` of the mesh's size."""
-    from jaxpar.plan import planner
     start = time.perf_counter()
     per_host, across = host_split(sizes, target.gpus_per_host)
     mesh = target.mesh(**sizes)
-    model, _, step, state = planner.build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy)
+    model, _, step, state = compiled_step.build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy)
     cfg = plan_memory.model_and_config(model_config)[1]
-    compiled = step.lower(state, planner.batch_structs(global_batch, seq_len)).compile()
+    compiled = step.lower(state, compiled_step.batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
     text = compiled.as_text()
     shape = dict(mesh.shape)
@@ -84,7 +83,7 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
     memory = _memory(compiled, state, parts)
     n = math.prod(sizes.values())
     model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
-    collectives = planner.collectives_by_kind(stats)
+    collectives = compiled_step.collectives_by_kind(stats)
     host_of = [d.process_index for d in mesh.devices.flat]
     replay = step_time.scheduled_time(text, shape, host_of, target)
     replay.update(step_time.throughput(replay["step_s"], global_batch * seq_len, n, 6.0 * cfg.num_params(),
@@ -95,8 +94,8 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
     advice = "" if fits else does_not_fit_message(needed, available, suggestions(
         cfg, sizes, parts, grad_accum_steps, global_batch, seq_len, schedule, target.gpus_per_host, available))
     from jaxpar.plan.costs import analytic_time
-    return planner.Plan(
-        label=f"XLA:GPU compilation for {target.name} ({target.topology})", model=planner.model_summary(model, cfg),
+    return compiled_step.Plan(
+        label=f"XLA:GPU compilation for {target.name} ({target.topology})", model=compiled_step.model_summary(model, cfg),
         mesh=sizes, hosts={"per_host": per_host, "across_hosts": across}, device=target.name,
         global_batch=global_batch, seq_len=seq_len, schedule=None if schedule is None else schedule.name,
         grad_accum_steps=grad_accum_steps, memory=memory,
@@ -111,40 +110,4 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
              "attention": gpu_program.attention_kernel(text)})
 
 
-def _gib(b: float) -> str:
-    return f"{b / GiB:.3g} GiB"
-
-
-def report(plan: Any) -> str:
-    """The lines of a GPU :class:`jaxpar.plan.planner.Plan`: layout, memory (GPU beside CPU-simulated and
-    analytic), collectives by kind/axes/dtype, fp8 GEMMs, attention kernel, replayed time, fit."""
-    mem, t, g = plan.memory, plan.time, plan.gpu
-    across = [f"{a}={s}" for a, s in plan.hosts["across_hosts"].items() if s > 1]
-    cpu = mem.get("cpu_compiled_bytes")
-    d = g["dots"]
-    fp8 = (f"{d['fp8_dots']:.0f} of {d['dots']:.0f} dots fp8 ({d['fp8_triton_gemms']:.0f} Triton GEMMs, "
-           f"{d['fp8_cublaslt_gemms']:.0f} cuBLASLt, {d['fp8_other']:.0f} not GEMM kernels; "
-           f"{d['fp8_flops'] / max(d['flops'], 1):.0%} of the FLOPs)" if d["fp8_dots"] else "no fp8 dots")
-    rows = [f"{r['kind']} over {r['axes']} {r['dtype']}{' async' if r['is_async'] else ' sync'} {_gib(r['bytes'])}"
-            for r in g["collectives"] if r["bytes"] > 1024]
-    by_link = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(t["comm_s_by"].items(), key=lambda kv: -kv[1]))
-    return "\n".join([
-        f"{plan.label}: {plan.model['name']} on {' x '.join(f'{a}={s}' for a, s in plan.mesh.items() if s > 1)}"
-        f" (across hosts: {' x '.join(across) or 'none'}), batch {plan.global_batch} x {plan.seq_len}"
-        + (f", schedule {plan.schedule}" if plan.schedule else "") + f"; compiled in {plan.compile_s:.1f} s",
-        f"  GPU memory/device: {_gib(mem['compiled_bytes'])} (args {_gib(mem['argument_bytes'])}, temp "
-        f"{_gib(mem['temp_bytes'])}) of {_gib(plan.available_bytes)} usable; CPU-simulated "
-        + (_gib(cpu) if cpu is not None else "not compiled") + f"; analytic {_gib(mem['analytic_bytes'])}",
-        f"  FLOPs/device: HLO {plan.flops['hlo']:.3e} (model 6N {plan.flops['model']:.3e}); {fp8}",
-        f"  attention: {g['attention']}",
-        "  collectives/step: " + ("; ".join(rows) or "none"),
-        f"  time (replayed schedule, optimistic): kernels {t['compute_s'] * 1e3:.4g} ms (with matmuls "
-        f"{t['gemm_s'] * 1e3:.4g} ms), collectives "
-        f"{t['comm_s'] * 1e3:.4g} ms ({by_link or 'none'}), exposed {t['exposed_comm_s'] * 1e3:.4g} ms -> step "
-        f"{t['step_s'] * 1e3:.4g} ms, {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {t['mfu']:.1%}; "
-        f"analytic step {plan.analytic_time['step_s'] * 1e3:.4g} ms",
-        f"  fits: {_gib(plan.needed_bytes)} needed, {_gib(plan.available_bytes)} available" if plan.fits
-        else f"  {plan.advice}"])
-
-
-__all__ = ["plan_on_target", "report", "resolve_target"]
+__all__ = ["plan_on_target", "resolve_target"]
