@@ -95,9 +95,10 @@ def parse(argv=None):
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="part of GPU memory the run may use")
     ap.add_argument("--max-layouts", type=int, default=None,
                     help="compile at most this many layouts: the best by the analytic estimate (jp.plan.estimate, "
-                         "no compilation): those that fit in memory first, then by the analytic step time "
-                         "(compute with remat and bubble, plus tensor/fsdp/data/pipe traffic over NVLink or "
-                         "InfiniBand); default 12, with --target 3 (each a GPU and a CPU compile)")
+                         "no compilation): those that fit in memory by the analytic step time (compute with remat "
+                         "and bubble, plus tensor/fsdp/data/pipe traffic over NVLink or InfiniBand), then those "
+                         "that do not by the memory they need; default 12, with --target 3 (each a GPU and a CPU "
+                         "compile)")
     ap.add_argument("--out-dir", default="runs/plan", help="where plan.json and plan.png go (the ranked table is printed)")
     args = ap.parse_args(argv)
     if args.hosts is not None and args.hosts < 1:
@@ -163,13 +164,16 @@ def candidates(args, jp) -> tuple[list[tuple], dict[str, int]]:
 
 
 def prune(args, jp, cands: list[tuple]) -> list[tuple]:
-    """The best ``--max-layouts`` candidates by ``jp.plan.estimate``: fitting first, then analytic step time."""
+    """The best ``--max-layouts`` candidates by ``jp.plan.estimate``: fitting ones by analytic step time, then the
+    others by the memory they need."""
     scored = []
     for cfg, sizes, sched in cands:
         est = jp.plan.estimate(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
                                device=args.target or "h100", num_devices=args.devices, gpus_per_host=args.gpus_per_host,
                                memory_fraction=args.memory_fraction)
-        scored.append(((not est["fits"], est["time"]["step_s"]), (cfg, sizes, sched), est))
+        # a layout that does not fit ranks by the memory it needs (the closest to fitting first)
+        key = (False, est["time"]["step_s"]) if est["fits"] else (True, est["needed_bytes"])
+        scored.append((key, (cfg, sizes, sched), est))
     scored.sort(key=lambda s: s[0])
     return [(*c, est) for _, c, est in scored[:args.max_layouts]]
 
