@@ -484,7 +484,9 @@ def _backend(cfg: Any, dtype: Any, segments: bool) -> str:
     if segments and cfg.attention == "cudnn":
         raise ValueError("segment ids (packed documents) need attention='blocked' or 'xla': jaxpar's attention='cudnn' "
                          "path takes no per-document mask; set GPTConfig/LlamaConfig attention='blocked'")
-    platform = jax.devices()[0].platform
+    # the mesh's devices, not the process's: compile-only GPU devices (jp.plan.gpu_target) on a CPU machine count
+    mesh_device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = jax.devices()[0].platform if mesh_device is None else mesh_device.platform
     if cfg.attention == "cudnn" and (platform != "gpu" or dtype not in (jnp.float16, jnp.bfloat16)):
         raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU and float16/bfloat16 compute; got "
                          f"{platform} devices and {jnp.dtype(dtype).name} compute: use a bf16 policy "

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.resources
+import math
 import os
 import re
 import sys
@@ -87,11 +88,8 @@ class GpuTarget:
           ValueError: sizes (``-1`` aside) that do not multiply to this topology's device count, and the errors
             of :func:`jaxpar.sharding.mesh.make_mesh`.
         """
-        known = [s for s in sizes.values() if s != -1]
-        product = 1
-        for s in known:
-            product *= s
-        if len(known) == len(sizes) and product != self.num_devices:
+        product = math.prod(sizes.values())
+        if -1 not in sizes.values() and product != self.num_devices:
             raise ValueError(f"mesh sizes {sizes} make {product} devices, but target {self.name!r} topology "
                              f"{self.topology} has {self.num_devices} ({self.hosts} hosts x {self.gpus_per_host} "
                              f"GPUs); change the sizes or gpu_target(..., hosts=, gpus_per_host=)")
@@ -195,6 +193,10 @@ def gpu_target(name: str, hosts: int = 1, gpus_per_host: int = 8, *, use_device_
 
     Returns:
       The target; ``.devices`` are ``hosts * gpus_per_host`` compile-only devices for a mesh.
+
+    With jaxlib 0.10.2, ``"b200"`` compiles (sm_100), but XLA's Triton GEMM tiling rejects some tiny dots (e.g. a
+    ``64 x 64`` weight gradient: "Couldn't find output tile sizes"); ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false``
+    (set before jax starts) sends dots to cuBLAS instead. Model-sized dots compile either way.
 
     Raises:
       ValueError: an unknown name, a GPU without a target file, non-positive sizes, a target file that does not

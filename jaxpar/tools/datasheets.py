@@ -49,7 +49,7 @@ class Datasheet:
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float
     infiniband_bytes_per_s: float | None
-    source: str
+    source: str = dataclasses.field(repr=False)
     target_config: str | None = None
 
     def matches(self, device_kind: str) -> bool:
