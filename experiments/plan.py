@@ -1,10 +1,19 @@
-"""Sweep GPU layouts of a GPT train step on simulated CPU devices: a ranked table, a plot and JSON.
+"""Sweep GPU layouts of a GPT or Llama 3 train step, compiled for a GPU target or on simulated CPU devices: a
+ranked table, a plot and JSON.
 
 Command::
 
+    python experiments/plan.py --target h100 --hosts 8 --model llama3-8b
     python experiments/plan.py --model 7b --devices 64 --global-batch 256 --out-dir runs/plan7b
     python experiments/plan.py --model 1b --devices 16 --global-batch 64 --remat full none \\
         --schedules 1f1b interleaved zbv --microbatches 8
+
+``--target h100`` (``h200``, ``b200``, ``a100``; ``--device`` is an alias) compiles each chosen layout with XLA's
+GPU compiler for ``--hosts`` x ``--gpus-per-host`` compile-only GPUs (``jp.plan.plan(..., target=)``: GPU memory,
+collectives by dtype and async, fp8 GEMMs, attention kernel, a step time replayed from the GPU schedule) and
+puts the same step's simulated-CPU memory beside it; it needs the jax CUDA plugin (``pip install
+'jaxpar[gpu]'``). Without ``--target`` the layouts are compiled for simulated CPU devices only, their step
+times from the H100 datasheet.
 
 Every ``data x pipe x fsdp x tensor`` multiplying to ``--devices`` (``tensor`` dividing ``--gpus-per-host``;
 ``pipe > 1`` only with ``--schedules``), times every ``--remat`` choice and schedule, is checked by
@@ -27,22 +36,49 @@ import os
 import sys
 from pathlib import Path
 
-MODELS = {   # GPT sizes (GELU MLP 4 d, rotary positions, 32k vocabulary; tiny: a 61-symbol test model)
-    "tiny": dict(d_model=64, num_layers=4, num_heads=4, vocab_size=61),
-    "1b": dict(d_model=2048, num_layers=24, num_heads=16, vocab_size=32000),
-    "7b": dict(d_model=4096, num_layers=32, num_heads=32, vocab_size=32000),
-    "65b": dict(d_model=8192, num_layers=80, num_heads=64, vocab_size=32000),
+# GPT sizes (GELU MLP 4 d, rotary positions; tiny: a 61-symbol test model; 125m / 350m / 1.3b: benchmarks/gpu.py's,
+# GPT-2's 50,257-token vocabulary) and Llama 3 (GQA with 8 key/value heads, SwiGLU, 128,256-token vocabulary,
+# rope theta 500,000: Meta's Llama 3.1 8B / 70B configs).
+MODELS = {
+    "tiny": ("gpt", dict(d_model=64, num_layers=4, num_heads=4, vocab_size=61)),
+    "125m": ("gpt", dict(d_model=768, num_layers=12, num_heads=12, vocab_size=50257)),
+    "350m": ("gpt", dict(d_model=1024, num_layers=24, num_heads=16, vocab_size=50257)),
+    "1.3b": ("gpt", dict(d_model=2048, num_layers=24, num_heads=16, vocab_size=50257)),
+    "1b": ("gpt", dict(d_model=2048, num_layers=24, num_heads=16, vocab_size=32000)),
+    "7b": ("gpt", dict(d_model=4096, num_layers=32, num_heads=32, vocab_size=32000)),
+    "65b": ("gpt", dict(d_model=8192, num_layers=80, num_heads=64, vocab_size=32000)),
+    "llama3-8b": ("llama", dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, d_mlp=14336,
+                                vocab_size=128256, rope_theta=500000.0)),
+    "llama3-70b": ("llama", dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_mlp=28672,
+                                 vocab_size=128256, rope_theta=500000.0)),
 }
+
+
+def model_config(name: str, seq_len: int, remat: str, dtype):
+    """The config of ``MODELS[name]`` (scanned layers, bf16 compute) for sequences of ``seq_len``."""
+    family, sizes = MODELS[name]
+    if family == "llama":
+        from jaxpar.models.llama import LlamaConfig
+        return LlamaConfig(max_seq_len=seq_len, scan_layers=True, remat=remat, dtype=dtype, **sizes)
+    from jaxpar.models import GPTConfig
+    return GPTConfig(max_seq_len=seq_len, positions="rotary", scan_layers=True, remat=remat, dtype=dtype, **sizes)
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", choices=list(MODELS), default="1b",
-                    help="GPT size: tiny (test model), 1b, 7b, 65b (d_model/layers/heads in MODELS)")
-    ap.add_argument("--devices", type=int, default=8, help="GPUs of the run (simulated CPU devices here)")
-    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+                    help="GPT size (tiny: test model; 125m, 350m, 1.3b, 1b, 7b, 65b) or llama3-8b / llama3-70b "
+                         "(sizes in MODELS)")
+    ap.add_argument("--target", "--device", dest="target", default=None,
+                    help="GPU target to compile for (h100, h200, b200, a100; old names h100-80gb, a100-80gb); "
+                         "none: simulated CPU devices only, step times from the h100 datasheet")
+    ap.add_argument("--hosts", type=int, default=None, help="hosts of the run: --devices is hosts x --gpus-per-host")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="GPUs of the run (default: --hosts x --gpus-per-host, or 8)")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 2 per device)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 8192 for llama3, "
+                                                               "else 2048)")
     ap.add_argument("--remat", nargs="+", default=["full"], choices=["none", "full", "dots"],
                     help="GPTConfig.remat choices to sweep: none, full (save each block's input), dots (save matmuls)")
     ap.add_argument("--schedules", nargs="*", default=[],
@@ -55,16 +91,28 @@ def parse(argv=None):
                          "1: no context parallelism)")
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches of a pipeline schedule")
     ap.add_argument("--chunks", type=int, default=2, help="virtual stages per device of --schedules interleaved")
-    ap.add_argument("--device", default="h100-80gb", help="GPU datasheet: h100-80gb, h200 or a100-80gb")
     ap.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per node (NVLink domain)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="part of GPU memory the run may use")
-    ap.add_argument("--max-layouts", type=int, default=12,
+    ap.add_argument("--max-layouts", type=int, default=None,
                     help="compile at most this many layouts: the best by the analytic estimate (jp.plan.estimate, "
-                         "no compilation): those that fit in memory first, then by the analytic step time "
-                         "(compute with remat and bubble, plus tensor/fsdp/data/pipe traffic over NVLink or "
-                         "InfiniBand)")
+                         "no compilation): those that fit in memory by the analytic step time (compute with remat "
+                         "and bubble, plus tensor/fsdp/data/pipe traffic over NVLink or InfiniBand), then those "
+                         "that do not by the memory they need; default 12, with --target 3 (each a GPU and a CPU "
+                         "compile)")
     ap.add_argument("--out-dir", default="runs/plan", help="where plan.json and plan.png go (the ranked table is printed)")
     args = ap.parse_args(argv)
+    if args.hosts is not None and args.hosts < 1:
+        ap.error(f"--hosts must be >= 1, got {args.hosts}")
+    if args.devices is None:
+        args.devices = args.hosts * args.gpus_per_host if args.hosts else 8
+    elif args.hosts is not None and args.devices != args.hosts * args.gpus_per_host:
+        ap.error(f"--devices {args.devices} is not --hosts {args.hosts} x --gpus-per-host {args.gpus_per_host}; "
+                 "give one of them")
+    args.global_batch = 2 * args.devices if args.global_batch is None else args.global_batch
+    if args.seq_len is None:
+        args.seq_len = 8192 if MODELS[args.model][0] == "llama" else 2048
+    if args.max_layouts is None:
+        args.max_layouts = 3 if args.target else 12
     for flag in ("devices", "global_batch", "seq_len", "microbatches", "chunks", "gpus_per_host", "max_layouts",
                  "max_context"):
         if getattr(args, flag) < 1:
@@ -96,13 +144,11 @@ def schedule(jp, name: str, p: int, m: int, chunks: int):
     return jp.pipeline.build(name, p, m, **({"num_chunks": chunks} if name == "interleaved" else {}))
 
 
-def candidates(args, jp, GPTConfig) -> tuple[list[tuple], dict[str, int]]:
+def candidates(args, jp) -> tuple[list[tuple], dict[str, int]]:
     """``([(cfg, sizes, schedule)], {reason: layouts skipped})`` of every layout ``check_layout`` accepts."""
     import jax.numpy as jnp
-    base = dict(MODELS[args.model])
     out, skipped = [], {}
-    cfgs = {remat: GPTConfig(max_seq_len=args.seq_len, positions="rotary", scan_layers=True, remat=remat,
-                             dtype=jnp.bfloat16, **base) for remat in args.remat}
+    cfgs = {remat: model_config(args.model, args.seq_len, remat, jnp.bfloat16) for remat in args.remat}
     for sizes in layouts(args.devices, args.gpus_per_host, bool(args.schedules), args.max_context):
         for cfg in cfgs.values():
             for name in [None] if sizes["pipe"] == 1 else args.schedules:
@@ -118,13 +164,16 @@ def candidates(args, jp, GPTConfig) -> tuple[list[tuple], dict[str, int]]:
 
 
 def prune(args, jp, cands: list[tuple]) -> list[tuple]:
-    """The best ``--max-layouts`` candidates by ``jp.plan.estimate``: fitting first, then analytic step time."""
+    """The best ``--max-layouts`` candidates by ``jp.plan.estimate``: fitting ones by analytic step time, then the
+    others by the memory they need."""
     scored = []
     for cfg, sizes, sched in cands:
         est = jp.plan.estimate(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
-                               device=args.device, num_devices=args.devices, gpus_per_host=args.gpus_per_host,
+                               device=args.target or "h100", num_devices=args.devices, gpus_per_host=args.gpus_per_host,
                                memory_fraction=args.memory_fraction)
-        scored.append(((not est["fits"], est["time"]["step_s"]), (cfg, sizes, sched), est))
+        # a layout that does not fit ranks by the memory it needs (the closest to fitting first)
+        key = (False, est["time"]["step_s"]) if est["fits"] else (True, est["needed_bytes"])
+        scored.append((key, (cfg, sizes, sched), est))
     scored.sort(key=lambda s: s[0])
     return [(*c, est) for _, c, est in scored[:args.max_layouts]]
 
@@ -134,16 +183,20 @@ def rank(plans):
 
 
 def table(plans) -> str:
+    """The ranked layouts; with a GPU target, ``GiB/dev`` is XLA:GPU's and ``CPU GiB`` the simulated-CPU figure."""
     head = (f"{'rank':>4} {'data':>4} {'pipe':>4} {'fsdp':>4} {'ctx':>4} {'tens':>4} {'remat':>5} {'sched':>11} {'est GiB':>8} "
-            f"{'GiB/dev':>8} {'fits':>4} {'est ms':>9} {'step ms':>9} {'MFU':>6}")
+            f"{'GiB/dev':>8} {'CPU GiB':>8} {'fits':>4} {'est ms':>9} {'step ms':>9} {'tok/s/GPU':>9} {'MFU':>6}")
     rows = [head]
     for i, p in enumerate(plans, 1):
-        m = p.mesh
+        m, cpu = p.mesh, p.memory.get("cpu_compiled_bytes")
+        tokens = p.time.get("tokens_per_s_per_gpu")
         rows.append(f"{i:>4} {m['data']:>4} {m['pipe']:>4} {m['fsdp']:>4} {m.get('context', 1):>4} {m['tensor']:>4} "
                     f"{p.model['remat']:>5} "
                     f"{p.schedule or '-':>11} {p.memory['analytic_bytes'] / 2**30:>8.3g} "
-                    f"{p.needed_bytes / 2**30:>8.3g} {'yes' if p.fits else 'no':>4} "
-                    f"{p.analytic_time['step_s'] * 1e3:>9.3g} {p.time['step_s'] * 1e3:>9.3g} {p.time['mfu']:>6.1%}")
+                    f"{p.needed_bytes / 2**30:>8.3g} {'-' if cpu is None else f'{cpu / 2**30:.3g}':>8} "
+                    f"{'yes' if p.fits else 'no':>4} "
+                    f"{p.analytic_time['step_s'] * 1e3:>9.3g} {p.time['step_s'] * 1e3:>9.4g} "
+                    f"{'-' if tokens is None else f'{tokens:,.0f}':>9} {p.time['mfu']:>6.1%}")
     for i, p in enumerate(plans, 1):
         if not p.fits:
             rows.append(f"rank {i}: {p.advice}")
@@ -161,7 +214,8 @@ def plot(plans, path):
     available = plans[0].available_bytes / 2**30
     if max(p.needed_bytes for p in plans) / 2**30 > 0.1 * available:   # else the line would flatten the bars
         ax.axhline(available, color="k", ls="--", lw=1, label="available")
-    ax.set_ylabel(f"compiled GiB / device (XLA:CPU; {available:.0f} available)")
+    compiler = "XLA:GPU" if plans[0].gpu else "XLA:CPU"
+    ax.set_ylabel(f"compiled GiB / device ({compiler}; {available:.0f} available)")
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
     ax.legend(fontsize=7, loc="upper left")
     ax2 = ax.twinx()
@@ -178,20 +232,28 @@ def main(argv=None) -> list:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.target is not None:   # compile what a jaxpar GPU run compiles: its overlap flags, read once at start
+        from jaxpar.tools import gpu as gpu_defaults
+        gpu_defaults.apply_gpu_defaults(platform="gpu")
     if "jax" in sys.modules and len(sys.modules["jax"].devices("cpu")) < args.devices:
         ap.error(f"jax is already running with fewer than {args.devices} CPU devices; run this script in a fresh "
                  "process")
     import jaxpar as jp
-    from jaxpar.models import GPTConfig
     unknown = [s for s in args.schedules if s not in jp.pipeline.SCHEDULES]
     if unknown:   # the registry needs jax, which starts only after the device count is set above
         ap.error(f"argument --schedules: invalid choice: {unknown[0]!r} (choose from "
                  f"{', '.join(map(repr, jp.pipeline.SCHEDULES))})")
-    try:
-        jp.plan.gpu(args.device)
-    except ValueError as e:
-        ap.error(f"--device: {e}")
-    cands, skipped = candidates(args, jp, GPTConfig)
+    target = None
+    if args.target is not None:
+        from jaxpar.plan import targets
+        if args.target.lower() not in targets.target_names():
+            ap.error(f"--target: {args.target!r} is not a GPU target; use one of {targets.target_names()}")
+        try:
+            target = jp.plan.gpu_target(args.target, hosts=max(1, args.devices // args.gpus_per_host),
+                                        gpus_per_host=min(args.devices, args.gpus_per_host))
+        except (ImportError, RuntimeError) as e:
+            ap.error(f"--target {args.target}: {e}")
+    cands, skipped = candidates(args, jp)
     for reason, count in skipped.items():
         print(f"skipped {count} layout(s): {reason}")
     if not cands:
@@ -204,8 +266,8 @@ def main(argv=None) -> list:
     for cfg, sizes, sched, _ in chosen:
         try:
             p = jp.plan.plan(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
-                             device=args.device, num_devices=args.devices, gpus_per_host=args.gpus_per_host,
-                             memory_fraction=args.memory_fraction)
+                             num_devices=args.devices, gpus_per_host=args.gpus_per_host,
+                             memory_fraction=args.memory_fraction, target=target, compare_cpu=target is not None)
         except Exception as e:  # noqa: BLE001  one layout's compiler failure must not end the sweep
             print(f"layout {sizes} remat={cfg.remat} schedule={getattr(sched, 'name', None)} failed to compile: "
                   f"{type(e).__name__}: {str(e)[:500]}", flush=True)
@@ -218,7 +280,15 @@ def main(argv=None) -> list:
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps([p.to_dict() for p in plans], indent=1, default=str))
     if plans:
-        print(f"wrote {out / 'plan.json'} and {plot(plans, out / 'plan.png')}")
+        try:
+            print(f"wrote {out / 'plan.json'} and {plot(plans, out / 'plan.png')}")
+        except ImportError as e:   # matplotlib is optional
+            print(f"wrote {out / 'plan.json'}; plan.png skipped ({e})")
+        best = plans[0]
+        print(f"recommended: {' x '.join(f'{a}={s}' for a, s in best.mesh.items() if s > 1) or 'one device'}, "
+              f"remat={best.model['remat']}" + (f", schedule {best.schedule}" if best.schedule else "")
+              + f": step {best.time['step_s'] * 1e3:.4g} ms, MFU {best.time['mfu']:.1%}, "
+              f"{best.needed_bytes / 2**30:.3g} GiB/device" + ("" if best.fits else " (does not fit)"))
     return plans
 
 

@@ -11,13 +11,17 @@ once per call.
 
 Per program (per device, SPMD):
 
-* ``flops``: ``2 * prod(output dims) * prod(contracted dims)`` for every ``dot`` (matmuls dominate a
-  transformer; elementwise work is left out);
+* ``flops``: ``2 * prod(output dims) * prod(contracted dims)`` for every ``dot`` of any element type (fp8 ones
+  included) and every cuBLAS GEMM ``custom-call`` of XLA:GPU (matmuls dominate a transformer; elementwise work
+  and cuDNN attention calls are left out);
 * ``bytes``: output plus operand bytes of every top-level instruction (a fusion counts its inputs and output,
   not its internals), as XLA's ``HloCostAnalysis`` counts "bytes accessed";
 * collectives: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``collective-permute``
   (and their async ``-start`` forms), each with its payload bytes (the full, unsharded buffer: an all-gather's
-  output, a reduce-scatter's input) and the mesh axes its replica groups span.
+  output, a reduce-scatter's input) and the mesh axes its replica groups span. Payloads are read from the
+  operands: XLA:GPU's async ``-start`` result is the tuple ``((inputs), (outputs))`` of its combined buffers
+  (all-reduce-start: the outputs alone), so its result type would count them twice. A collective's HBM bytes
+  are its input plus its output, once.
 
 Replica groups name logical device ids: with ``use_global_device_ids`` (SPMD partitioning, as ``jax.jit``
 emits) id ``i`` is the ``i``-th device of the executable's device assignment, which for a ``jax.jit`` over a
@@ -37,11 +41,15 @@ from collections.abc import Sequence
 import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+# Bytes per element of every array type HLO prints (xla/xla_data.proto's PrimitiveType; the sub-byte types packed).
+_DTYPE_BYTES = {"pred": 1, "s1": 0.125, "u1": 0.125, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                "c64": 8, "c128": 16, "f4e2m1fn": 0.5, "f6e2m3fn": 0.75, "f6e3m2fn": 0.75,
+                **dict.fromkeys(("f8e5m2", "f8e4m3", "f8e4m3fn", "f8e4m3b11fnuz", "f8e5m2fnuz", "f8e4m3fnuz", "f8e3m4",
+                                 "f8e8m0fnu"), 1)}
+NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "iota", "copy-start", "copy-done"}
-# Elementwise ops :meth:`_Walker._traffic` looks through from a fusion parameter to a slice or in-place update: XLA:CPU
+# Elementwise ops :meth:`Walker.traffic` looks through from a fusion parameter to a slice or in-place update: XLA:CPU
 # wraps a bf16 buffer's update in converts to f32 and back (its bf16 work is f32), which a GPU program does not.
 _LOOK_THROUGH = {"convert", "bitcast", "copy"}
 _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
@@ -215,24 +223,55 @@ def group_axes(groups: Sequence[Sequence[int]], mesh_shape: dict[str, int]) -> t
     return tuple(names[i] for i in sorted(varying))
 
 
-def _payload(instr: Instr, kind: str, group: int) -> float:
-    """Bytes of the full buffer a collective moves (all-gather: output; reduce-scatter: input)."""
-    sizes = [_DTYPE_BYTES[d] * math.prod(dims) for d, dims in array_dims(instr.shape)]
-    if instr.opcode.endswith("-start"):
-        total = max(sizes) if kind in ("all-gather", "collective-permute") else sum(sizes)
-    else:
-        total = sum(sizes)
-    return total * group if kind == "reduce-scatter" else total
+def operand_bytes(instr: Instr, shapes: dict[str, str]) -> float:
+    """Bytes of an instruction's operands: their printed types when the operand list carries them (``f32[8]{0}
+    %x``), else their shapes in ``shapes`` (the computation's ``{name: shape}``; jax's ``as_text()`` prints bare
+    names). A ``collective-permute`` counts its first operand only (its in-place form adds the output buffer and
+    offsets)."""
+    names = instr.operands[:1] if instr.opcode.startswith("collective-permute") else instr.operands
+    typed = sum(shape_bytes(t) for t in re.split(r"%[\w.\-]+", instr.args)[:len(names)])  # the type before each name
+    return typed or sum(shape_bytes(shapes.get(o, "")) for o in names)
 
 
-def _dot_flops(instr: Instr, shapes: dict[str, str]) -> float:
+def collective_payload(instr: Instr, kind: str, group: int, shapes: dict[str, str]) -> float:
+    """Bytes of the full buffer a collective moves (all-gather: its output, ``group`` times its input; every other
+    kind: its input), read from the operands: an async ``-start``'s result is the tuple of its operands and
+    results (``((inputs), (outputs))``; all-reduce-start: the outputs alone), which would count the buffers twice."""
+    moved = operand_bytes(instr, shapes)
+    return moved * group if kind == "all-gather" else moved
+
+
+def _io_bytes(payload: float, kind: str, group: int) -> float:
+    """HBM bytes a collective reads and writes: its input plus its output (a fraction ``1 / group`` of the payload
+    for a gather's input and a scatter's output), counted once whatever the async tuple holds."""
+    return payload * (1 + 1 / group) if kind in ("all-gather", "reduce-scatter") else 2 * payload
+
+
+_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_JSON_DIMS = r'"{}_contracting_dimensions"\s*:\s*\[([^\]]*)\]'
+
+
+def dot_flops(instr: Instr, shapes: dict[str, str]) -> float:
+    """``2 * prod(output dims) * prod(contracted dims)`` of a ``dot`` or of a cuBLAS GEMM ``custom-call`` (XLA:GPU
+    writes the dot's dimension numbers into its ``backend_config``; its result is ``(output, workspace)``)."""
     out = array_dims(instr.shape)
     lhs = array_dims(shapes.get(instr.operands[0], "")) if instr.operands else []
     m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+    if instr.opcode == "custom-call":
+        m = re.search(_JSON_DIMS.format("lhs"), instr.attrs)
+        dims = [d.strip().strip('"') for d in m.group(1).split(",")] if m else []
+    else:
+        dims = m.group(1).split(",") if m else []
     if not out or not lhs or m is None:
         return 0.0
-    contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
+    contracted = math.prod(lhs[0][1][int(d)] for d in dims if d)
     return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def is_gemm_call(instr: Instr) -> bool:
+    """Whether ``instr`` is a cuBLAS / cuBLASLt GEMM ``custom-call`` (XLA:GPU's rewrite of a ``dot``)."""
+    target = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
+    return instr.opcode == "custom-call" and target is not None and target.group(1) in _GEMM_CALLS
 
 
 def callees(instr: Instr) -> list[tuple[str, str]]:
@@ -252,12 +291,12 @@ def callees(instr: Instr) -> list[tuple[str, str]]:
     return out
 
 
-def _trip_count(instr: Instr) -> float | None:
+def trip_count(instr: Instr) -> float | None:
     m = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', instr.attrs)
     return float(m.group(1)) if m else None
 
 
-class _Walker:
+class Walker:
     """Costs of a computation with its callees: a dict of metric -> value (FLOPs, bytes, collectives)."""
 
     def __init__(self, comps: dict[str, list[Instr]], mesh_shape: dict[str, int]):
@@ -277,17 +316,17 @@ class _Walker:
         shapes = {i.name: i.shape for i in instrs}
         total: dict = defaultdict(float)
         for instr in instrs:
-            if instr.opcode in ("dot", "convolution"):
-                total["flops"] += _dot_flops(instr, shapes)
-            if not fused and instr.opcode not in _NO_TRAFFIC and not instr.opcode.endswith("-done"):
-                total["bytes"] += self._traffic(instr, shapes)
+            if instr.opcode in ("dot", "convolution") or is_gemm_call(instr):
+                total["flops"] += dot_flops(instr, shapes)
             kind = instr.opcode.removesuffix("-start")
             if kind in COLLECTIVES:
-                self._collective(instr, kind, total)
+                self._collective(instr, kind, total, shapes, fused)
+            elif not fused and instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
+                total["bytes"] += self.traffic(instr, shapes)
             self._add_callees(instr, total)
         return dict(total)
 
-    def _traffic(self, instr: Instr, shapes: dict[str, str]) -> float:
+    def traffic(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Output plus operand bytes; slices read only what they output and in-place updates touch only the
         update, also when a fusion slices or updates its parameters (through converts, bitcasts and copies:
         ``convert(dynamic-update-slice(convert(buffer), update))`` is XLA:CPU's form of an in-place bf16
@@ -318,18 +357,21 @@ class _Walker:
                     operand[k], out = 0.0, sum(shape_bytes(local.get(u.operands[1], "")) for u in us)
         return out + sum(operand)
 
-    def _collective(self, instr: Instr, kind: str, total: dict) -> None:
+    def _collective(self, instr: Instr, kind: str, total: dict, shapes: dict[str, str], fused: bool) -> None:
         if kind == "collective-permute":
             groups = permute_pairs(instr.attrs)
             size = 2
         else:
             groups = replica_groups(instr.attrs, self.num_devices)
             size = max(len(g) for g in groups)
+        payload = collective_payload(instr, kind, size, shapes)
+        if not fused:
+            total["bytes"] += _io_bytes(payload, kind, size)
         axes = group_axes(groups, self.mesh_shape)
         if not axes:
             return
         label = "+".join(axes)
-        total[("coll_bytes", kind, label, size)] += _payload(instr, kind, size)
+        total[("coll_bytes", kind, label, size)] += payload
         total[("coll_count", kind, label, size)] += 1
 
     def _add_callees(self, instr: Instr, total: dict) -> None:
@@ -340,7 +382,7 @@ class _Walker:
                 continue
             times = 1.0
             if instr.opcode == "while":
-                trips = _trip_count(instr)
+                trips = trip_count(instr)
                 if trips is None:
                     self.unknown_trips += 1
                     trips = 1.0
@@ -388,7 +430,7 @@ def analyze(text: str, mesh_shape: dict[str, int]) -> HloStats:
       ValueError: text without an ENTRY computation, or replica groups in a form this parser does not know.
     """
     comps, entry = parse_module(text)
-    walker = _Walker(comps, dict(mesh_shape))
+    walker = Walker(comps, dict(mesh_shape))
     cost = walker.cost(entry)
     colls = [Collective(kind, cost[("coll_bytes", kind, label, size)] / n, n, tuple(label.split("+")), size)
              for (tag, kind, label, size), n in ((k, v) for k, v in cost.items() if isinstance(k, tuple))
@@ -407,6 +449,8 @@ class CollectiveSite:
     axes: tuple[str, ...]
     groups: list[list[int]]      # replica groups (a permute: its source-target pairs)
     scalar: bool                 # a result of at most 8 bytes (a loss or metric reduction)
+    dtypes: tuple[str, ...] = ()  # the element types of its operands, sorted
+    is_async: bool = False       # an async ``-start`` (its ``-done`` elsewhere in the schedule)
 
 
 def runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str, tuple[float, int]]:
@@ -423,7 +467,7 @@ def runs_per_computation(comps: dict[str, list[Instr]], entry: str) -> dict[str,
                     continue
                 times, deeper = 1.0, 0
                 if instr.opcode == "while":
-                    times = (_trip_count(instr) or 1.0) + (1.0 if role == "condition" else 0.0)
+                    times = (trip_count(instr) or 1.0) + (1.0 if role == "condition" else 0.0)
                     deeper = int(role == "body")
                 visit(callee, runs * times, depth + deeper)
     visit(entry, 1.0, 0)
@@ -442,6 +486,7 @@ def collective_sites(text: str, mesh_shape: dict[str, int]) -> list[CollectiveSi
     num_devices = math.prod(mesh_shape.values())
     sites = []
     for comp, instrs in comps.items():
+        shapes = {i.name: i.shape for i in instrs}
         for instr in instrs:
             kind = instr.opcode.removesuffix("-start")
             if kind not in COLLECTIVES or comp not in runs:
@@ -450,8 +495,10 @@ def collective_sites(text: str, mesh_shape: dict[str, int]) -> list[CollectiveSi
                       else replica_groups(instr.attrs, num_devices))
             size = 2 if kind == "collective-permute" else max(len(g) for g in groups)
             n, depth = runs[comp]
-            sites.append(CollectiveSite(kind, comp, _payload(instr, kind, size), n, depth,
-                                        group_axes(groups, mesh_shape), groups, shape_bytes(instr.shape) <= 8))
+            dtypes = sorted({d for o in instr.operands for d, _ in array_dims(shapes.get(o, ""))})
+            sites.append(CollectiveSite(kind, comp, collective_payload(instr, kind, size, shapes), n, depth,
+                                        group_axes(groups, mesh_shape), groups, operand_bytes(instr, shapes) <= 8,
+                                        tuple(dtypes), instr.opcode.endswith("-start")))
     return sites
 
 
@@ -530,7 +577,8 @@ def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
     return _STABLE_CONSTRAINT.findall(text)
 
 
-__all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "analyze", "array_dims", "attribute", "callees",
-           "collective_counts", "collective_sites", "fused_call", "group_axes", "loop_depths", "parse_module", "permute_pairs",
-           "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes", "sharding_constraints",
-           "stablehlo_dots", "upcast_copies"]
+__all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "NO_TRAFFIC", "Walker", "analyze",
+           "array_dims", "attribute", "callees", "collective_counts", "collective_payload", "collective_sites",
+           "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "operand_bytes", "parse_module",
+           "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes",
+           "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]

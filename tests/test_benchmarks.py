@@ -214,3 +214,21 @@ def test_sliding_window_script_tiny():
     blocked = [r["attention_flops"] for r in rows if r["backend"] == "blocked"]
     assert blocked[0] > blocked[1] > blocked[2] > 0          # the blocked kernel's FLOPs fall with the window
     assert len({r["attention_flops"] for r in rows if r["backend"] == "xla"}) == 1   # XLA's path only masks
+
+
+@pytest.mark.slow  # two XLA:GPU compiles of a tiny Llama on compile-only H100s (~30-60 s)
+@pytest.mark.filterwarnings("ignore:jp.gpu.apply_gpu_defaults\\(\\) ran after JAX's backends started")  # pytest's jax
+def test_gpu_published_script_tiny(tmp_path, monkeypatch):
+    from jaxpar.plan import targets
+    try:
+        targets.check_cuda_plugin()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"the GPU planner needs the jax CUDA plugin (the gpu extra): {e}")
+    monkeypatch.setenv("XLA_FLAGS", __import__("os").environ.get("XLA_FLAGS", ""))   # main() sets it
+    import gpu_published
+    bf16, fp8 = gpu_published.main(["--tiny", "--out", str(tmp_path / "rows.json")])
+    for row, published in ((bf16, 5762), (fp8, 8532)):
+        assert "error" not in row, row
+        assert row["ratio"] == pytest.approx(row["predicted_tokens_per_s_per_gpu"] / published)
+        assert row["step_s"] >= row["compute_s"] > 0 and 0 < row["predicted_mfu"] < 1
+    assert bf16["fp8_dots"] == 0 < fp8["fp8_dots"]

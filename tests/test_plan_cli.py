@@ -39,8 +39,8 @@ def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
     assert "compiling 3 of 10 layouts" in proc.stdout
     rows = _rows(proc.stdout)
     assert [r[0] for r in rows] == ["1", "2", "3"]
-    assert all(int(r[1]) * int(r[2]) * int(r[3]) * int(r[4]) * int(r[5]) == 4 and r[10] == "yes" for r in rows)
-    steps = [float(r[12]) for r in rows]
+    assert all(int(r[1]) * int(r[2]) * int(r[3]) * int(r[4]) * int(r[5]) == 4 and r[11] == "yes" for r in rows)
+    steps = [float(r[13]) for r in rows]
     assert steps == sorted(steps)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert [p["mesh"] for p in saved] == [dict(data=int(r[1]), pipe=int(r[2]), fsdp=int(r[3]), context=int(r[4]),
@@ -53,9 +53,27 @@ def test_sweep_prints_a_ranked_table_and_writes_the_plot(tmp_path):
 def test_sweep_reports_a_layout_that_does_not_fit(tmp_path):
     proc = _run([*TINY_SWEEP, "--max-layouts", "1", "--memory-fraction", "1e-9"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _rows(proc.stdout)[0][10] == "no"
+    assert _rows(proc.stdout)[0][11] == "no"
     assert re.search(r"rank 1: does not fit: [\d.]+ GiB needed per device, 0\.0 available; try ", proc.stdout)
     assert (tmp_path / "plan.png").exists()
+
+
+@pytest.mark.slow  # a GPU compile and a CPU compile of the tiny model in a subprocess (~40 s)
+def test_sweep_for_a_gpu_target_compiles_with_xla_gpu_and_recommends_a_layout(tmp_path):
+    from jaxpar.plan import targets
+    try:
+        targets.check_cuda_plugin()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"--target needs the jax CUDA plugin (the gpu extra): {e}")
+    proc = _run(["--model", "tiny", "--target", "h100", "--hosts", "1", "--seq-len", "64", "--max-layouts", "1"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "XLA:GPU compilation for h100 (1x1x8)" in proc.stdout and "CPU-simulated" in proc.stdout
+    (row,) = _rows(proc.stdout)
+    assert float(row[9]) > 0 and float(row[10]) > 0 and row[11] == "yes"        # GPU and CPU GiB per device
+    assert re.search(r"^recommended: .*MFU [\d.]+%", proc.stdout, re.M)
+    (saved,) = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["gpu"]["target"] == "h100" and all(r["is_async"] for r in saved["gpu"]["collectives"])
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -65,6 +83,8 @@ def test_sweep_reports_a_layout_that_does_not_fit(tmp_path):
     (["--devices", "12"], "--devices 12 are not whole hosts of --gpus-per-host 8"),
     (["--memory-fraction", "0"], r"--memory-fraction must lie in \(0, 1\]"),
     (["--model", "300b"], "invalid choice: '300b'"),
+    (["--hosts", "0"], "--hosts must be >= 1, got 0"),
+    (["--hosts", "2"], "--devices 4 is not --hosts 2 x --gpus-per-host 8; give one of them"),
 ])
 def test_bad_flags_are_refused_by_the_parser(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -73,7 +93,7 @@ def test_bad_flags_are_refused_by_the_parser(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--device", "tpu-v5"], "--device: device='tpu-v5' is not in the datasheet table"),
+    (["--device", "tpu-v5"], "--target: .tpu-v5. is not a GPU target; use one of"),
     # the schedule names are jp.pipeline.SCHEDULES', read once jax has started with the sweep's devices
     (["--schedules", "pipedream"], r"invalid choice: 'pipedream' \(choose from 'gpipe', '1f1b', .*'dualpipev'\)"),
     # one GPU a host keeps tensor at 1, so data x fsdp = 4 rows never split a batch of 3

@@ -1,5 +1,9 @@
 """The roofline cost model of a planned layout: datasheet GPUs, step times from HLO statistics or model sizes.
 
+These models read whole-program totals (an XLA:CPU compile's, or the model's sizes). A program compiled by XLA:GPU
+is timed kernel by kernel in its scheduled order, async collectives overlapped, by
+:func:`jaxpar.plan.step_time.scheduled_time` (what ``jp.plan.plan(..., target=)`` reports).
+
 :func:`roofline` reads a compiled program's statistics (:class:`jaxpar._hlo.HloStats`); :func:`analytic_time`
 needs only the model's sizes (no compilation). Both take the GPU's figures from
 :data:`jaxpar.tools.metrics.GPU_DATASHEETS` (:func:`gpu`).

@@ -39,7 +39,6 @@ a subprocess started with ``XLA_FLAGS=--xla_force_host_platform_device_count=n``
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
@@ -51,88 +50,17 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar._validate import positive_int
-from jaxpar.layers.per_token import LM_KEYS
 from jaxpar import _hlo as plan_hlo
 from jaxpar.plan import memory as plan_memory
-from jaxpar.plan.mesh_sizes import GiB, check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
+from jaxpar.plan.mesh_sizes import check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
 from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
+# Plan, build_step and policy_of are also jp.plan's faces (imported from here).
+from jaxpar.plan.compiled_step import (Plan, batch_structs, build_step, collectives_by_kind,  # noqa: F401
+                                       default_tx, model_summary, policy_of)
 
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
-
-
-# ------------------------------------------------------------------------------------------------ result
-
-@dataclasses.dataclass
-class Plan:
-    """A planned layout, per device (bytes, FLOPs, seconds). ``report()`` prints it; ``to_dict()`` for JSON.
-
-    ``memory``: ``compiled_bytes`` (XLA:CPU ``memory_analysis``: arguments + outputs - aliased + temporaries) and
-    its parts, ``params_bytes`` / ``opt_state_bytes`` (the sharded state exactly), ``analytic`` (the
-    :mod:`jaxpar.plan.memory` parts) and ``analytic_bytes``, ``ratio`` (compiled / analytic),
-    ``cpu_upcast_bytes`` (the largest float32 copy of a bf16 buffer in the program). ``flops``: ``hlo`` (matmul
-    FLOPs, loops by trip count), ``cost_analysis`` (XLA's, loop bodies once), ``model`` (``6 N`` per token times
-    the device's tokens). ``collectives``: ``{kind: {axes: bytes}}`` per step. ``time``: the roofline terms
-    and ``step_s``, ``step_overlap_s``, ``mfu``. ``hosts``: ``per_host`` and ``across_hosts`` sizes of the
-    mesh (:func:`host_split`). ``analytic_time``: :func:`analytic_time` of the layout (no compilation).
-    """
-    label: str
-    model: dict
-    mesh: dict
-    hosts: dict
-    device: str
-    global_batch: int
-    seq_len: int
-    schedule: str | None
-    grad_accum_steps: int
-    memory: dict
-    flops: dict
-    collectives: dict
-    time: dict
-    fits: bool
-    needed_bytes: float
-    available_bytes: float
-    advice: str
-    compile_s: float
-    analytic_time: dict
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def report(self) -> str:
-        """A few lines: layout, memory (compiled beside analytic), FLOPs, collectives, time, fit."""
-        mem, gib = self.memory, _bytes
-        across = [f"{a}={s}" for a, s in self.hosts["across_hosts"].items() if s > 1]
-        lines = [f"{self.label}: {self.model['name']} on {' x '.join(f'{a}={s}' for a, s in self.mesh.items())}"
-                 f" ({self.device}; across hosts: {' x '.join(across) or 'none'}), batch {self.global_batch} x "
-                 f"{self.seq_len}"
-                 + (f", schedule {self.schedule}" if self.schedule else "") + f"; compiled in {self.compile_s:.1f} s",
-                 f"  memory/device: compiled {gib(mem['compiled_bytes'])} (args {gib(mem['argument_bytes'])}, temp "
-                 f"{gib(mem['temp_bytes'])}); analytic {gib(mem['analytic_bytes'])} = "
-                 + ", ".join(f"{k} {gib(v)}" for k, v in mem["analytic"].items() if v) + f"; ratio {mem['ratio']:.2f}"
-                 + (f"; largest XLA:CPU f32 upcast copy {gib(mem['cpu_upcast_bytes'])}" if mem["cpu_upcast_bytes"]
-                    else ""),
-                 f"  FLOPs/device: HLO {self.flops['hlo']:.3e} (cost_analysis {self.flops['cost_analysis']:.3e}, "
-                 f"model 6N {self.flops['model']:.3e})",
-                 "  collectives/step: " + (", ".join(f"{k} over {a} {_bytes(b)}" for k, d in self.collectives.items()
-                                                     for a, b in d.items()) or "none"),
-                 f"  time: compute {self.time['compute_s'] * 1e3:.3g} ms, HBM {self.time['hbm_s'] * 1e3:.3g} ms, comm "
-                 f"{self.time['comm_s'] * 1e3:.3g} ms -> step {self.time['step_s'] * 1e3:.3g} ms (overlapped "
-                 f"{self.time['step_overlap_s'] * 1e3:.3g} ms), MFU {self.time['mfu']:.1%}; analytic step "
-                 f"{self.analytic_time['step_s'] * 1e3:.3g} ms",
-                 f"  fits: {gib(self.needed_bytes)} needed, {gib(self.available_bytes)} available" if self.fits
-                 else f"  {self.advice}"]
-        return "\n".join(lines)
-
-
-def _bytes(b: float) -> str:
-    """``b`` bytes as GiB, MiB or KiB (binary units), three significant digits."""
-    for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if b >= size or unit == "KiB":
-            return f"{b / size:.3g} {unit}"
-
 
 
 def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> dict:
@@ -150,44 +78,6 @@ def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> di
 
 
 # ------------------------------------------------------------------------------------------------ compile
-
-def policy_of(cfg: Any):
-    """The state's precision policy from the model config (its one source): params ``param_dtype`` (None:
-    float32), compute ``dtype`` (None: float32), output float32."""
-    from jaxpar.precision.policy import Policy
-    return Policy(cfg.param_dtype or jnp.float32, cfg.dtype or jnp.float32, jnp.float32)
-
-
-def default_tx(model: Any) -> Any:
-    """The optimizer a plan assumes unless given one: the experiments' ``jp.optim.adamw`` (float32 moments)."""
-    from jaxpar.train import optim
-    return optim.adamw(3e-4, total_steps=10_000, warmup_steps=100,
-                       axis_names=jax.eval_shape(model.init, jax.random.key(0)))
-
-
-def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True,
-               *, tx: Any = None):
-    """``(model, tx, step, abstract_state)`` of the train step of a model of the protocol, or of the model a config
-    builds, on ``mesh``: the same step a run builds (a pipeline's state in its schedule's stage layout, as
-    ``experiments/charlm.py`` trains it). ``tx``: the optimizer (None: :func:`default_tx`).
-
-    Raises:
-      TypeError: as :func:`jaxpar.plan.memory.model_and_config`.
-    """
-    from jaxpar.train import step as train
-    from jaxpar import pipeline
-    model, cfg = plan_memory.model_and_config(model_config)
-    tx = default_tx(model) if tx is None else tx
-    pipe = None if schedule is None else pipeline.Pipeline.from_model(model, schedule)
-    step = train.make_train_step(model.loss if pipe is None else pipe, tx, mesh=mesh,
-                                 grad_accum_steps=grad_accum_steps, donate=donate)
-    state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy_of(cfg), pipeline=pipe)
-    return model, tx, step, state
-
-
-def batch_structs(global_batch: int, seq_len: int) -> dict:
-    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32) for k in LM_KEYS}
-
 
 def _cpu_devices() -> list:
     try:
@@ -220,11 +110,11 @@ def _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len
 
 
 def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
-               memory_fraction, tx=None) -> Plan:
+               memory_fraction, tx=None, policy=None) -> Plan:
     start = time.perf_counter()
     per_host, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
-    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx)
+    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy)
     cfg = plan_memory.model_and_config(model_config)[1]
     compiled = step.lower(state, batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
@@ -236,14 +126,11 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     n = math.prod(sizes.values())
     model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
-    collectives: dict[str, dict[str, float]] = {}
-    for c in stats.collectives:
-        by_axes = collectives.setdefault(c.kind, {})
-        by_axes["+".join(c.axes)] = by_axes.get("+".join(c.axes), 0.0) + c.bytes * c.count
+    collectives = collectives_by_kind(stats)
     needed = memory["compiled_bytes"]
     fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
                                    schedule, grad_accum_steps, gpus_per_host)
-    return Plan(label="XLA:CPU compilation", model=_model_summary(model, cfg), mesh=sizes,
+    return Plan(label="XLA:CPU compilation", model=model_summary(model, cfg), mesh=sizes,
                 hosts={"per_host": per_host, "across_hosts": across}, device=spec.name,
                 global_batch=global_batch, seq_len=seq_len, schedule=None if schedule is None else schedule.name,
                 grad_accum_steps=grad_accum_steps, memory=memory,
@@ -253,14 +140,6 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
                 needed_bytes=needed, available_bytes=available, advice=advice, compile_s=compile_s,
                 analytic_time=analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec,
                                             grad_accum_steps))
-
-
-def _model_summary(model: Any, cfg: Any) -> dict:
-    n = cfg.num_params()
-    name = f"{type(model).__name__} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} (d={cfg.d_model}, layers={cfg.num_layers}, heads={cfg.num_heads})"
-    return {"name": name, "num_params": cfg.num_params(), "d_model": cfg.d_model, "num_layers": cfg.num_layers,
-            "num_heads": cfg.num_heads, "vocab": cfg.padded_vocab, "remat": cfg.remat,
-            "compute_dtype": jnp.dtype(cfg.dtype or jnp.float32).name, "scan_layers": cfg.scan_layers}
 
 
 def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
@@ -336,8 +215,10 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
 
 def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
          device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
-         gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0, tx: Any = None) -> Plan:
-    """Compiles a model's train step for ``mesh_shape`` on simulated CPU devices and returns its :class:`Plan`.
+         gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0, tx: Any = None,
+         target: Any = None, policy: Any = None, compare_cpu: bool = False) -> Plan:
+    """Compiles a model's train step for ``mesh_shape`` on simulated CPU devices, or with XLA's GPU compiler for
+    a GPU ``target``, and returns its :class:`Plan`.
 
     Args:
       model_config: a model config that builds a model of the protocol (``jaxpar.models.GPTConfig``,
@@ -358,6 +239,16 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
       timeout: seconds allowed for the planning subprocess (when one is needed).
       tx: the optimizer (an optax ``GradientTransformation``; None: :func:`default_tx`, AdamW). A plan in a
         subprocess sends it pickled.
+      target: None (simulated CPU devices), or a GPU target: a :func:`jaxpar.plan.gpu_target` whose device
+        count is the mesh's, or its name (``"h100"``, ``"h200"``, ...; ``prod(mesh) / gpus_per_host`` hosts). The
+        step is compiled by XLA:GPU for its compile-only devices in this process (:mod:`jaxpar.plan.gpu_plan`:
+        GPU memory, collectives by dtype, fp8 GEMMs, attention kernel, a replayed step time); ``device`` is then
+        the target's. XLA reads its GPU flags once, from ``XLA_FLAGS`` when jax starts: to compile what a jaxpar
+        GPU run compiles, start the process after ``jp.tools.gpu.apply_gpu_defaults(platform="gpu")`` (the
+        latency-hiding scheduler, collective combining and pipelining; ``experiments/plan.py --target`` does).
+      policy: the precision policy (None: the config's, :func:`policy_of`); e.g. ``dot="fp8"`` for fp8 matmuls.
+      compare_cpu: with a ``target``, also compile for simulated CPU devices and put that plan's memory beside
+        the GPU's (``memory["cpu_compiled_bytes"]``).
 
     Returns:
       A :class:`Plan`; a layout that does not fit is a Plan with ``fits=False`` and ``advice`` reading "does not
@@ -373,15 +264,31 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         ``memory_fraction`` (any real number type, numpy's included); a ``timeout`` that is not a positive
         finite number.
       RuntimeError: the planning subprocess failed (its stderr attached) or ran past ``timeout``.
+      ImportError / RuntimeError: a ``target`` without the jax CUDA plugin of jaxlib's version.
     """
     if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(float(timeout))
             or float(timeout) <= 0):
         raise ValueError(f"timeout={timeout!r} must be a positive finite number of seconds, e.g. timeout=1800")
+    if target is not None:
+        device = target if isinstance(target, str) else target.name
+        gpus_per_host = gpus_per_host if isinstance(target, str) else target.gpus_per_host
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
                             grad_accum_steps, gpus_per_host, memory_fraction)
     args = (model_config, sizes, int(global_batch), int(seq_len), schedule, spec, int(grad_accum_steps),
-            int(gpus_per_host), float(memory_fraction), tx)
+            int(gpus_per_host), float(memory_fraction), tx, policy)
     n = math.prod(sizes.values())
+    if target is not None:
+        from jaxpar.plan import gpu_plan
+        resolved = gpu_plan.resolve_target(target, n, int(gpus_per_host))
+        result = gpu_plan.plan_on_target(model_config, sizes, resolved, int(global_batch), int(seq_len), schedule,
+                                         int(grad_accum_steps), float(memory_fraction), tx, policy)
+        if compare_cpu:
+            cpu = plan(model_config, sizes, global_batch=global_batch, seq_len=seq_len, schedule=schedule,
+                       device=device, grad_accum_steps=grad_accum_steps, gpus_per_host=gpus_per_host,
+                       memory_fraction=memory_fraction, timeout=timeout, tx=tx, policy=policy)
+            result.memory.update(cpu_compiled_bytes=cpu.needed_bytes, cpu_temp_bytes=cpu.memory["temp_bytes"],
+                                 cpu_upcast_bytes=cpu.memory["cpu_upcast_bytes"])
+        return result
     if len(_cpu_devices()) >= n:
         return _plan_here(*args)
     try:

@@ -101,3 +101,56 @@ def test_stablehlo_dots_and_constraints_of_hand_written_text():
     assert plan_hlo.stablehlo_dots(_LOWERED) == [("bf16", "bf16"), ("f8E4M3FN", "f8E5M2")]
     assert plan_hlo.sharding_constraints(_LOWERED) == [('<@mesh, [{}, {"tensor"}]>', "16x32", "f32"),
                                                        ("<@mesh, []>", "", "f32")]
+
+
+# XLA:GPU's forms, written by hand: an fp8 GEMM fusion, a cuBLAS GEMM call, and async collectives whose
+# ``-start`` result holds (inputs, outputs) while their operands are printed without types (as jax prints them).
+_GPU_MODULE = """HloModule g, entry_computation_layout={(f8e4m3fn[64,32]{1,0}, f8e5m2[32,16]{1,0})->bf16[64,16]{1,0}}
+
+%gemm (p0: f8e4m3fn[64,32], p1: f8e5m2[32,16]) -> bf16[64,16] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = f8e5m2[32,16]{1,0} parameter(1)
+  ROOT %d = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f8e4m3fn[64,32], w: f8e5m2[32,16]) -> bf16[64,16] {
+  %x = f8e4m3fn[64,32]{1,0} parameter(0)
+  %w = f8e5m2[32,16]{1,0} parameter(1)
+  %f = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+  %c = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%f, %f), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %g = f32[8,16]{1,0} parameter(2)
+  %ag = ((f32[8,16]{1,0}, bf16[64,16]{1,0}), (f32[64,16]{1,0}, bf16[512,16]{1,0})) all-gather-start(%g, %f), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %agd = (f32[64,16]{1,0}, bf16[512,16]{1,0}) all-gather-done(%ag)
+  %h = f32[64,16]{1,0} parameter(3)
+  %rs = ((f32[64,16]{1,0}), f32[8,16]{1,0}) reduce-scatter-start(%h), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %rsd = f32[8,16]{1,0} reduce-scatter-done(%rs)
+  %ar = f32[8,16]{1,0} all-reduce-start(%g), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %ard = f32[8,16]{1,0} all-reduce-done(%ar)
+  %cp = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%g), source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[8,16]{1,0} collective-permute-done(%cp)
+  ROOT %o = bf16[64,16]{1,0} get-tuple-element(%c), index=0
+}
+"""
+
+
+def test_fp8_dots_gemm_calls_and_async_collectives_of_a_hand_written_gpu_module():
+    stats = plan_hlo.analyze(_GPU_MODULE, {"fsdp": 8})
+    assert stats.flops == 2 * (64 * 16 * 32) + 2 * (64 * 16 * 16)   # the fp8 dot, then the cuBLAS call on 64x16
+    by_kind = {c.kind: (c.bytes, c.axes, c.group_size) for c in stats.collectives}
+    assert by_kind == {"all-gather": ((8 * 16 * 4 + 64 * 16 * 2) * 8, ("fsdp",), 8),   # the gathered outputs
+                       "reduce-scatter": (64 * 16 * 4, ("fsdp",), 8),                 # the scattered input
+                       "all-reduce": (8 * 16 * 4, ("fsdp",), 2),
+                       "collective-permute": (8 * 16 * 4, ("fsdp",), 2)}
+    fusion = 64 * 32 + 32 * 16 + 64 * 16 * 2                                  # fp8 inputs (1 byte), bf16 output
+    gemm = 2 * 64 * 16 * 2 + 64 * 16 * 2 + 1024                               # operands, (output, workspace)
+    gather = 8 * 16 * 4 + 64 * 16 * 2 + (64 * 16 * 4 + 512 * 16 * 2)         # inputs + outputs, once
+    rest = (64 * 16 * 4 + 8 * 16 * 4) + 2 * 8 * 16 * 4 + 2 * 8 * 16 * 4       # scatter, all-reduce, permute
+    assert stats.bytes_accessed == fusion + gemm + gather + rest
+    sites = plan_hlo.collective_sites(_GPU_MODULE, {"fsdp": 8})
+    assert sorted(s.bytes for s in sites) == sorted(b for b, _, _ in by_kind.values())
