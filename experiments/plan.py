@@ -1,5 +1,6 @@
-"""Sweep GPU layouts of a GPT or Llama 3 train step, compiled for a GPU target or on simulated CPU devices: a
-ranked table, a plot and JSON.
+"""Sweep GPU layouts of a GPT or Llama 3 train step (compiled for a GPU target or on simulated CPU devices).
+
+Writes a ranked table, a plot and JSON.
 
 Command::
 
