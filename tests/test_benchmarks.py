@@ -110,6 +110,13 @@ def test_gpu_script_tiny_on_cpu():
     # scan_layers: the lowered program holds the scanned block's 4 dense matmuls once (3 dots each with the backward)
     assert res["jaxpar"]["fp8_dots"] == {} and res["jaxpar_fp8"]["fp8_dots"] == {"e4m3 x e4m3": 4, "e5m2 x e4m3": 8}
     assert res["jaxpar_fp8_current"]["fp8_dots"] == res["jaxpar_fp8"]["fp8_dots"]
+    assert out["target_config"] == "n/a off GPU"
+    for k in ("jaxpar", "jaxpar_fp8"):   # predicted for one compile-only H100 where the gpu extra is installed
+        if "predicted" in res[k]:
+            assert res[k]["predicted"].startswith("n/a")
+        else:
+            assert res[k]["predicted_ms_per_step"] > 0 and 0 < res[k]["predicted_bytes"] < 2**30
+            assert res[k]["predicted_over_measured_time"] == "n/a off GPU"
 
 
 @pytest.mark.slow

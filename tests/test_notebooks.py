@@ -41,8 +41,11 @@ FIGURES = {
     "05_pruning.ipynb": 5,                # schedule, schedule with measured sparsity, per-layer sparsity, 2:4 mask,
                                           # accuracy vs sparsity
     "06_charlm_end_to_end.ipynb": 1,      # the loss curve across the checkpoint restore
+    "07_plan_a_gpu_run.ipynb": 1,         # time per step split into compute, exposed communication and bubble
     "09_finetune_hugging_face.ipynb": 1,  # the fine-tuning loss curve (train and validation)
 }
+# Notebooks that compile for compile-only GPUs (jp.plan.gpu_target): they need the jax CUDA plugin (the gpu extra).
+NEEDS_CUDA_PLUGIN = ("07_plan_a_gpu_run.ipynb",)
 DEVICE_FLAG = 'os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")'
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 DOTTED = re.compile(r"\b(?:jp|jaxpar)(?:\.\w+)+")
@@ -162,6 +165,12 @@ def test_notebook_runs(path: Path, record_property):
     assert path.name in FIGURES, f"{path.name}: declare how many figures it draws in FIGURES"
     nb = nbformat.read(path, as_version=4)
     check_committed(path, nb)
+    if path.name in NEEDS_CUDA_PLUGIN:
+        from jaxpar.plan import targets
+        try:
+            targets.check_cuda_plugin()
+        except (ImportError, RuntimeError) as e:
+            pytest.skip(f"{path.name} compiles for compile-only H100s and needs the jax CUDA plugin (the gpu extra): {e}")
     seconds = execute(path, nb)
     record_property("runtime_s", round(seconds, 1))
     print(f"{path.name}: {seconds:.1f} s, {count_figures(nb)} figures")

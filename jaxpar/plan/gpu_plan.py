@@ -85,7 +85,8 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
     model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
     collectives = compiled_step.collectives_by_kind(stats)
     host_of = [d.process_index for d in mesh.devices.flat]
-    replay = step_time.scheduled_time(text, shape, host_of, target)
+    replay = step_time.scheduled_time(text, shape, host_of, target,
+                                      0.0 if schedule is None else schedule.bubble_fraction)
     replay.update(step_time.throughput(replay["step_s"], global_batch * seq_len, n, 6.0 * cfg.num_params(),
                                        target.bf16_flops))
     replay.update(step_overlap_s=replay["step_s"], hbm_s=0.0)

@@ -33,6 +33,13 @@ the compute kernels they overlap (on a GPU they share SMs and HBM); a collective
 ``-start`` is reached. Elementwise FLOPs and cuDNN attention calls count only their bytes. Loops are replayed
 once and scaled, so a collective started in one iteration and finished in the next is not overlapped across
 the iteration boundary.
+
+**Pipeline bubble.** jaxpar's pipeline runs one ``lax.scan`` step per tick with each stage's action chosen by
+``lax.switch`` (:mod:`jaxpar.pipeline.interpreter`); the replay charges a ``conditional`` its slowest branch, so
+every (tick, stage) slot, idle ones included, costs the same kernels. The idle share of the slots is the
+schedule's unit-tick bubble fraction (:attr:`jaxpar.pipeline.Schedule.bubble_fraction`), so ``bubble_s =
+bubble_fraction * compute_s`` of the kernels' time is spent waiting in the bubble. Kernels outside the tick loop
+(the optimizer update) are counted in it too, which overstates the bubble by their share of ``compute_s``.
 """
 
 from __future__ import annotations
@@ -197,7 +204,8 @@ class _Replayer:
         return worst.seconds
 
 
-def scheduled_time(text: str, mesh_shape: dict[str, int], host_of: Sequence[int], spec: Any) -> dict:
+def scheduled_time(text: str, mesh_shape: dict[str, int], host_of: Sequence[int], spec: Any,
+                   bubble_fraction: float = 0.0) -> dict:
     """The replayed step time of a compiled GPU program (module docstring), per device.
 
     Args:
@@ -206,25 +214,34 @@ def scheduled_time(text: str, mesh_shape: dict[str, int], host_of: Sequence[int]
         ``mesh.devices.flat``.
       host_of: the host of each of those positions (``[d.process_index for d in mesh.devices.flat]``).
       spec: the GPU's figures (:meth:`Peaks.of`).
+      bubble_fraction: the pipeline schedule's idle share of its (tick, stage) slots, in ``[0, 1)``
+        (``schedule.bubble_fraction``; 0 without a pipeline).
 
     Returns:
-      ``{"step_s", "compute_s", "gemm_s", "fp8_gemm_s", "comm_s", "exposed_comm_s", "comm_s_by":
-      {"kind/axes/link": s}, "unknown_trip_counts"}`` in seconds: ``compute_s`` the kernels' sum (``gemm_s`` of
-      those with matmuls, ``fp8_gemm_s`` of those with fp8 matmuls), ``comm_s`` the collectives' sum,
-      ``exposed_comm_s = step_s - compute_s`` the communication the schedule does not hide.
+      ``{"step_s", "compute_s", "gemm_s", "fp8_gemm_s", "comm_s", "exposed_comm_s", "bubble_s", "busy_s",
+      "comm_s_by": {"kind/axes/link": s}, "unknown_trip_counts"}`` in seconds: ``compute_s`` the kernels' sum
+      (``gemm_s`` of those with matmuls, ``fp8_gemm_s`` of those with fp8 matmuls), ``comm_s`` the collectives'
+      sum, ``exposed_comm_s = step_s - compute_s`` the communication the schedule does not hide, ``bubble_s =
+      bubble_fraction * compute_s`` the kernels' time charged to idle pipeline slots (module docstring) and
+      ``busy_s = compute_s - bubble_s``; ``busy_s + exposed_comm_s + bubble_s == step_s``.
 
     Raises:
-      ValueError: ``host_of`` shorter than the mesh; the HLO errors of :func:`jaxpar._hlo.analyze`.
+      ValueError: ``host_of`` shorter than the mesh, ``bubble_fraction`` outside ``[0, 1)``; the HLO errors of
+        :func:`jaxpar._hlo.analyze`.
     """
+    if not 0.0 <= bubble_fraction < 1.0:
+        raise ValueError(f"bubble_fraction={bubble_fraction!r} must lie in [0, 1); pass the pipeline schedule's "
+                         "bubble_fraction, or 0 without a pipeline")
     n = math.prod(mesh_shape.values())
     if len(host_of) < n:
         raise ValueError(f"host_of has {len(host_of)} entries, the mesh {dict(mesh_shape)} has {n} devices; pass "
                          "[d.process_index for d in mesh.devices.flat]")
     replayer = _Replayer(text, mesh_shape, host_of, Peaks.of(spec))
     r = replayer.replay(replayer.entry)
+    bubble = bubble_fraction * r.compute_s
     return {"step_s": r.seconds, "compute_s": r.compute_s, "gemm_s": r.gemm_s, "fp8_gemm_s": r.fp8_gemm_s,
-            "comm_s": r.comm_s,
-            "exposed_comm_s": max(0.0, r.seconds - r.compute_s), "comm_s_by": dict(r.by_collective),
+            "comm_s": r.comm_s, "exposed_comm_s": max(0.0, r.seconds - r.compute_s), "bubble_s": bubble,
+            "busy_s": r.compute_s - bubble, "comm_s_by": dict(r.by_collective),
             "unknown_trip_counts": replayer.walker.unknown_trips}
 
 

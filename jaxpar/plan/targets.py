@@ -160,12 +160,19 @@ def compile_only_devices(target_config: str, hosts: int, gpus_per_host: int, wha
     Raises:
       ValueError: text that does not parse; the message names ``what`` (the file), the line, column and field
         XLA's parser reports.
+      RuntimeError: the CUDA plugin did not start (on a machine without CUDA libraries, JAX not limited to the
+        CPU).
     """
     with _stderr_captured() as log:
         try:
             topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                                 topology=f"1x{hosts}x{gpus_per_host}")
             return tuple(topo.devices)
+        except NotImplementedError as e:   # jax registers no "cuda" topology when the plugin failed to start
+            raise RuntimeError(
+                f"the jax CUDA plugin is installed but did not start ({e}); without a GPU it starts only when JAX "
+                "is limited to the CPU: set JAX_PLATFORMS=cpu (or jax.config.update('jax_platforms', 'cpu')) "
+                "before JAX's first use of a device") from e
         except Exception as e:  # noqa: BLE001  (jax raises its runtime error; the reason is in XLA's log)
             if "GpuTargetConfigProto" not in str(e):
                 raise
@@ -202,7 +209,7 @@ def gpu_target(name: str, hosts: int = 1, gpus_per_host: int = 8, *, use_device_
       ValueError: an unknown name, a GPU without a target file, non-positive sizes, a target file that does not
         parse (naming the field).
       ImportError / RuntimeError: the jax CUDA plugin missing, or not of jaxlib's version
-        (:func:`check_cuda_plugin`).
+        (:func:`check_cuda_plugin`), or not started (:func:`compile_only_devices`).
     """
     hosts = positive_int("hosts", hosts, " (hosts of the cluster)")
     gpus_per_host = positive_int("gpus_per_host", gpus_per_host, " (GPUs per host, e.g. 8)")

@@ -87,6 +87,17 @@ def test_replay_hides_async_gathers_behind_kernels_and_exposes_synchronous_colle
         step_time.scheduled_time(_MODULE, {"fsdp": 8}, [0] * 4, _PEAKS)
 
 
+def test_pipeline_bubble_is_the_schedules_idle_share_of_the_kernels_and_the_parts_add_up_to_the_step():
+    host_of = [0, 1] * 4                               # the all-reduce crosses hosts: some communication exposed
+    plain = step_time.scheduled_time(_MODULE, {"fsdp": 8}, host_of, _PEAKS)
+    r = step_time.scheduled_time(_MODULE, {"fsdp": 8}, host_of, _PEAKS, bubble_fraction=0.3)
+    assert plain["bubble_s"] == 0.0 and plain["busy_s"] == plain["compute_s"]
+    assert r["bubble_s"] == pytest.approx(0.3 * r["compute_s"]) and r["exposed_comm_s"] > 0
+    assert r["busy_s"] + r["exposed_comm_s"] + r["bubble_s"] == pytest.approx(r["step_s"])
+    with pytest.raises(ValueError, match=r"bubble_fraction=1.0 must lie in \[0, 1\)"):
+        step_time.scheduled_time(_MODULE, {"fsdp": 8}, host_of, _PEAKS, bubble_fraction=1.0)
+
+
 def _gpu_target_or_skip(hosts: int = 1):
     from jaxpar.plan import targets
     try:
