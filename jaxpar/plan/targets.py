@@ -166,6 +166,11 @@ def compile_only_devices(target_config: str, hosts: int, gpus_per_host: int, wha
             topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                                 topology=f"1x{hosts}x{gpus_per_host}")
             return tuple(topo.devices)
+        except NotImplementedError as e:   # jax started its CUDA plugin as a runtime (no GPU), not compile-only
+            raise RuntimeError(f"compiling for a GPU target on a machine without a usable GPU needs jax started on the "
+                               f"CPU platform: set JAX_PLATFORMS=cpu (or jax.config.update('jax_platforms', 'cpu')) "
+                               f"before jax starts; here jax_platforms={jax.config.jax_platforms!r} and the CUDA "
+                               f"plugin could not start ({e})") from e
         except Exception as e:  # noqa: BLE001  (jax raises its runtime error; the reason is in XLA's log)
             if "GpuTargetConfigProto" not in str(e):
                 raise

@@ -108,6 +108,16 @@ def test_bad_target_files_and_meshes_are_named():
     assert dict(target.mesh(data=2, fsdp=8).shape) == dict(data=2, pipe=1, fsdp=8, context=1, tensor=1)
 
 
+def test_jax_started_without_jax_platforms_cpu_is_named(monkeypatch):
+    """With JAX_PLATFORMS unset on a machine without a GPU, jax starts its CUDA plugin as a runtime (which fails),
+    and get_topology_desc says only "topology not implemented for cuda"."""
+    def no_topology(**kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+    monkeypatch.setattr(targets.topologies, "get_topology_desc", no_topology)
+    with pytest.raises(RuntimeError, match=r"set JAX_PLATFORMS=cpu .*before jax starts"):
+        targets.compile_only_devices("", 1, 8, "h100_sxm.txtpb")
+
+
 def test_missing_or_mismatched_plugin_is_named(monkeypatch):
     real = importlib.metadata.version
     jaxlib = real("jaxlib")
