@@ -154,12 +154,27 @@ def _stderr_captured():
             os.close(saved)
 
 
+# gpu_device_info fields XLA's GPU compiler divides by: a text that parses without them (an empty file) or with 0
+# gives devices whose first compile kills the process (SIGFPE, threads_per_warp: 0 or absent, tried with 0.10.2)
+_POSITIVE = ("threads_per_warp", "threads_per_block_limit", "shared_memory_per_block", "core_count")
+
+
+def _check_device_info(target_config: str, what: str) -> None:
+    for field in _POSITIVE:
+        found = re.search(rf"\b{field}\s*:\s*([-+0-9.eE]+)", target_config)
+        if found is None or float(found.group(1)) <= 0:
+            raise ValueError(f"target config {what} has " + (f"{field}: {found.group(1)}" if found else f"no {field}")
+                             + f" (gpu_device_info); XLA's GPU compiler needs a positive {field} (the shipped files "
+                             "have one: copy it from there)")
+
+
 def compile_only_devices(target_config: str, hosts: int, gpus_per_host: int, what: str) -> tuple[Any, ...]:
     """The compile-only devices of ``1 x hosts x gpus_per_host`` GPUs described by ``target_config`` (text).
 
     Raises:
       ValueError: text that does not parse; the message names ``what`` (the file), the line, column and field
-        XLA's parser reports.
+        XLA's parser reports. Text without a positive ``threads_per_warp``, ``threads_per_block_limit``,
+        ``shared_memory_per_block`` or ``core_count`` (an empty file parses; its first compile died of SIGFPE).
       RuntimeError: the CUDA plugin did not start (on a machine without CUDA libraries, JAX not limited to the
         CPU).
     """
@@ -167,12 +182,13 @@ def compile_only_devices(target_config: str, hosts: int, gpus_per_host: int, wha
         try:
             topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                                 topology=f"1x{hosts}x{gpus_per_host}")
+            _check_device_info(target_config, what)
             return tuple(topo.devices)
-        except NotImplementedError as e:   # jax registers no "cuda" topology when the plugin failed to start
-            raise RuntimeError(
-                f"the jax CUDA plugin is installed but did not start ({e}); without a GPU it starts only when JAX "
-                "is limited to the CPU: set JAX_PLATFORMS=cpu (or jax.config.update('jax_platforms', 'cpu')) "
-                "before JAX's first use of a device") from e
+        except NotImplementedError as e:   # jax started its CUDA plugin as a runtime (no GPU), not compile-only
+            raise RuntimeError(f"compiling for a GPU target on a machine without a usable GPU needs jax started on the "
+                               f"CPU platform: set JAX_PLATFORMS=cpu (or jax.config.update('jax_platforms', 'cpu')) "
+                               f"before jax starts; here jax_platforms={jax.config.jax_platforms!r} and the CUDA "
+                               f"plugin could not start ({e})") from e
         except Exception as e:  # noqa: BLE001  (jax raises its runtime error; the reason is in XLA's log)
             if "GpuTargetConfigProto" not in str(e):
                 raise

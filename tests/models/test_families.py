@@ -147,6 +147,37 @@ def test_qwen_window_beside_use_sliding_window_false_is_full_attention_and_rope_
         family_config({**hf_cfg, "model_type": "qwen3", "attention_bias": True})
 
 
+def test_mistral_layer_types_that_window_some_layers_only_are_refused():
+    """transformers' AutoModelForCausalLM reads a Mistral config with layer_types as a Ministral (windows on the
+    sliding_attention layers only), MistralForCausalLM windows every layer: loading one as either would be a guess."""
+    from jaxpar.models.hf.family_config import family_config
+    hf_cfg = {"model_type": "mistral", "vocab_size": V, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 4}
+    assert family_config({**hf_cfg, "layer_types": ["sliding_attention"] * 2}).windows == (4, 4)
+    with pytest.raises(ValueError, match="layer_types=.*Ministral"):
+        family_config({**hf_cfg, "layer_types": ["full_attention", "sliding_attention"]})
+
+
+def test_a_tied_checkpoint_storing_its_head_anyway_loads_when_the_head_is_the_embedding(tmp_path):
+    """Some exporters write lm_head.weight beside tie_word_embeddings=true; transformers ties it (ignores the copy)."""
+    from safetensors.numpy import save_file
+
+    from jaxpar.models.hf.families import _hf_shapes
+    from jaxpar.models.hf.family_config import family_hf_config
+    cfg = families.qwen2(vocab_size=V, num_layers=1, num_heads=4, num_kv_heads=2, d_model=32, d_mlp=48,
+                         max_seq_len=32, tie_embeddings=True)
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in _hf_shapes(cfg, "model.").items()}
+    path, weights = str(tmp_path), str(tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(family_hf_config(cfg)))
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, weights)
+    _, params = hf.load(path)
+    np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"])[:V], tensors["model.embed_tokens.weight"])
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, weights)
+    with pytest.raises(ValueError, match="tie_word_embeddings=true .*'lm_head.weight', which differs"):
+        hf.load(path)
+
+
 @pytest.mark.slow  # transformers' vision tower: ~5 s
 def test_gemma3_conditional_generation_loads_its_text_decoder_with_text_only(tmp_path):
     text = {**BASE, **CASES["gemma3"][2]}

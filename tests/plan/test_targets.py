@@ -102,10 +102,26 @@ def test_bad_target_files_and_meshes_are_named():
         targets.compile_only_devices(text, 1, 8, "mine.txtpb")
     with pytest.raises(ValueError, match="line 1, column 31: Expected integer"):
         targets.compile_only_devices("gpu_device_info { core_count: x }", 1, 8, "mine.txtpb")
+    # these parse, and the first compile for their devices died of SIGFPE
+    with pytest.raises(ValueError, match=r"mine.txtpb has no threads_per_warp \(gpu_device_info\)"):
+        targets.compile_only_devices("", 1, 8, "mine.txtpb")
+    with pytest.raises(ValueError, match=r"mine.txtpb has threads_per_warp: 0 "):
+        zero = targets.shipped_target_config("h100").replace("threads_per_warp: 32", "threads_per_warp: 0")
+        targets.compile_only_devices(zero, 1, 8, "mine.txtpb")
     target = jp.plan.gpu_target("h100", hosts=2)
     with pytest.raises(ValueError, match=r"make 8 devices, but target 'h100' topology 1x2x8 has 16 \(2 hosts x 8"):
         target.mesh(fsdp=8)
     assert dict(target.mesh(data=2, fsdp=8).shape) == dict(data=2, pipe=1, fsdp=8, context=1, tensor=1)
+
+
+def test_jax_started_without_jax_platforms_cpu_is_named(monkeypatch):
+    """With JAX_PLATFORMS unset on a machine without a GPU, jax starts its CUDA plugin as a runtime (which fails),
+    and get_topology_desc says only "topology not implemented for cuda"."""
+    def no_topology(**kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+    monkeypatch.setattr(targets.topologies, "get_topology_desc", no_topology)
+    with pytest.raises(RuntimeError, match=r"set JAX_PLATFORMS=cpu .*before jax starts"):
+        targets.compile_only_devices("", 1, 8, "h100_sxm.txtpb")
 
 
 def test_missing_or_mismatched_plugin_is_named(monkeypatch):

@@ -109,6 +109,10 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
         reader.check_dtype(name)
     unused = sorted(k for k in reader.files if k not in expected and not k.endswith(_BUFFERS)
                     and not k.startswith(adapter.left_on_disk))
+    head, embed = llama.head_name(prefix), f"{prefix}embed_tokens.weight"
+    if getattr(cfg, "tie_embeddings", False) and head in unused and embed in expected:
+        _check_tied_copy(reader, head, embed)   # a tied checkpoint that stores its head anyway
+        unused.remove(head)
     if unused:
         raise ValueError(f"{reader.path!r} holds {len(unused)} tensors the {type(model).__name__} of its config.json "
                          f"has no place for, e.g. {unused[:3]}: another architecture (biases, more layers than "
@@ -166,6 +170,21 @@ def _shapes(boxed: dict) -> dict:
 # files of a checkpoint directory that save() writes (others, e.g. a tokenizer's, are kept)
 _WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json)$")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _check_tied_copy(reader: Reader, head: str, embed: str, rows: int = 8192) -> None:
+    """Accepts the ``head`` tensor of a checkpoint whose config ties it to ``embed`` when it is a copy of it (what
+    some exporters write; transformers ties it and ignores the copy); a ValueError when it differs."""
+    same = reader.shape(head) == reader.shape(embed)
+    for start in range(0, reader.shape(embed)[0], rows) if same else ():
+        block = slice(start, min(start + rows, reader.shape(embed)[0]))
+        if not np.array_equal(reader.read(head, block), reader.read(embed, block)):
+            same = False
+            break
+    if not same:
+        raise ValueError(f"config.json has tie_word_embeddings=true (the output layer is the embedding {embed!r}), "
+                         f"but {reader.path!r} also holds {head!r}, which differs from it (transformers would ignore "
+                         "it): set tie_word_embeddings to false to load that head, or delete the tensor")
 
 
 def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30, like: str | None = None) -> None:

@@ -62,6 +62,12 @@ def _windows(hf: dict, family: str, n: int) -> tuple:
     """The per-layer windows the checkpoint's model computes (None: global)."""
     window = hf.get("sliding_window")
     if family == "mistral":   # transformers' Mistral windows every layer and reads no layer_types
+        types = hf.get("layer_types")
+        if window is not None and types is not None and types != ["sliding_attention"] * n:
+            raise ValueError(f"config.json has model_type='mistral' with layer_types={types!r}: MistralForCausalLM "
+                             "windows every layer, but transformers' AutoModelForCausalLM reads such a config as a "
+                             "Ministral (a window on the sliding_attention layers only), so which model it is is "
+                             "ambiguous; delete layer_types (every layer windowed) or list sliding_attention for each")
         return (window,) * n if window is not None else ()
     if family in ("qwen2", "qwen3") and not _flag(hf, "use_sliding_window", False):
         return ()
