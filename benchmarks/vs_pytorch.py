@@ -102,6 +102,7 @@ def build_jaxpar(model, init_fn, lr: float):
 
 
 def build_torch(args, model, init_params, lr: float, compile_: bool):
+    torch = torch_gpt.torch_module()
     if args.model in HF_FAMILIES:
         module, hf_model = torch_hf.build(args.model, args.checkpoint)
         opt, sched = torch_gpt.make_optimizer(hf_model, lr, TOTAL_STEPS, WARMUP, decay_prefix="model.layers.")
