@@ -1,9 +1,10 @@
-"""jaxpar's GPT or Llama train step against the same model in PyTorch (eager and ``torch.compile``), one device.
+"""jaxpar's train step against the same model in PyTorch (eager and ``torch.compile``), one device.
 
-    python benchmarks/vs_pytorch.py [--model gpt|llama] [--rounds 7] [--steps-per-round 5] [--batch 32] [--seq 128]
+    python benchmarks/vs_pytorch.py [--model gpt|llama|qwen3|gemma3] [--rounds 7] [--steps-per-round 5]
+                                    [--batch 32] [--seq 128]
 
-Needs torch (``pip install '.[bench]'``; ``--model llama`` also transformers). ``--model gpt`` (the default): the
-model is the main job's (``experiments/charlm.py`` defaults:
+Needs torch (``pip install '.[bench]'``; the transformers families also transformers). ``--model gpt`` (the
+default): the model is the main job's (``experiments/charlm.py`` defaults:
 4 layers, d=128, 4 heads, the 103-character vocabulary padded to 128, learned positions, tied embeddings,
 pre-LN, GELU tanh, float32), the optimizer ``jp.optim.adamw`` (global-norm clipping 1.0, AdamW b2=0.95 with
 weight decay 0.1 on the weight matrices, warm-up + cosine) and its PyTorch transcription
@@ -11,10 +12,12 @@ weight decay 0.1 on the weight matrices, warm-up + cosine) and its PyTorch trans
 same weights (jaxpar's init copied into torch) and see the same batches, so the losses of the first steps are
 printed side by side as a check that they compute the same thing.
 
-``--model llama``: ``jaxpar.models.Llama`` at the same scale (4 layers, d=128, 4 query heads, ``--kv-heads`` 2
-key/value heads, SwiGLU width 384, untied embeddings, rotary theta 10000) against Hugging Face ``transformers``'
-``LlamaForCausalLM`` built from jaxpar's weights through ``jaxpar.models.hf.save`` (``torch_llama.py``,
-``attn_implementation="sdpa"``, float32), the same optimizer recipe (decay on the blocks' weight matrices).
+``--model llama|qwen3|gemma3``: transformers' own ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` /
+``Gemma3ForCausalLM`` (``torch_hf.py``: ``attn_implementation="sdpa"``, float32) built at the same scale (4
+layers, d=128, 4 query heads, ``--kv-heads`` 2, MLP width ``--d-mlp`` 384, vocabulary 103; the Llama untied,
+Qwen3 and Gemma 3 tied, Gemma 3's layers alternating a ``--window`` 64 sliding window and global attention)
+with transformers' random init, saved, and read by ``jaxpar.models.hf.load`` (so jaxpar trains the model the
+checkpoint mapping gives), the same optimizer recipe (decay on the blocks' weight matrices).
 
 Timing: after warm-up (``--check-steps`` + ``--warmup-steps`` untimed steps: compilation, and torch's first
 CPU steps, which are slow), ``--rounds`` rounds; in each round every implementation runs
@@ -39,6 +42,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,29 +52,43 @@ import numpy as np  # noqa: E402
 
 import jaxpar as jp  # noqa: E402
 import torch_gpt  # noqa: E402
+import torch_hf  # noqa: E402
 from model_module import load_model_module  # noqa: E402
-from jaxpar.models import GPT, GPTConfig, Llama, LlamaConfig  # noqa: E402
+from jaxpar.models import GPT, GPTConfig, hf  # noqa: E402
 
 TOTAL_STEPS, WARMUP = 1000, 10   # the schedule's length (only its shape matters here)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+HF_FAMILIES = ("llama", "qwen3", "gemma3")
+
+
 def make_model(args, corpus, module=None):
-    """The jaxpar model benchmarked: the GPT (of ``module``, another ``gpt.py``, when given) or the Llama."""
+    """``(model, init_fn)``: the GPT (of ``module``, another ``gpt.py``, when given) and its ``init``; or, for
+    ``--model llama|qwen3|gemma3``, the model ``jaxpar.models.hf.load`` reads from the transformers checkpoint
+    in ``args.checkpoint`` and an init returning its loaded params with their logical names."""
+    if args.model in HF_FAMILIES:
+        model, params = hf.load(args.checkpoint, **jaxpar_overrides(args))
+        named = hf.with_names(model, params)
+        return model, lambda rng: named
     shared = dict(vocab_size=corpus.vocab_size, num_layers=args.layers, num_heads=args.heads,
                   d_model=args.d_model, max_seq_len=args.seq)
-    if args.model == "llama":
-        return Llama(LlamaConfig(num_kv_heads=args.kv_heads, **shared))
     gpt, config = (module.GPT, module.GPTConfig) if module else (GPT, GPTConfig)
-    return gpt(config(**shared))
+    model = gpt(config(**shared))
+    return model, model.init
 
 
-def build_jaxpar(model, lr: float):
+def jaxpar_overrides(args) -> dict:
+    """Config fields set on the loaded model (``--attention-blocks``), none by default."""
+    return {} if args.attention_blocks is None else {"attention_blocks": args.attention_blocks}
+
+
+def build_jaxpar(model, init_fn, lr: float):
     """``(run(batches) -> last loss, state params at init (host numpy), param count)`` of jaxpar on one device."""
     mesh = jp.make_mesh(data=1, devices=jax.devices()[:1])
-    names = jax.eval_shape(model.init, jax.random.key(0))
+    names = jax.eval_shape(init_fn, jax.random.key(0))
     tx = jp.optim.adamw(lr, total_steps=TOTAL_STEPS, warmup_steps=WARMUP, axis_names=names)
-    state = jp.train.init_state(model.init, tx, 0, mesh=mesh)
+    state = jp.train.init_state(init_fn, tx, 0, mesh=mesh)
     init_params = jax.tree.map(np.asarray, state.params)
     step = jp.train.make_train_step(model.loss, tx, mesh=mesh)
     holder = [state]
@@ -83,11 +101,10 @@ def build_jaxpar(model, lr: float):
     return run, init_params, sum(x.size for x in jax.tree.leaves(init_params))
 
 
-def build_torch(model, init_params, lr: float, compile_: bool):
+def build_torch(args, model, init_params, lr: float, compile_: bool):
     torch = torch_gpt.torch_module()
-    if isinstance(model, Llama):
-        import torch_llama
-        module, hf_model = torch_llama.build(model, init_params)
+    if args.model in HF_FAMILIES:
+        module, hf_model = torch_hf.build(args.model, args.checkpoint)
         opt, sched = torch_gpt.make_optimizer(hf_model, lr, TOTAL_STEPS, WARMUP, decay_prefix="model.layers.")
         model = module
     else:
@@ -105,6 +122,36 @@ def build_torch(model, init_params, lr: float, compile_: bool):
     return run, count
 
 
+def hf_sizes(args, vocab: int) -> dict:
+    """The transformers config's sizes (:func:`torch_hf.hf_config`) from the command line."""
+    return dict(vocab=vocab, layers=args.layers, d_model=args.d_model, heads=args.heads, kv_heads=args.kv_heads,
+                d_mlp=args.d_mlp, head_dim=args.head_dim or args.d_model // args.heads, seq=args.seq,
+                window=args.window)
+
+
+def cpu_model() -> str:
+    """The CPU's ``model name`` from ``/proc/cpuinfo`` (Linux), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def threads() -> dict:
+    """The thread counts each side runs with: cores this process may use, torch's intra- and inter-op pools,
+    and XLA:CPU's (its Eigen pool covers the cores unless ``XLA_FLAGS`` says otherwise)."""
+    torch = torch_gpt.torch_module()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    eigen_off = "--xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "")
+    return {"cores_usable": usable, "torch_intra_op": torch.get_num_threads(),
+            "torch_inter_op": torch.get_num_interop_threads(), "xla_cpu_pool": 1 if eigen_off else usable,
+            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
+
+
 def as_torch(batch):
     torch = torch_gpt.torch_module()
     return {k: torch.from_numpy(np.asarray(v, np.int64)) for k, v in batch.items()}
@@ -115,24 +162,30 @@ def _median_min_max(xs):
 
 
 def measure(args) -> dict:
+    if args.model_module and args.model != "gpt":
+        raise ValueError("--model-module replaces jaxpar/models/gpt.py: use it with --model gpt")
+    if args.model in HF_FAMILIES and args.checkpoint is None:
+        with tempfile.TemporaryDirectory() as d:
+            return measure(argparse.Namespace(**{**vars(args), "checkpoint": d}))
     torch = torch_gpt.torch_module()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     corpus = jp.data.CharCorpus.load()
-    if args.model_module and args.model == "llama":
-        raise ValueError("--model-module replaces jaxpar/models/gpt.py: use it with --model gpt")
-    model = make_model(args, corpus, load_model_module(args.model_module) if args.model_module else None)
+    if args.model in HF_FAMILIES:
+        torch_hf.save_random(args.model, args.checkpoint, **hf_sizes(args, corpus.vocab_size))
+    model, init_fn = make_model(args, corpus, load_model_module(args.model_module) if args.model_module else None)
     first = args.check_steps + args.warmup_steps
     batches = [corpus.batch(0, t, args.batch, args.seq) for t in range(first + args.rounds * args.steps_per_round)]
-    jax_run, init_params, jax_count = build_jaxpar(model, args.lr)
+    jax_run, init_params, jax_count = build_jaxpar(model, init_fn, args.lr)
     impls = {"jaxpar": jax_run}
     c = model.cfg   # HF's checkpoint drops jaxpar's vocabulary padding rows (the table's, and an untied head's)
-    padding = (c.padded_vocab - c.vocab_size) * c.d_model * (1 if c.tie_embeddings else 2) if args.model == "llama" else 0
+    padding = ((c.padded_vocab - c.vocab_size) * c.d_model * (1 if c.tie_embeddings else 2)
+               if args.model in HF_FAMILIES else 0)
     counts = {"jaxpar": jax_count - padding}
     for name, comp in (("torch_eager", False), ("torch_compile", True)):
         if comp and args.no_compile:
             continue
-        impls[name], counts[name] = build_torch(model, init_params, args.lr, comp)
+        impls[name], counts[name] = build_torch(args, model, init_params, args.lr, comp)
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"parameter counts differ: {counts}")
     # Warm-up doubles as the equivalence check: the first steps' losses from the same weights and batches.
@@ -154,7 +207,7 @@ def measure(args) -> dict:
             run(bs)
             samples[name].append((CLOCKS[args.clock]() - start) / len(bs))
     return {**report(args, model.cfg, counts, losses, samples), "clock": args.clock,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "jaxpar_overrides": jaxpar_overrides(args),
             "model_module": args.model_module or f"jaxpar.models.{args.model}",
             "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
 
@@ -173,23 +226,41 @@ def report(args, cfg, counts, losses, samples) -> dict:
             per_round = [b / a for a, b in zip(samples["jaxpar"], samples[ref])]   # jaxpar tokens/s over ref's
             med, lo, hi = _median_min_max(per_round)
             ratios[f"jaxpar_over_{ref}"] = {"median": round(med, 3), "min_max": [round(lo, 3), round(hi, 3)]}
-    return {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    hf_model = args.model in HF_FAMILIES
+    return {"cpu_model": cpu_model(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "threads": threads(), "jax": jax.__version__, "torch": torch.__version__,
+            "transformers": _version("transformers") if hf_model else None, "torch_threads": torch.get_num_threads(),
             "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
             "model": {"name": args.model, "num_layers": cfg.num_layers, "d_model": cfg.d_model,
-                      "num_heads": cfg.num_heads, **({"num_kv_heads": cfg.num_kv_heads, "d_mlp": cfg.d_mlp}
-                                                     if args.model == "llama" else {}),
+                      "num_heads": cfg.num_heads, **({"num_kv_heads": cfg.num_kv_heads, "d_mlp": cfg.d_mlp,
+                                                      "head_dim": cfg.head_dim, "tied": cfg.tie_embeddings,
+                                                      "windows": list(getattr(cfg, "windows", ()))}
+                                                     if hf_model else {}),
                       "vocab": f"{cfg.vocab_size} padded to {cfg.padded_vocab}", "seq": args.seq},
             "param_counts": counts, **({"param_counts_note": "jaxpar's without its vocabulary padding rows"}
-                                       if args.model == "llama" else {}), "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
+                                       if hf_model else {}), "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
             "steps_per_round": args.steps_per_round, "results": results, "tokens_per_s_ratios": ratios}
+
+
+def _version(package: str) -> str:
+    import importlib.metadata
+    return importlib.metadata.version(package)
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt",
-                    help="gpt: against the PyTorch GPT (torch_gpt.py); llama: against transformers' LlamaForCausalLM")
-    ap.add_argument("--kv-heads", type=int, default=2, help="--model llama: key/value heads (divides --heads)")
+    ap.add_argument("--model", choices=["gpt", *HF_FAMILIES], default="gpt",
+                    help="gpt: against the PyTorch GPT (torch_gpt.py); llama, qwen3, gemma3: against transformers' "
+                         "own LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM (torch_hf.py)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="transformers families: key/value heads (divides --heads)")
+    ap.add_argument("--d-mlp", type=int, default=384, help="transformers families: gated-MLP width")
+    ap.add_argument("--head-dim", type=int, default=0,
+                    help="qwen3, gemma3: head size (0: d_model / heads; the Llama always has that)")
+    ap.add_argument("--window", type=int, default=64, help="gemma3: the local layers' sliding window")
+    ap.add_argument("--checkpoint", default=None,
+                    help="transformers families: directory for the random checkpoint (default: a temporary one)")
+    ap.add_argument("--attention-blocks", type=int, default=None,
+                    help="transformers families: jaxpar's attention_blocks (default: the config's)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps-per-round", type=int, default=5)
     ap.add_argument("--check-steps", type=int, default=3, help="warm-up steps whose losses are compared")

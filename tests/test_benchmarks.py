@@ -3,7 +3,7 @@
 No timing is asserted (the machines are shared and noisy); what is asserted is what the scripts claim beside
 their timings: the PyTorch GPT has jaxpar's parameter count and, from the same weights and batches, the same
 losses step by step (an independent implementation of the model and of AdamW with clipping and the schedule), and so
-does transformers' LlamaForCausalLM against jaxpar's Llama;
+does transformers' LlamaForCausalLM, Qwen3ForCausalLM and Gemma3ForCausalLM against jaxpar's load of their checkpoints;
 the hand-written jit step computes jaxpar's outputs with the same FLOPs and collectives; the memory rows hold
 compiled figures beside the analytic estimate. The heavier ones (the GPU script's tiny run, the model-module
 comparison, the pipeline memory rows) are marked slow. ``torch.compile`` is left out (``--no-compile``): compiling
@@ -38,17 +38,22 @@ def test_vs_pytorch_same_model_same_losses():
 
 # slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
 @pytest.mark.slow
-def test_vs_pytorch_llama_against_transformers_same_losses():
-    """--model llama: transformers' LlamaForCausalLM (sdpa, from jaxpar's weights through hf.save) and jaxpar's
-    Llama (GQA: 4 query heads, 2 key/value heads) give the same losses over three AdamW steps."""
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_vs_pytorch_against_transformers_same_losses(family):
+    """--model llama|qwen3|gemma3: transformers' own model (sdpa, random weights saved by transformers and read
+    by jaxpar.models.hf.load; GQA: 4 query heads, 2 key/value heads; Gemma 3 with a window shorter than the
+    sequence) and jaxpar's give the same losses over three AdamW steps."""
     pytest.importorskip("transformers")
     import vs_pytorch
-    out = vs_pytorch.main(["--model", "llama", "--kv-heads", "2", "--rounds", "1", "--steps-per-round", "1",
+    out = vs_pytorch.main(["--model", family, "--kv-heads", "2", "--rounds", "1", "--steps-per-round", "1",
                            "--check-steps", "3", "--warmup-steps", "0", "--batch", "4", "--seq", "16", "--no-compile",
-                           "--layers", "1", "--d-model", "32", "--heads", "4", "--lr", "1e-2"])
+                           "--layers", "2", "--d-model", "32", "--heads", "4", "--head-dim", "16", "--window", "8",
+                           "--d-mlp", "64", "--lr", "1e-2"])
     counts = out["param_counts"]
     assert counts["jaxpar"] == counts["torch_eager"] > 0
-    assert out["model"]["num_kv_heads"] == 2
+    assert out["model"]["num_kv_heads"] == 2 and out["cpu_model"]
+    if family == "gemma3":
+        assert out["model"]["windows"] == [8, None]
     jl, tl = (np.asarray(out["results"][k]["first_losses"]) for k in ("jaxpar", "torch_eager"))
     assert jl.shape == (3,) and jl[1] != jl[2]                # the updates change the loss
     np.testing.assert_allclose(jl, tl, rtol=2e-5)
