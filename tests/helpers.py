@@ -71,7 +71,7 @@ SMALL_LLAMA = LlamaConfig(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
 SMALL_QWEN3 = families.qwen3(vocab_size=61, num_layers=2, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
                               head_dim=16, max_seq_len=16)
-SMALL_GEMMA3 = families.gemma3(vocab_size=61, num_layers=4, num_heads=4, num_kv_heads=2, d_model=64, d_mlp=128,
+SMALL_GEMMA3 = families.gemma3(vocab_size=61, num_layers=4, num_heads=8, num_kv_heads=2, d_model=64, d_mlp=128,
                                head_dim=16, max_seq_len=16, sliding_window=5, pattern=2, query_pre_attn_scalar=12,
                                rope_factor=4.0, scan_layers=True)
 MLP_FEATURES = 64
