@@ -76,6 +76,22 @@ def rotary_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> 
     return np.where(between, mid, out)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunFields:
+    """How a rotary grouped-query config runs, the fields :class:`jaxpar.models.LlamaConfig` and
+    :class:`jaxpar.models.families.FamilyConfig` share (keyword-only, after each config's own fields)."""
+    scan_layers: bool = False
+    remat: str = "none"            # "none", "full" or "dots"
+    attention: str = "blocked"     # as GPTConfig.attention
+    attention_blocks: int = 2
+    context_attention: str = "ring"  # as GPTConfig.context_attention
+    dtype: Any = None              # compute dtype (None: the params')
+    param_dtype: Any = None        # None: float32
+    output_dtype: Any = None       # logits dtype (None: compute dtype)
+    vocab_multiple: int = 128
+    init_std: float = 0.02
+
+
 class RotaryFields:
     """What the decoder base reads from a rotary grouped-query config, derived from its fields (``rms_norm_eps``,
     ``rope_theta``, ``num_kv_heads``, ``d_mlp``, ``vocab_size``, ``vocab_multiple``): mixed into
@@ -100,6 +116,16 @@ class RotaryFields:
     @property
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+
+def check_run_fields(cfg: Any) -> None:
+    """Raises ValueError for a config's ``remat``, ``attention`` or ``context_attention`` outside their choices."""
+    if cfg.remat not in REMAT:
+        raise ValueError(f"remat={cfg.remat!r}; use one of {sorted(REMAT)}")
+    if cfg.attention not in ATTENTION:
+        raise ValueError(f"attention={cfg.attention!r}; use one of {list(ATTENTION)}")
+    if cfg.context_attention not in cp.STRATEGIES:
+        raise ValueError(f"context_attention={cfg.context_attention!r}; use one of {list(cp.STRATEGIES)}")
 
 
 def check_rotary_fields(cfg: Any) -> None:
@@ -144,12 +170,7 @@ def check_rotary_fields(cfg: Any) -> None:
     for field in ("tie_embeddings", "scan_layers"):
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{name}.{field}={getattr(cfg, field)!r} must be True or False")
-    if cfg.remat not in REMAT:
-        raise ValueError(f"remat={cfg.remat!r}; use one of {sorted(REMAT)}")
-    if cfg.attention not in ATTENTION:
-        raise ValueError(f"attention={cfg.attention!r}; use one of {list(ATTENTION)}")
-    if cfg.context_attention not in cp.STRATEGIES:
-        raise ValueError(f"context_attention={cfg.context_attention!r}; use one of {list(cp.STRATEGIES)}")
+    check_run_fields(cfg)
 
 
 def compact_grouped(cfg: Any, sizes: dict[tuple, int], family: str) -> Any:

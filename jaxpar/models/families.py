@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from jaxpar.models.blocks import Architecture, LayerKind
-from jaxpar.models.decoder import Decoder, RotaryFields, check_rotary_fields, compact_grouped, rotary_inv_freq
+from jaxpar.models.decoder import (Decoder, RotaryFields, RunFields, check_rotary_fields, compact_grouped,
+                                   rotary_inv_freq)
 
 _GQA = dict(attention="gqa", norm="rms", bias=False)
 FAMILIES: dict[str, tuple[Architecture, bool]] = {
@@ -47,7 +48,7 @@ FAMILIES: dict[str, tuple[Architecture, bool]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FamilyConfig(RotaryFields):
+class FamilyConfig(RotaryFields, RunFields):
     family: str = "qwen3"          # a key of FAMILIES: the architecture (norms, activation, biases, scales)
     vocab_size: int = 256          # tokens; padded to vocab_multiple
     num_layers: int = 4            # N blocks, stacked on a leading "layers" axis
@@ -65,16 +66,6 @@ class FamilyConfig(RotaryFields):
     query_pre_attn_scalar: float | None = None   # attention logits q.k / sqrt(this) (Gemma 3); None: head_dim
     rms_norm_eps: float = 1e-6     # RMSNorm epsilon (HF: rms_norm_eps)
     tie_embeddings: bool = False   # logits = x @ embedding.T (HF: tie_word_embeddings)
-    scan_layers: bool = False
-    remat: str = "none"            # "none", "full" or "dots"
-    attention: str = "blocked"     # as GPTConfig.attention
-    attention_blocks: int = 2
-    context_attention: str = "ring"  # as GPTConfig.context_attention
-    dtype: Any = None              # compute dtype (None: the params')
-    param_dtype: Any = None        # None: float32
-    output_dtype: Any = None       # logits dtype (None: compute dtype)
-    vocab_multiple: int = 128
-    init_std: float = 0.02
 
     def __post_init__(self):
         if self.family not in FAMILIES:

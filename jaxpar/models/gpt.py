@@ -21,10 +21,10 @@ import math
 from typing import Any
 
 from jaxpar._validate import nonnegative_int, positive_int
-from jaxpar.layers import attention as cp
 from jaxpar.models.blocks import Architecture
-from jaxpar.models.decoder import ATTENTION, REMAT, Decoder
+from jaxpar.models.decoder import Decoder, check_run_fields
 from jaxpar.precision.policy import is_floating_dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -81,12 +81,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.positions not in ("learned", "rotary"):
             raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
-        if self.remat not in REMAT:
-            raise ValueError(f"remat={self.remat!r}; use one of {sorted(REMAT)}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention={self.attention!r}; use one of {list(ATTENTION)}")
-        if self.context_attention not in cp.STRATEGIES:
-            raise ValueError(f"context_attention={self.context_attention!r}; use one of {list(cp.STRATEGIES)}")
+        check_run_fields(self)
         object.__setattr__(self, "d_mlp", nonnegative_int("GPTConfig.d_mlp", self.d_mlp, " (0 means 4 * d_model)"))
 
     def as_model(self, params: Any = None) -> "GPT":

@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from jaxpar.models.blocks import Architecture
-from jaxpar.models.decoder import Decoder, RotaryFields, check_rotary_fields, compact_grouped, rotary_inv_freq
+from jaxpar.models.decoder import (Decoder, RotaryFields, RunFields, check_rotary_fields, compact_grouped,
+                                   rotary_inv_freq)
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(RotaryFields):
+class LlamaConfig(RotaryFields, RunFields):
     vocab_size: int = 256          # tokens; padded to vocab_multiple
     num_layers: int = 4            # N blocks, stacked on a leading "layers" axis
     num_heads: int = 4             # H query heads
@@ -44,16 +45,6 @@ class LlamaConfig(RotaryFields):
                                    # "original_max_position_embeddings"} (stored as a sorted tuple of items)
     rms_norm_eps: float = 1e-5     # RMSNorm epsilon (HF: rms_norm_eps)
     tie_embeddings: bool = False   # logits = x @ embedding.T (HF: tie_word_embeddings)
-    scan_layers: bool = False
-    remat: str = "none"            # "none", "full" or "dots"
-    attention: str = "blocked"     # as GPTConfig.attention
-    attention_blocks: int = 2
-    context_attention: str = "ring"  # as GPTConfig.context_attention
-    dtype: Any = None              # compute dtype (None: the params')
-    param_dtype: Any = None        # None: float32
-    output_dtype: Any = None       # logits dtype (None: compute dtype)
-    vocab_multiple: int = 128
-    init_std: float = 0.02
 
     def __post_init__(self):
         check_rotary_fields(self)
