@@ -32,7 +32,8 @@ import jaxpar as jp
 from helpers import assert_tree_close, mlp_batch, mlp_parts
 from jaxpar.models import GPT, GPTConfig, MLP
 
-LOGICAL = ("batch", "seq", "position", "embed", "mlp", "heads", "kv", "kv_heads", "vocab", "layers", "stage")
+LOGICAL = ("batch", "seq", "position", "embed", "mlp", "heads", "kv", "kv_heads", "vocab", "layers", "stage", "experts",
+           "expert_mlp")
 SMALL_GPT = GPTConfig(vocab_size=61, num_layers=2, num_heads=8, d_model=64, max_seq_len=16)
 
 

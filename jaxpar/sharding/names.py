@@ -38,6 +38,8 @@ VOCAB = "vocab"        # the vocabulary
 LAYERS = "layers"      # stacked layers
 STAGE = "stage"        # pipeline stages of stacked layers
 POSITION = "position"  # the rows of a learned position table
+EXPERTS = "experts"    # the routed experts of a mixture-of-experts layer (expert parallelism)
+EXPERT_MLP = "expert_mlp"  # one expert's hidden dimension (expert-tensor parallelism), apart from the dense `mlp`
 
 
 # ----------------------------------------------------------------------------------------------- resolving
@@ -138,5 +140,5 @@ class Rules(tuple):
         return self.without_axes(self.all_mesh_axes() - set(getattr(mesh, "axis_names", ())))
 
 
-__all__ = ["AXES", "BATCH", "CONTEXT", "DATA", "EMBED", "FSDP", "HEADS", "KV", "KV_HEADS", "LAYERS", "MLP", "PIPE",
+__all__ = ["AXES", "BATCH", "CONTEXT", "DATA", "EMBED", "EXPERTS", "EXPERT_MLP", "FSDP", "HEADS", "KV", "KV_HEADS", "LAYERS", "MLP", "PIPE",
            "POSITION", "Rules", "SEQ", "STAGE", "TENSOR", "VOCAB", "axes_entry", "entry_axes", "spec_without"]

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.sharding.names import (AXES, BATCH, CONTEXT, DATA, EMBED, FSDP, HEADS, KV, KV_HEADS, LAYERS, MLP, PIPE,
-                                   POSITION, SEQ, STAGE, TENSOR, VOCAB, Rules, axes_entry, entry_axes)
+from jaxpar.sharding.names import (AXES, BATCH, CONTEXT, DATA, EMBED, EXPERT_MLP, EXPERTS, FSDP, HEADS, KV, KV_HEADS,
+                                   LAYERS, MLP, PIPE, POSITION, SEQ, STAGE, TENSOR, VOCAB, Rules, axes_entry,
+                                   entry_axes)
 from jaxpar.sharding.opt_state import Origins, update_origins
 from jaxpar.sharding.report import LeafReport, ShardingReport, describe_params, key_path
 
@@ -43,6 +44,9 @@ DEFAULT_RULES: Rules = Rules((
     (VOCAB, TENSOR),           # vocab-parallel embedding / logits
     (LAYERS, None),            # stacked layers live whole on each stage
     (STAGE, PIPE),             # pipeline stages
+    (EXPERTS, None),           # routed experts: every device holds every expert (expert parallelism maps them to
+                               # batch axes: the experts fold onto the data/fsdp ranks)
+    (EXPERT_MLP, TENSOR),      # expert-tensor parallelism: each expert's gate/up column split, down row split
 ))
 
 
