@@ -298,6 +298,11 @@ def test_experts_not_divisible_by_the_expert_parallel_size_and_a_bias_without_it
     assert expert_parallel.check_expert_parallel(8, mesh, rules) == 8
     with pytest.raises(ValueError, match="a router bias without the aux-free mode"):
         jp.layers.moe.check_router_bias(MoEConfig(), np.array([0, 0.1] + [0] * 6))
+    case = make_case("top2", 1.0, "ring", num_experts=4, dims=(2, 4, 8, 4))   # capacity where a device holds
+    region = jax.shard_map(lambda x: moe_mlp(case.cfg, case.w, x, None)[0], mesh=jp.make_mesh(context=8),
+                           in_specs=P(None, "context"), out_specs=P(None, "context"))   # part of each sequence
+    with pytest.raises(ValueError, match=r"manual over the sequence's mesh axes .* use dropless routing"):
+        jax.eval_shape(region, jax.ShapeDtypeStruct((2, 8, 8), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------ the matrix
