@@ -110,7 +110,8 @@ def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, dtype: A
     if decode and moe.capacity_factor is not None:
         moe = dataclasses.replace(moe, capacity_factor=None)
     w = {k: v if k == "router_kernel" else v.astype(dtype) for k, v in weights.items()}
-    return moe_mlp(moe, w, h_TD, carried)
+    # plain dicts (a Linen module's attributes hand them back frozen), the structure of the layer's new values
+    return moe_mlp(moe, w, h_TD, None if carried is None else dict(carried))
 
 
 def zero_stats(cfg: Any) -> MoEStats:
