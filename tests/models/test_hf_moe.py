@@ -184,7 +184,8 @@ def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
         assert float(metrics["moe_load_balance_loss"]) > 0.9   # E * sum f P >= 1 at best balance
     else:
         bias = np.asarray(jax.device_get(new.carried["blocks"]["moe_router"]["bias"]))
-        assert np.all(np.abs(bias) == 1e-3), "one bias update of +-gamma per expert"
+        # one update: +-gamma for an expert below / above the mean load, 0 at it
+        assert np.all(np.isin(bias, [-1e-3, 0.0, 1e-3])) and np.any(bias != 0), bias
 
 
 def test_a_pipeline_stage_of_a_moe_with_auxiliary_losses_is_refused():
