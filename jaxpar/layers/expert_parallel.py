@@ -23,6 +23,9 @@ splits the MLP: its partial outputs are summed over it after the down projection
   GShard buffers ``[groups, E, C, D]`` split by expert.
 
 Axes already manual when the layer is traced (a pipeline's stages) are used as they are: their arrays are local.
+Inside such a region the layer opens no nested ``shard_map`` (Shardy rejects a nested partial-manual one's
+backward): where the token or expert axes it would need are not all manual there, every device computes every
+expert for its tokens (the pipeline gathers FSDP-sharded expert weights as it gathers any stage weight).
 """
 
 from __future__ import annotations
@@ -235,7 +238,9 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
     lead = (lambda a: _split(rules, a, mesh)) if not mesh.empty else (lambda a: ())
     batch, seq, etp = lead(BATCH), lead(SEQ), lead(EXPERT_MLP)
     new = [a for a in (*batch, *seq, *ep) if a not in manual]
-    opened = sorted(set(new) | ({*etp} - manual if new else set()), key=mesh.axis_names.index) if new else []
+    if new and manual:   # inside another region (a pipeline's stages), where a nested partial-manual shard_map
+        ep, n, new = (), 1, []   # fails Shardy's verifier in the backward: every expert here, GSPMD splits the rest
+    opened = sorted(set(new) | ({*etp} - manual), key=mesh.axis_names.index) if new else []
     summed = tuple(a for a in etp if a in opened or a in manual)   # expert-tensor axes holding partial outputs
 
     def body(x, expert, weights, slot, *w):
