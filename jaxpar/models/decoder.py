@@ -23,7 +23,8 @@ The config fields the base reads: ``architecture``, ``vocab_size``, ``padded_voc
 layer alike) and ``query_pre_attn_scalar`` (the attention logits' ``q.k / sqrt(this)``; absent or None:
 ``head_dim``), ``moe`` (absent or None: the dense MLP; a :class:`jaxpar.layers.moe.MoEConfig`: experts in every
 block, :mod:`jaxpar.models.moe_block`). Compaction's ``replace`` (the smaller config) is the family class's: it
-knows its config's field names. The families of :mod:`jaxpar.models.families` (Qwen2, Qwen3, Mistral, Gemma 3) share one config class.
+knows its config's field names. The families of :mod:`jaxpar.models.families` (Qwen2, Qwen3, Mistral, Gemma 3)
+share one config class.
 """
 
 from __future__ import annotations
