@@ -234,7 +234,24 @@ def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
         assert np.any(bias != 0)
 
 
-def test_a_pipeline_stage_of_a_moe_with_auxiliary_losses_is_refused():
+def test_a_pipeline_stage_with_auxiliary_losses_and_compacting_the_mlp_of_a_moe_are_refused():
     model = Llama(dataclasses.replace(SMALL_LLAMA, moe=MoEConfig(num_experts=4, load_balance_coef=0.01)))
     with pytest.raises(ValueError, match="bias_update_rate"):
         model.stage({}, jnp.zeros((1, 2, SMALL_LLAMA.d_model)))
+    with pytest.raises(ValueError, match="shared experts"):
+        model.replace({("blocks", "mlp"): 64})
+
+
+@pytest.mark.slow   # ~15 s
+def test_scanned_and_rematerialised_layers_give_the_unrolled_loss_aux_and_grads():
+    """The router statistics ride the layer scan's carry (remat="full" recomputes them): loss, aux metrics and
+    gradients equal the unrolled layers'."""
+    batch = gpt_batch(np.random.default_rng(7), 4, MOE_LLAMA)
+    plain = Llama(MOE_LLAMA)
+    params = nn.meta.unbox(plain.init(jax.random.key(2)))
+    scanned = Llama(dataclasses.replace(MOE_LLAMA, scan_layers=True, remat="full"))
+    (loss, aux), grads = jax.jit(jax.value_and_grad(plain.loss, has_aux=True))(params, batch)
+    (s_loss, s_aux), s_grads = jax.jit(jax.value_and_grad(scanned.loss, has_aux=True))(params, batch)
+    assert_scalar_close(s_loss, loss, what="loss")
+    assert_tree_close(s_aux, aux, what="aux")
+    assert_tree_close(s_grads, grads, what="grads")
