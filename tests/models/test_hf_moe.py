@@ -135,6 +135,21 @@ def test_cached_decoding_of_a_capacity_model_is_dropless():
     assert float(jnp.abs(capped - full).max()) > 1e-3, "capacity 0.5 drops choices in apply"
 
 
+def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path, mesh_factory):
+    """``save_pretrained(save_original_format=False)`` writes the experts fused as transformers' modules hold them
+    (``gate_up_proj [E, 2 F_e, D]``, ``down_proj [E, D, F_e]``); each device's block read from it (here the
+    ``embed`` dim over fsdp, ``expert_mlp`` over tensor) equals the per-expert checkpoint's load."""
+    ref = hf_model("mixtral")
+    ref.save_pretrained(tmp_path / "split")
+    ref.save_pretrained(tmp_path / "fused", save_original_format=False)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "fused" / "model.safetensors", "np") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    _, split = hf.load(str(tmp_path / "split"))
+    _, fused = hf.load(str(tmp_path / "fused"), mesh=mesh_factory(fsdp=2, tensor=2))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(fused), jax.device_get(split))
+
+
 def _config(name: str, **fields) -> dict:
     cfg_cls, _, extra = CASES[name]
     out = cfg_cls(**{**BASE, **extra}).to_dict()
