@@ -24,7 +24,7 @@ import jaxpar as jp
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.models import FamilyConfig, Llama, hf
 from jaxpar.models.hf.config import _arch
-from jaxpar.models.hf.moe import check_save_moe, moe_config
+from jaxpar.models.hf.moe import check_save_moe, moe_config, moe_hf_config
 
 V, SEQ = 97, 12
 BASE = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -177,6 +177,8 @@ def test_config_mapping_reads_the_routing_and_refuses_deepseek_v3(tmp_path):
     assert (qwen.family, qwen.moe.expert_d_mlp, qwen.moe.norm_topk_prob, qwen.moe.load_balance_coef) == (
         "qwen3", 16, False, 0.0)
     assert qwen.windows == (6, 6)   # Qwen3-MoE windows every layer
+    for cfg in (mixtral, qwen):   # what save writes reads back as the same config
+        assert moe_config(json.loads(json.dumps(moe_hf_config(cfg)))) == cfg
     deepseek = T.DeepseekV3Config(num_hidden_layers=2, hidden_size=32, vocab_size=V).to_dict()
     with pytest.raises(ValueError, match="MLA"):
         _arch(deepseek)
