@@ -12,5 +12,6 @@ from jaxpar.layers.norms import gelu, layer_norm, rms_norm, silu
 from jaxpar.layers.rotary import rope
 from jaxpar.layers.per_token import BATCH_KEYS, LM_KEYS, PACKED_KEYS, check_packed_entries, check_packed_shapes, token_names, tokens
 
-__all__ = ["BATCH_KEYS", "LM_KEYS", "PACKED_KEYS", "attention", "expert_parallel", "moe", "check_packed_entries", "check_packed_shapes", "check_token_ids",
-           "cross_entropy", "gelu", "layer_norm", "rms_norm", "rope", "silu", "token_names", "tokens"]
+__all__ = ["BATCH_KEYS", "LM_KEYS", "PACKED_KEYS", "attention", "check_packed_entries", "check_packed_shapes",
+           "check_token_ids", "cross_entropy", "expert_parallel", "gelu", "layer_norm", "moe", "rms_norm", "rope",
+           "silu", "token_names", "tokens"]

@@ -36,7 +36,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.sharding.names import BATCH, EXPERT_MLP, EXPERTS, SEQ, Rules, axes_entry
 from jaxpar.sharding.rules import DEFAULT_RULES
@@ -99,8 +100,7 @@ def combine(rows_RD: jax.Array, weights_TK: jax.Array) -> jax.Array:
 def capacity_slot(expert_TK: jax.Array, slot_TK: jax.Array, group_rows: int, experts: int, capacity: int):
     """Flat buffer slots ``[T * k]`` of ``[T / group_rows, experts, capacity]`` buffers: ``(group, expert, slot)`` of
     each choice whose expert is in ``[0, experts)`` and whose slot is below ``capacity``, else -1."""
-    T, k = expert_TK.shape
-    group = (jnp.arange(T, dtype=jnp.int32) // group_rows)[:, None]
+    group = (jnp.arange(expert_TK.shape[0], dtype=jnp.int32) // group_rows)[:, None]
     keep = (expert_TK >= 0) & (expert_TK < experts) & (slot_TK >= 0) & (slot_TK < capacity)
     return jnp.where(keep, (group * experts + expert_TK) * capacity + slot_TK, -1).reshape(-1)
 
@@ -268,4 +268,5 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
 
 
 __all__ = ["DISPATCHES", "buffers_in", "buffers_out", "capacity_slot", "check_expert_parallel", "combine",
-           "current_rules", "dispatch", "dropless_rows", "expert_axes", "manual_axes", "swiglu_buffers", "swiglu_grouped"]
+           "current_rules", "dispatch", "dropless_rows", "expert_axes", "manual_axes", "swiglu_buffers",
+           "swiglu_grouped"]
