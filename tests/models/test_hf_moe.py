@@ -185,6 +185,18 @@ def test_config_mapping_reads_the_routing_and_refuses_deepseek_v3(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(deepseek))
     with pytest.raises(ValueError, match="multi-head latent attention"):
         hf.load(str(tmp_path))
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        _arch(T.Qwen2MoeConfig(num_hidden_layers=1).to_dict())
+
+
+def test_params_counted_are_the_params_built_shared_experts_included():
+    cfg = dataclasses.replace(SMALL_LLAMA, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_d_mlp=32,
+                                                         num_shared_experts=1))
+    shapes = jax.eval_shape(Llama(cfg).init, jax.random.key(0))
+    built = sum(int(np.prod(np.shape(leaf))) for path, leaf in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(shapes))
+                if "moe_router" not in jax.tree_util.keystr(path))
+    assert built == cfg.num_params()
+    assert cfg.num_params() - cfg.active_params() == cfg.num_layers * 2 * 3 * cfg.d_model * 32   # 2 idle experts
 
 
 def test_configs_with_no_checkpoint_form_are_refused_on_save(tmp_path):
