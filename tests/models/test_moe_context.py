@@ -50,7 +50,7 @@ def grads_of(state):   # the momentum trace after one step from zero: the gradie
                 if isinstance(s, optax.TraceState)).trace
 
 
-@pytest.mark.slow   # two compiles of a 2-layer Llama step per case: ~30 CPU-s each
+@pytest.mark.slow   # two compiles of a 2-layer Llama step per case: ~10 CPU-s each
 @pytest.mark.parametrize("packed, dispatch", [(False, "ring"), (True, "all_to_all")], ids=["plain-ring",
                                                                                           "packed-all_to_all"])
 def test_capacity_mode_over_context_drops_what_one_device_drops(packed, dispatch, mesh_factory):
