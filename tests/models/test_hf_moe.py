@@ -232,29 +232,31 @@ def _step(cfg, mesh, batch, pipeline: bool = False):
 
 
 @pytest.mark.slow   # two steps of a 4-layer Llama with experts: ~30 s
-@pytest.mark.parametrize("layout", ["2x2x2", "pipe2_bias"])
+@pytest.mark.parametrize("layout", ["2x2x2", "context2", "pipe2_bias"])
 def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
     """data=2 x fsdp=2 x tensor=2 (auxiliary balance and z losses on; the experts' hidden dim split over tensor),
-    and a 1F1B pipeline of 2 stages with the aux-loss-free bias instead (coefficients 0): the loss, every
-    gradient (per leaf 1e-5 relative) and the router's carried load and bias equal the single-device step's."""
+    data=2 x fsdp=2 x context=2 (the ring attention's zigzag layout), and a 1F1B pipeline of 2 stages with the
+    aux-loss-free bias instead (coefficients 0): the loss, every gradient (per leaf 1e-5 relative) and the
+    router's carried load and bias equal the single-device step's."""
     cfg = MOE_LLAMA
     if layout == "pipe2_bias":
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_balance_coef=0.0, z_loss_coef=0.0,
                                                                bias_update_rate=1e-3))
     batch = gpt_batch(np.random.default_rng(4), 8, cfg)
     ref, ref_metrics = _step(cfg, mesh_factory(), batch)
-    mesh = mesh_factory(data=2, fsdp=2, tensor=2) if layout == "2x2x2" else mesh_factory(data=2, pipe=2, tensor=2)
-    new, metrics = _step(cfg, mesh, batch, pipeline=layout != "2x2x2")
+    mesh = {"2x2x2": mesh_factory(data=2, fsdp=2, tensor=2), "context2": mesh_factory(data=2, fsdp=2, context=2),
+            "pipe2_bias": mesh_factory(data=2, pipe=2, tensor=2)}[layout]
+    new, metrics = _step(cfg, mesh, batch, pipeline=layout == "pipe2_bias")
     e_loss = assert_scalar_close(metrics["loss"], ref_metrics["loss"], what=f"{layout} loss")
     e_grads = assert_tree_close(_trace(new.opt_state), _trace(ref.opt_state), what=f"{layout} grads")
     e_carried = assert_tree_close(new.carried, ref.carried, what=f"{layout} router state")
     print(f"\n[{layout}] loss {e_loss:.2e}, grads {e_grads:.2e}, router state {e_carried:.2e} (relative)")
     load = np.asarray(jax.device_get(ref.carried["blocks"]["moe_router"]["load"]))
     assert np.all(load.sum(-1) == 8 * cfg.max_seq_len * 2), "every layer routes tokens x k choices (dropless)"
-    if layout == "2x2x2":
+    if layout != "pipe2_bias":
         for key in ("moe_load_balance_loss", "moe_z_loss", "moe_dropped_fraction"):
             assert_scalar_close(metrics[key], ref_metrics[key], what=key)
-        assert float(metrics["moe_load_balance_loss"]) > 0.9   # E * sum f P >= 1 at best balance
+        assert float(metrics["moe_load_balance_loss"]) > 0.5   # E * sum_i f_i P_i is 1 at uniform routing
     else:
         bias = np.asarray(jax.device_get(new.carried["blocks"]["moe_router"]["bias"]))
         # one update from zero: +gamma for an expert below the mean load, -gamma above it, 0 at it
