@@ -221,21 +221,22 @@ def _trace(opt_state):
                 if isinstance(s, optax.TraceState)).trace
 
 
-def _step(cfg, mesh, batch, pipeline: bool = False):
+def _step(cfg, mesh, batch, pipeline: bool = False, rules=jp.sharding.DEFAULT_RULES):
     model, tx = Llama(cfg), optax.sgd(0.1, momentum=0.9)
     loss_fn = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss,
                                    jp.pipeline.one_f_one_b(2, 4)) if pipeline else model.loss
-    state = jp.train.init_state(model.init, tx, 5, mesh=mesh, pipeline=loss_fn if pipeline else None)
-    new, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)(state, batch)
+    state = jp.train.init_state(model.init, tx, 5, mesh=mesh, pipeline=loss_fn if pipeline else None, rules=rules)
+    new, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False, rules=rules)(state, batch)
     new = jp.train.to_model_order(new) if pipeline else new
     return new, metrics
 
 
 @pytest.mark.slow   # two steps of a 4-layer Llama with experts: ~30 s
-@pytest.mark.parametrize("layout", ["2x2x2", "context2", "pipe2_bias"])
+@pytest.mark.parametrize("layout", ["2x2x2", "2x2x2_ep4", "context2", "pipe2_bias"])
 def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
     """data=2 x fsdp=2 x tensor=2 (auxiliary balance and z losses on; the experts' hidden dim split over tensor),
-    data=2 x fsdp=2 x context=2 (the ring attention's zigzag layout), and a 1F1B pipeline of 2 stages with the
+    the same with the experts split over data x fsdp (expert parallelism 4, ring dispatch), data=2 x fsdp=2 x
+    context=2 (the ring attention's zigzag layout), and a 1F1B pipeline of 2 stages with the
     aux-loss-free bias instead (coefficients 0): the loss, every gradient (per leaf 1e-5 relative) and the
     router's carried load and bias equal the single-device step's."""
     cfg = MOE_LLAMA
@@ -244,9 +245,12 @@ def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
                                                                bias_update_rate=1e-3))
     batch = gpt_batch(np.random.default_rng(4), 8, cfg)
     ref, ref_metrics = _step(cfg, mesh_factory(), batch)
-    mesh = {"2x2x2": mesh_factory(data=2, fsdp=2, tensor=2), "context2": mesh_factory(data=2, fsdp=2, context=2),
-            "pipe2_bias": mesh_factory(data=2, pipe=2, tensor=2)}[layout]
-    new, metrics = _step(cfg, mesh, batch, pipeline=layout == "pipe2_bias")
+    mesh = {"context2": mesh_factory(data=2, fsdp=2, context=2),
+            "pipe2_bias": mesh_factory(data=2, pipe=2, tensor=2)}.get(layout, mesh_factory(data=2, fsdp=2, tensor=2))
+    rules = ((("experts", ("data", "fsdp")),) if layout.endswith("ep4") else ()) + jp.sharding.DEFAULT_RULES
+    new, metrics = _step(cfg, mesh, batch, pipeline=layout == "pipe2_bias", rules=rules)
+    if layout.endswith("ep4"):   # each device holds one of the 4 experts (and half its hidden dim)
+        assert new.params["blocks"]["experts_gate_kernel"].addressable_shards[0].data.shape == (4, 1, 64, 16)
     e_loss = assert_scalar_close(metrics["loss"], ref_metrics["loss"], what=f"{layout} loss")
     e_grads = assert_tree_close(_trace(new.opt_state), _trace(ref.opt_state), what=f"{layout} grads")
     e_carried = assert_tree_close(new.carried, ref.carried, what=f"{layout} router state")
