@@ -22,7 +22,7 @@ from helpers import (SMALL_LLAMA, assert_hf_logits_and_save, assert_scalar_close
 
 import jaxpar as jp
 from jaxpar.layers.moe import MoEConfig
-from jaxpar.models import FamilyConfig, Llama, hf
+from jaxpar.models import FamilyConfig, FamilyModel, Llama, hf
 from jaxpar.models.hf.config import _arch
 from jaxpar.models.hf.moe import check_save_moe, moe_config, moe_hf_config
 
@@ -113,8 +113,15 @@ def test_load_onto_a_mesh_with_experts_split_then_fine_tune_one_step(tmp_path, m
     batch = gpt_batch(np.random.default_rng(5), 8, model.cfg, seq_len=SEQ)
     want = model.loss(whole, batch)[0]
     state = jp.train.init_state(lambda rng: hf.with_names(model, sharded), optax.sgd(0.1), 0, mesh=mesh, rules=rules)
-    _, metrics = jp.train.make_train_step(model.loss, optax.sgd(0.1), mesh=mesh, rules=rules)(state, batch)
+    state, metrics = jp.train.make_train_step(model.loss, optax.sgd(0.1), mesh=mesh, rules=rules)(state, batch)
     assert_scalar_close(metrics["loss"], want, what="fine-tuning step loss")
+    tuned = jax.device_get(jp.train.to_model_order(state).params)   # the optimizer's params: no router state
+    hf.save(model, tuned, str(tmp_path / "tuned"))
+    back = type(ref).from_pretrained(tmp_path / "tuned").eval()
+    tokens = np.asarray(batch["inputs"][:2])
+    with torch.no_grad():
+        theirs = back(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.apply(tuned, jnp.asarray(tokens)))[..., :V], theirs, atol=1e-4)
 
 
 @pytest.mark.slow   # ~10 s
@@ -148,6 +155,24 @@ def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path, mesh_fact
     _, split = hf.load(str(tmp_path / "split"))
     _, fused = hf.load(str(tmp_path / "fused"), mesh=mesh_factory(fsdp=2, tensor=2))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(fused), jax.device_get(split))
+
+
+def test_a_router_bias_is_never_dropped_silently(tmp_path):
+    """With the aux-loss-free bias (``bias_update_rate > 0``) the params must bring the router state (in
+    ``TrainState.carried``) to ``apply`` and ``hf.save``, and a nonzero bias has no place in the checkpoint."""
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "ckpt")
+    model, params = hf.load(str(tmp_path / "ckpt"))
+    biased = dataclasses.replace(model.cfg, moe=dataclasses.replace(model.cfg.moe, bias_update_rate=1e-3))
+    tuned = FamilyModel(biased)
+    bare = {**params, "blocks": {k: v for k, v in params["blocks"].items() if k != "moe_router"}}
+    with pytest.raises(ValueError, match="carried.merge"):
+        jax.eval_shape(tuned.apply, bare, jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="carried.merge"):
+        hf.save(tuned, bare, str(tmp_path / "bare"))
+    router = {**params["blocks"]["moe_router"], "bias": params["blocks"]["moe_router"]["bias"].at[0, 1].set(1e-3)}
+    with pytest.raises(ValueError, match="nonzero"):
+        hf.save(tuned, {**params, "blocks": {**params["blocks"], "moe_router": router}}, str(tmp_path / "biased"))
+    assert not (tmp_path / "bare").exists() and not (tmp_path / "biased").exists()
 
 
 def _config(name: str, **fields) -> dict:
