@@ -81,7 +81,7 @@ def _no_fold_message(mesh: Mesh, rules: Rules, size: int, choices: dict[int, tup
     present = [a for a in FOLD_AXES if a in batch_axes(rules, mesh)]
     sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in present) or "none"
     works = sorted(choices)
-    alternatives = " or ".join(map(str, works)) if len(works) < 3 else f"{', '.join(map(str, works[:-1]))} or {works[-1]}"
+    alternatives = f"{', '.join(map(str, works[:-1]))} or {works[-1]}" if len(works) > 1 else "1"
     devices = math.prod(mesh.shape[a] for a in present)
     if FSDP in present and devices % size == 0:
         fix = f", or set fsdp={size} (data={devices // size}: the same devices, so the same global batch)"
