@@ -44,7 +44,8 @@ def test_expert_load_metrics_find_every_router_collection(tmp_path):
     expected = {**{f"expert_load_{i}": share[:, i].mean() for i in range(4)},
                 "max_mean_load": (load.max(1) / load.mean(1)).mean(), "moe_choices": load.sum(1).mean(),
                 "moe_dropped_fraction": (dropped / load.sum(1)).mean(),
-                **{f"expert_load_l{l}_{i}": share[l, i] for l in range(3) for i in range(4)}}
+                **{f"expert_load_l{l}_{i}": share[l, i] for l in range(3) for i in range(4)},
+                **{f"moe_choices_l{l}": load[l].sum() for l in range(3)}}
     got = jax.jit(jp.metrics.expert_load_metrics, static_argnums=1)(carried, True)
     assert set(got) == set(expected)
     np.testing.assert_allclose([got[k] for k in expected], list(expected.values()), rtol=1e-6)

@@ -231,11 +231,12 @@ def expert_load_metrics(carried: Any, per_layer: bool = False) -> dict[str, jax.
     Returns:
       float32 scalars: ``expert_load_{i}``, the fraction of the routed choices that went to expert ``i``, mean
       over layers (uniform routing gives ``1/E`` each); ``max_mean_load``, ``max_i load_i / mean_i load_i`` per
-      layer, mean over layers (1 is perfect balance, ``E`` all on one expert; Lepikhin et al. 2020's measure);
-      ``moe_choices``, the routed choices per layer, mean over layers (tokens x k); with ``dropped`` leaves
-      ``moe_dropped_fraction``, dropped over routed choices, mean over layers; with ``per_layer`` also
-      ``expert_load_l{layer}_{i}`` (layers in the order the tree flattens). A layer that routed nothing yet
-      (before the first step) gives NaN fractions. Empty when ``carried`` holds no router collection.
+      layer, mean over layers (1 is perfect balance, ``E`` all on one expert; the MaxVio of Wang et al. 2024,
+      arXiv 2408.15664, plus 1); ``moe_choices``, the routed choices per layer, mean over layers (tokens x k);
+      with ``dropped`` leaves ``moe_dropped_fraction``, dropped over routed choices, mean over layers; with
+      ``per_layer`` also each layer's ``expert_load_l{layer}_{i}`` and ``moe_choices_l{layer}`` (layers in the
+      order the tree flattens). A layer that routed nothing yet (before the first step) gives NaN fractions.
+      Empty when ``carried`` holds no router collection.
 
     Raises:
       ValueError: collections with different expert counts.
@@ -258,8 +259,9 @@ def expert_load_metrics(carried: Any, per_layer: bool = False) -> dict[str, jax.
         dropped = jnp.concatenate([jnp.reshape(c["dropped"], (-1,)).astype(jnp.float32) for c in collections])
         out["moe_dropped_fraction"] = (dropped / total).mean()
     if per_layer:
-        out.update({f"expert_load_l{layer}_{i}": fraction[layer, i] for layer in range(load.shape[0])
-                    for i in range(experts)})
+        for layer in range(load.shape[0]):
+            out.update({f"expert_load_l{layer}_{i}": fraction[layer, i] for i in range(experts)})
+            out[f"moe_choices_l{layer}"] = total[layer]
     return out
 
 
