@@ -60,7 +60,7 @@ Shape-suffix names (:data:`SHAPE_LEGEND`) are shared by every model in ``jaxpar/
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -209,6 +209,10 @@ class Carried:
       attribute: the ``TrainState`` attribute that reads this collection's part of the carried state (e.g.
         ``"fp8"``), or None.
       fix: how to build a state that holds it (said when a checkpoint and its target disagree).
+      update: how the step turns the old value and the combined new value into the next value, called once per
+        optimizer step as ``update(old_subtree, combined_subtree) -> new_subtree`` on the collection's subtree at
+        its key (any leading stacked dims included); None: the combine rule's (``"sum"``: old + combined, else
+        the combined value). A module-level function, so declaring the key again finds the same declaration.
     """
     key: str
     combine: str
@@ -216,24 +220,29 @@ class Carried:
     through: str = "gradient"
     attribute: str | None = None
     fix: str = ""
+    update: Callable[[Any, Any], Any] | None = None
 
 
 _CARRIED: dict[str, Carried] = {}
 
 
 def declare_carried(key: str, combine: str, *, what: str | None = None, through: str = "gradient",
-                    attribute: str | None = None, fix: str = "") -> Carried:
+                    attribute: str | None = None, fix: str = "",
+                    update: Callable[[Any, Any], Any] | None = None) -> Carried:
     """Declares the collection under ``key`` as carried state (see :class:`Carried` for the arguments).
 
     A ``"gradient"`` collection's leaves are float arrays in the params tree; ``jp.train.init_state`` takes them
     out into ``TrainState.carried`` (sharded by their logical names, replicated without), the step puts them
     back for the loss, and the gradient function returns, as their cotangent, their new value (``"sum"``: the
-    increment; :func:`jaxpar.train.carried.overwrite` makes such a cotangent). Declaring a key again with the
-    same declaration is a no-op.
+    increment; :func:`overwrite` makes such a cotangent). With ``update``, the step's next value is
+    ``update(old, combined)`` instead (the router bias's sign step). Declaring a key again with the same
+    declaration is a no-op.
 
     Raises:
-      TypeError: ``key`` is not a non-empty str, or ``attribute`` neither None nor a Python identifier.
-      ValueError: an unknown ``combine`` or ``through``; ``through="loss"`` with a combine other than ``"last"``;
+      TypeError: ``key`` is not a non-empty str, ``attribute`` neither None nor a Python identifier, or
+        ``update`` neither None nor callable.
+      ValueError: an unknown ``combine`` or ``through``; ``through="loss"`` with a combine other than ``"last"``
+        or with an ``update``;
         ``key`` declared already with another declaration; ``attribute`` declared already by another key.
     """
     if not isinstance(key, str) or not key:
@@ -244,10 +253,16 @@ def declare_carried(key: str, combine: str, *, what: str | None = None, through:
         raise ValueError(f"combine={combine!r} for the carried collection {key!r}; use one of {COMBINES}")
     if through not in THROUGH:
         raise ValueError(f"through={through!r} for the carried collection {key!r}; use one of {THROUGH}")
+    if update is not None and not callable(update):
+        raise TypeError(f"update={update!r} for the carried collection {key!r}; use None or a function "
+                        "update(old_subtree, combined_subtree) -> new_subtree")
+    if through == "loss" and update is not None:
+        raise ValueError(f"the carried collection {key!r} comes back from the loss (through='loss'), which returns "
+                         "its next value itself: declare it without update")
     if through == "loss" and combine != "last":
         raise ValueError(f"the carried collection {key!r} comes back from the loss (through='loss'), which "
                          f"microbatches read in order: its combine is 'last', not {combine!r}")
-    new = Carried(key, combine, what or f"carried state {key!r}", through, attribute, fix)
+    new = Carried(key, combine, what or f"carried state {key!r}", through, attribute, fix, update)
     owner = next((d for d in _CARRIED.values() if attribute is not None and d.attribute == attribute), None)
     if owner is not None and owner.key != key:
         raise ValueError(f"attribute={attribute!r} for the carried collection {key!r} reads {owner.key!r} already; "
@@ -301,3 +316,27 @@ def merge_carried(params: Any, held: Any) -> Any:
     for k, v in held.items():
         out[k] = v if k in _CARRIED else merge_carried(params.get(k, {}), v)
     return out
+
+
+@jax.custom_vjp
+def overwrite(x: Any, old: Any, new: Any) -> Any:
+    """``x`` unchanged; under differentiation the cotangent of the carried leaves ``old`` is ``new`` (their new
+    value, or a ``"sum"`` collection's increment), the gradient of nothing. ``x`` is any value on the loss's path
+    (an activation, the loss itself), so the backward pass runs through here. The cotangent is the new value only
+    if nothing else in the loss differentiates ``old``: read the leaves elsewhere through ``jax.lax.stop_gradient``
+    (a loss divided by a running mean would add its gradient to the new mean). Here, below every room, so layers
+    can return carried state; its public name is :func:`jaxpar.train.carried.overwrite`."""
+    return x
+
+
+def _overwrite_fwd(x, old, new):
+    return x, (old, new)
+
+
+def _overwrite_bwd(res, g):
+    old, new = res
+    cast = lambda o, n: jax.lax.stop_gradient(n).astype(o.dtype)
+    return g, jax.tree.map(cast, old, new), jax.tree.map(jax.numpy.zeros_like, new)
+
+
+overwrite.defvjp(_overwrite_fwd, _overwrite_bwd)

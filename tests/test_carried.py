@@ -1,10 +1,12 @@
 """jaxpar/train/carried.py: a carried feature defined here, in a test file, with no code in jaxpar/ naming it, is
 carried by the step through gradient accumulation, a 1F1B pipeline and a checkpoint restored onto another mesh.
 
-The feature: statistics of the target ids the model has trained on, in three declared collections, one per rule a
+The feature: statistics of the target ids the model has trained on, in four declared collections, one per rule a
 step must combine differently over microbatches and batch shards: a running count of non-zero targets (``sum``:
-each microbatch gives its increment), the largest id seen (``max``) and an exponential moving average of the
-mean id (``mean``). The reference is numpy over the whole batch of each step.
+each microbatch gives its increment), the largest id seen (``max``), an exponential moving average of the
+mean id (``mean``), and a balance of the ids (``sum`` with an ``update``: the step's global count of each id,
+and a bias stepped by ``rate * sign(mean count - count)`` as DeepSeek-V3's router bias). The reference is numpy
+over the whole batch of each step.
 """
 
 from __future__ import annotations
@@ -25,12 +27,26 @@ SEEN = carried.declare_carried("test_tokens_seen", "sum", what="a count of non-z
 LARGEST = carried.declare_carried("test_largest_id", "max", what="the largest target id seen").key
 EMA = carried.declare_carried("test_mean_id_ema", "mean", what="an EMA of the mean target id").key
 DECAY = 0.9
+RATE = 0.25
+
+
+def balance_update(old: dict, total: dict) -> dict:
+    """The next balance from the old one and the step's summed counts (``total``): the counts replace the load,
+    the bias steps towards the ids counted less than the mean; the rate is kept (its increment is 0)."""
+    load = total["load"]
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return {"load": load, "bias": old["bias"] + old["rate"] * step, "rate": old["rate"]}
+
+
+BALANCE = carried.declare_carried("test_id_balance", "sum", what="a per-id count and bias",
+                                  update=balance_update).key
 
 
 def init_stats() -> dict:
     """The feature's state, kept in the params under the declared keys (at any depth: here under ``stats``)."""
-    zero = jnp.zeros((), jnp.float32)
-    return {"stats": {SEEN: {"n": zero}, LARGEST: {"id": zero}, EMA: {"id": zero}}}
+    zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((C,), jnp.float32)
+    balance = {"load": zeros, "bias": zeros, "rate": jnp.full((), RATE, jnp.float32)}
+    return {"stats": {SEEN: {"n": zero}, LARGEST: {"id": zero}, EMA: {"id": zero}, BALANCE: balance}}
 
 
 def with_stats(loss: jax.Array, params: dict, targets: jax.Array) -> jax.Array:
@@ -39,16 +55,21 @@ def with_stats(loss: jax.Array, params: dict, targets: jax.Array) -> jax.Array:
     new = {SEEN: {"n": jnp.sum(targets != 0).astype(jnp.float32)},           # sum: the increment
            LARGEST: {"id": jnp.maximum(old[LARGEST]["id"], jnp.max(t))},
            EMA: {"id": DECAY * old[EMA]["id"] + (1 - DECAY) * jnp.mean(t)}}
+    counts = jnp.sum(jax.nn.one_hot(targets.reshape(-1) % C, C, dtype=jnp.float32), axis=0)
+    new[BALANCE] = {"load": counts, "bias": counts, "rate": jnp.zeros((), jnp.float32)}   # increments, summed
     return carried.overwrite(loss, old, new)
 
 
 def reference_stats(batches: list) -> dict:
     """numpy: the statistics after one step per batch."""
-    seen, largest, ema = 0.0, 0.0, 0.0
+    seen, largest, ema, bias, load = 0.0, 0.0, 0.0, np.zeros(C), np.zeros(C)
     for b in batches:
         t = np.asarray(b["targets"], np.float64)
         seen, largest, ema = seen + np.sum(t != 0), max(largest, t.max()), DECAY * ema + (1 - DECAY) * t.mean()
-    return {SEEN: {"n": seen}, LARGEST: {"id": largest}, EMA: {"id": ema}}
+        load = np.bincount(np.asarray(b["targets"]).reshape(-1) % C, minlength=C).astype(np.float64)
+        bias = bias + RATE * np.sign(load.mean() - load)
+    return {SEEN: {"n": seen}, LARGEST: {"id": largest}, EMA: {"id": ema},
+            BALANCE: {"load": load, "bias": bias, "rate": RATE}}
 
 
 def check_stats(state, batches, what):
@@ -58,6 +79,8 @@ def check_stats(state, batches, what):
         name = next(iter(want[key]))
         assert float(got[key][name]) == want[key][name], (what, key, got[key], want[key])
     assert_scalar_close(got[EMA]["id"], want[EMA]["id"], rtol=1e-6, what=f"{what}: EMA of the mean id")
+    for name in ("load", "bias", "rate"):   # counts and multiples of RATE = 1/4: exact in float32
+        np.testing.assert_array_equal(got[BALANCE][name], want[BALANCE][name], err_msg=f"{what}: balance {name}")
 
 
 # ------------------------------------------------------------------------------ a small model, accumulation
@@ -186,6 +209,10 @@ def test_bad_declarations_are_refused_when_declared(registry):
         carried.declare_carried("test_bad_attr", "sum", attribute="not an identifier")
     with pytest.raises(ValueError, match="reads '_overwrite_with_gradient' already"):
         carried.declare_carried("test_second_fp8", "max", attribute="fp8")
+    with pytest.raises(TypeError, match="update=3 .* use None or a function"):
+        carried.declare_carried("test_bad_update", "sum", update=3)
+    with pytest.raises(ValueError, match="declare it without update"):
+        carried.declare_carried("test_loss_update", "last", through="loss", update=balance_update)
     assert "test_second_fp8" not in jp.protocol._CARRIED
 
 

@@ -25,6 +25,7 @@ from jaxpar.layers.attention import attend
 from jaxpar.layers.norms import gelu, layer_norm, rms_norm, rms_norm_plus_one, silu
 from jaxpar.layers.rotary import rope
 from jaxpar.layers.per_token import token_names, tokens
+from jaxpar.models import moe_block
 from jaxpar.precision import fp8
 from jaxpar.sharding.names import BATCH, EMBED, HEADS, KV, KV_HEADS, MLP, POSITION, SEQ, VOCAB
 from jaxpar.sharding.rules import constrain
@@ -208,7 +209,8 @@ class Block(nn.Module):
         shapes = {"gate": ((D, F), (EMBED, MLP), (F,), (MLP,), c.init_std),
                   "up": ((D, F), (EMBED, MLP), (F,), (MLP,), c.init_std),
                   "down": ((F, D), (MLP, EMBED), (D,), (EMBED,), out_std)}
-        for name in a.mlp_names:
+        self.moe = moe_block.moe_of(c)
+        for name in a.mlp_names if self.moe is None else ():
             shape, names, bias_shape, bias_names, std = shapes[name]
             w[name] = _param(self, f"{name}_kernel", shape, names, std)
             if a.bias:
@@ -221,8 +223,10 @@ class Block(nn.Module):
             self.qk_norm = {t: {"scale": _param(self, f"{t}_norm_scale", (K,), (KV,), None)} for t in ("q", "k")}
         if a.post_norms:
             self.post_norms = (_norm_params(self, "attn_post_norm"), _norm_params(self, "mlp_post_norm"))
+        if self.moe is not None:   # experts in the MLP's place (jaxpar.models.moe_block), their matmuls unscaled
+            self.moe_weights, self.moe_router = moe_block.declare(self, _param, out_std)
         self.weights = w
-        self.fp8_meta = fp8.declare(self, a.qkv_names + ("out",) + a.mlp_names)   # None unless dot=fp8
+        self.fp8_meta = fp8.declare(self, a.qkv_names + ("out",) + (a.mlp_names if self.moe is None else ()))
 
     def declare(self) -> None:
         """Creates the parameters without running the block (used by ``init``)."""
@@ -290,8 +294,10 @@ class Block(nn.Module):
         t = t_BLGK if rep == 1 else jnp.repeat(t_BLGK, rep, axis=2)
         return constrain(t, BATCH, SEQ, HEADS, KV)
 
-    def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array) -> jax.Array:
-        """The attention output projection and residual, then the MLP and its residual: ``x_BLD -> x_BLD``."""
+    def _finish(self, x_BLD: jax.Array, a_BLHK: jax.Array, decode: bool = False):
+        """The attention output projection and residual, then the MLP and its residual: ``(x_BLD, stats)``, the
+        router statistics of an MoE block (:class:`jaxpar.layers.moe.MoEStats`; None for a dense one); ``decode``:
+        the experts run dropless (:func:`jaxpar.models.moe_block.mlp`)."""
         c = self.cfg
         B, L, D = x_BLD.shape
         a = c.architecture
@@ -299,6 +305,9 @@ class Block(nn.Module):
         o_TD = post(self._proj("out", tokens(a_BLHK), self._w("out", x_BLD).reshape(-1, D), x_BLD), 0)
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), BATCH, SEQ, EMBED)
         h_TD = tokens(_normalize(c, x_BLD, self.norm2))
+        if self.moe is not None:
+            m_TD, stats = moe_block.mlp(c, self.moe_weights, self.moe_router, h_TD, compute_dtype(c, x_BLD), decode)
+            return constrain(x_BLD + post(m_TD, 1).reshape(B, L, D), BATCH, SEQ, EMBED), stats
         mlp = lambda u_TF: constrain(u_TF, *token_names(), MLP)
         if a.mlp == "gelu":
             u_TF = mlp(gelu(self._proj("up", h_TD, self._w("up", x_BLD), x_BLD)))
@@ -307,12 +316,17 @@ class Block(nn.Module):
             g_TF = mlp(act(self._proj("gate", h_TD, self._w("gate", x_BLD), x_BLD)))
             u_TF = mlp(g_TF * self._proj("up", h_TD, self._w("up", x_BLD), x_BLD))
         m_TD = post(self._proj("down", u_TF, self._w("down", x_BLD), x_BLD), 1)
-        return constrain(x_BLD + m_TD.reshape(B, L, D), BATCH, SEQ, EMBED)
+        return constrain(x_BLD + m_TD.reshape(B, L, D), BATCH, SEQ, EMBED), None
 
     def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
                  positions_BL: jax.Array | None = None) -> jax.Array:
         """``x_BLD -> x_BLD``; packed documents: attention within each segment of ``segment_ids_BL``, rotary
         positions from ``positions_BL`` (both int ``[B, L]``, optional)."""
+        return self.forward(x_BLD, segment_ids_BL, positions_BL)[0]
+
+    def forward(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+                positions_BL: jax.Array | None = None):
+        """``(x_BLD, stats)``: :meth:`__call__`'s output and an MoE block's router statistics (None: dense)."""
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD)
         q_BLHK, k_BLGK = self._positions(q_BLHK, k_BLGK, positions_BL=positions_BL)
         a_BLHK = attend(self.cfg, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, self._expand_kv, self.kind.window)
@@ -363,7 +377,7 @@ class Block(nn.Module):
             visible_BLS = visible_BLS & (gap_LS < window)[None]
         p_BHLS = jax.nn.softmax(jnp.where(visible_BLS[:, None], s_BHLS, jnp.finfo(jnp.float32).min / 2), axis=-1)
         a_BLHK = jnp.einsum("bhls,bshk->blhk", p_BHLS.astype(v_all.dtype), v_all).astype(x_BLD.dtype)
-        return self._finish(x_BLD, a_BLHK), k_BSGK, v_BSGK
+        return self._finish(x_BLD, a_BLHK, decode=True)[0], k_BSGK, v_BSGK
 
 
 class Head(nn.Module):

@@ -42,7 +42,7 @@ from jaxpar.layers import attention as cp
 from jaxpar.layers import sliding_window
 from jaxpar.layers.losses import _nan_where_invalid, check_token_ids, cross_entropy
 from jaxpar.layers.per_token import PACKED_KEYS, check_packed_entries, check_packed_shapes
-from jaxpar.models import generation
+from jaxpar.models import generation, moe_block
 from jaxpar.models.blocks import Block, Embed, Head, LayerKind, kv_heads, layer_kinds
 from jaxpar.precision.policy import is_floating_dtype
 from jaxpar.sharding.names import BATCH, HEADS, KV, KV_HEADS, LAYERS, TENSOR, Rules
@@ -90,6 +90,15 @@ class RunFields:
     output_dtype: Any = None       # logits dtype (None: compute dtype)
     vocab_multiple: int = 128
     init_std: float = 0.02
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertFields:
+    """The mixture-of-experts field of :class:`jaxpar.models.LlamaConfig` and
+    :class:`jaxpar.models.families.FamilyConfig` (keyword-only): ``moe``, None for the dense gated MLP (the
+    programs of a config without it are those of before it), or a :class:`jaxpar.layers.moe.MoEConfig` whose
+    experts replace it in every block (:mod:`jaxpar.models.moe_block`)."""
+    moe: Any = None
 
 
 class RotaryFields:
@@ -171,6 +180,7 @@ def check_rotary_fields(cfg: Any) -> None:
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{name}.{field}={getattr(cfg, field)!r} must be True or False")
     check_run_fields(cfg)
+    moe_block.check(cfg)
 
 
 def compact_grouped(cfg: Any, sizes: dict[tuple, int], family: str) -> Any:
@@ -181,8 +191,12 @@ def compact_grouped(cfg: Any, sizes: dict[tuple, int], family: str) -> Any:
 
     Raises:
       ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``; a head count that is not a multiple
-        of ``num_kv_heads``.
+        of ``num_kv_heads``; ``blocks/mlp`` of a mixture of experts (its ``mlp`` params are the shared experts').
     """
+    if ("blocks", "mlp") in sizes and moe_block.moe_of(cfg) is not None:
+        raise ValueError(f"the {family} has experts: its 'mlp' params are the shared experts' (routed experts are "
+                         "'expert_mlp', never pruned with the dense MLP), so compacting blocks/mlp would not change "
+                         "d_mlp; prune heads only, or exclude the shared experts from the mask")
     bad = [k for k in sizes if tuple(k[:-1]) != ("blocks",) or k[-1] not in ("mlp", "heads")]
     if bad:
         raise ValueError(f"the {family}'s prunable groups are blocks/mlp (gate, up and down coupled) and blocks/heads "
@@ -299,8 +313,30 @@ class Decoder:
         ``P`` layers of one repeat unrolled inside its body), and the ``R mod P`` layers left over run unrolled.
 
         Raises:
-          ValueError: a slice of ``R`` layers of a model whose layer kinds do not repeat every ``R`` layers.
+          ValueError: a slice of ``R`` layers of a model whose layer kinds do not repeat every ``R`` layers; a
+            mixture of experts with auxiliary router losses (a stage passes activations only:
+            :func:`jaxpar.models.moe_block.check_stage`).
         """
+        if moe_block.moe_of(self.cfg) is None:
+            return self._layers(blocks, x_BLD, segment_ids_BL, positions_BL)
+        moe_block.check_stage(self.cfg)
+        return self.stage_with_stats(blocks, x_BLD, segment_ids_BL, positions_BL)[0]
+
+    def stage_with_stats(self, blocks: dict, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+                         positions_BL: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """:meth:`stage`'s ``x_BLD`` and, for a mixture of experts, its layers' router statistics summed
+        (:class:`jaxpar.layers.moe.MoEStats`, float32; None for a dense model): what :meth:`loss` adds its
+        auxiliary losses from."""
+        if moe_block.moe_of(self.cfg) is None:
+            return self._layers(blocks, x_BLD, segment_ids_BL, positions_BL), None
+        return self._layers(blocks, (x_BLD, moe_block.zero_stats(self.cfg)), segment_ids_BL, positions_BL)
+
+    def _layers(self, blocks: dict, carry: Any, segment_ids_BL: jax.Array | None,
+                positions_BL: jax.Array | None) -> Any:
+        """:meth:`stage`'s layer loop over ``carry``: ``x_BLD``, or for a mixture of experts ``(x_BLD, summed
+        router statistics)``."""
+        x_BLD = carry
+        moe = moe_block.moe_of(self.cfg) is not None
         num = jax.tree.leaves(blocks)[0].shape[0]
         kinds = self._slice_kinds(num)
         period = _period(kinds)
@@ -308,9 +344,19 @@ class Decoder:
 
         def layer(kind: LayerKind):
             block = Block(self.cfg, kind)
-            f = (lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL)) if packed else (
-                lambda p, x: block.apply({"params": p}, x))
-            return f if self.cfg.remat == "none" else jax.checkpoint(f, policy=REMAT[self.cfg.remat])
+            if moe:
+                f = lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL, method=Block.forward)
+            else:
+                f = (lambda p, x: block.apply({"params": p}, x, segment_ids_BL, positions_BL)) if packed else (
+                    lambda p, x: block.apply({"params": p}, x))
+            f = f if self.cfg.remat == "none" else jax.checkpoint(f, policy=REMAT[self.cfg.remat])
+            if not moe:
+                return f
+
+            def with_stats(p, carry):   # (x, stats so far) -> (x, stats so far plus this layer's)
+                y, stats = f(p, carry[0])
+                return y, moe_block.add_stats(carry[1], stats)
+            return with_stats
         fs = [layer(kind) for kind in kinds[:period]]
         take = lambda i: jax.tree.map(lambda a: a[i], blocks)
         done = 0
@@ -381,7 +427,7 @@ class Decoder:
         """
         self._check_layers(params)
         context = cp.context_axis()[1]   # > 1: the zigzag layout in, logits back in token order
-        x_BLD = self.stage(params["blocks"], self.embed(params, cp.to_zigzag(tokens_BL, context)))
+        x_BLD = self.stage_with_stats(params["blocks"], self.embed(params, cp.to_zigzag(tokens_BL, context)))[0]
         return cp.from_zigzag(self.logits(params, x_BLD), context)
 
     def loss(self, params: dict, batch: dict, rng: jax.Array | None = None):
@@ -391,6 +437,10 @@ class Decoder:
         its document, for learned or rotary positions), ``"loss_mask"`` (bool or numbers; the loss is the masked
         mean, see :meth:`head_loss`). Without them, the computation is exactly the plain one.
 
+        A mixture of experts (``cfg.moe``) adds ``load_balance_coef * mean_layers(load_balance_loss) + z_loss_coef *
+        mean_layers(z_loss)`` to the cross-entropy and reports ``moe_load_balance_loss``, ``moe_z_loss`` (means
+        over layers) and ``moe_dropped_fraction`` in the aux dict (:func:`jaxpar.models.moe_block.aux_loss`).
+
         Raises:
           ValueError: a packed entry whose shape is not the inputs' (at trace time).
         """
@@ -399,8 +449,13 @@ class Decoder:
         check_packed_shapes(batch)
         batch = cp.shard_sequence(batch)   # a sequence sharded over a context axis: the zigzag layout
         segment_ids, positions, loss_mask = (batch.get(k) for k in PACKED_KEYS)   # None: the plain computation
-        x_BLD = self.stage(params["blocks"], self.embed(params, batch["inputs"], positions), segment_ids, positions)
-        return self.head_loss(params, x_BLD, batch["targets"], loss_mask)
+        x_BLD, stats = self.stage_with_stats(params["blocks"], self.embed(params, batch["inputs"], positions),
+                                             segment_ids, positions)
+        loss, aux = self.head_loss(params, x_BLD, batch["targets"], loss_mask)
+        if stats is None:
+            return loss, aux
+        extra, metrics = moe_block.aux_loss(self.cfg, stats)
+        return loss + extra, {**aux, **metrics}
 
     def check_batch(self, batch: Any) -> None:
         """Host-side check of a batch for :meth:`loss`: ``{"inputs", "targets"}`` of integer ids in

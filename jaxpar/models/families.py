@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from jaxpar.models.blocks import Architecture, LayerKind
-from jaxpar.models.decoder import (Decoder, RotaryFields, RunFields, check_rotary_fields, compact_grouped,
-                                   rotary_inv_freq)
+from jaxpar.models import moe_block
+from jaxpar.models.decoder import (Decoder, ExpertFields, RotaryFields, RunFields, check_rotary_fields,
+                                   compact_grouped, rotary_inv_freq)
 
 _GQA = dict(attention="gqa", norm="rms", bias=False)
 FAMILIES: dict[str, tuple[Architecture, bool]] = {
@@ -48,7 +49,7 @@ FAMILIES: dict[str, tuple[Architecture, bool]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FamilyConfig(RotaryFields, RunFields):
+class FamilyConfig(RotaryFields, RunFields, ExpertFields):
     family: str = "qwen3"          # a key of FAMILIES: the architecture (norms, activation, biases, scales)
     vocab_size: int = 256          # tokens; padded to vocab_multiple
     num_layers: int = 4            # N blocks, stacked on a leading "layers" axis
@@ -107,20 +108,26 @@ class FamilyConfig(RotaryFields, RunFields):
             float(f) for f in rotary_inv_freq(float(self.local_rope_theta), self.head_dim).astype(np.float32))
         return tuple(LayerKind(w, local if w is not None else None) for w in windows)
 
-    def num_params(self, embeddings: bool = True) -> int:
-        D, F, N, H, G, K = (self.d_model, self.d_mlp, self.num_layers, self.num_heads, self.num_kv_heads,
-                            self.head_dim)
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters (embeddings included unless ``embeddings=False``): every expert of a mixture of experts, or
+        (``active``) the ``k`` routed experts a token runs (:func:`jaxpar.models.moe_block.mlp_params`)."""
+        D, N, H, G, K = self.d_model, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim
         a = self.architecture
         norms = (4 if a.post_norms else 2) * D + (2 * K if a.qk_norm else 0)
-        block = D * H * K + 2 * D * G * K + H * K * D + 3 * D * F + norms + ((H + 2 * G) * K if self.qkv_bias else 0)
+        block = (D * H * K + 2 * D * G * K + H * K * D + moe_block.mlp_params(self, active) + norms
+                 + ((H + 2 * G) * K if self.qkv_bias else 0))
         head = D + (0 if self.tie_embeddings else D * self.padded_vocab)
         return N * block + head + (self.padded_vocab * D if embeddings else 0)
 
+    def active_params(self, embeddings: bool = True) -> int:
+        """The parameters one token runs through: :meth:`num_params` with ``k`` routed experts of ``E``."""
+        return self.num_params(embeddings, active=True)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * (non-embedding params + unembedding) + 12 * N * L_eff * H * K (attention;
-        Kaplan et al. 2020, sec. 2.1), ``L_eff`` a layer's mean keys per query: ``(L + 1) / 2`` causal, at most
-        ``window`` windowed, times 2 as Kaplan's full-sequence count."""
-        dense = self.num_params(embeddings=False) + (self.padded_vocab * self.d_model if self.tie_embeddings else 0)
+        """Training FLOPs per token: 6 * (active non-embedding params + unembedding) + 12 * N * L_eff * H * K
+        (attention; Kaplan et al. 2020, sec. 2.1), ``L_eff`` a layer's mean keys per query: ``(L + 1) / 2`` causal,
+        at most ``window`` windowed, times 2 as Kaplan's full-sequence count."""
+        dense = self.active_params(embeddings=False) + (self.padded_vocab * self.d_model if self.tie_embeddings else 0)
         L = seq_len
         keys = [L if k.window is None or k.window >= L else 2 * (k.window - (k.window - 1) * k.window / (2 * L))
                 for k in self.layer_kinds()]

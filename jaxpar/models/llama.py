@@ -23,14 +23,15 @@ from typing import Any
 import numpy as np
 
 from jaxpar.models.blocks import Architecture
-from jaxpar.models.decoder import (Decoder, RotaryFields, RunFields, check_rotary_fields, compact_grouped,
-                                   rotary_inv_freq)
+from jaxpar.models import moe_block
+from jaxpar.models.decoder import (Decoder, ExpertFields, RotaryFields, RunFields, check_rotary_fields,
+                                   compact_grouped, rotary_inv_freq)
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(RotaryFields, RunFields):
+class LlamaConfig(RotaryFields, RunFields, ExpertFields):
     vocab_size: int = 256          # tokens; padded to vocab_multiple
     num_layers: int = 4            # N blocks, stacked on a leading "layers" axis
     num_heads: int = 4             # H query heads
@@ -58,17 +59,22 @@ class LlamaConfig(RotaryFields, RunFields):
     positions = "rotary"
     qkv_bias = False
 
-    def num_params(self, embeddings: bool = True) -> int:
-        D, F, N, H, G, K = (self.d_model, self.d_mlp, self.num_layers, self.num_heads, self.num_kv_heads,
-                            self.head_dim)
-        block = D * H * K + 2 * D * G * K + H * K * D + 3 * D * F + 2 * D
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters (embeddings included unless ``embeddings=False``): every expert of a mixture of experts, or
+        (``active``) the ``k`` routed experts a token runs (:func:`jaxpar.models.moe_block.mlp_params`)."""
+        D, N, H, G, K = self.d_model, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim
+        block = D * H * K + 2 * D * G * K + H * K * D + moe_block.mlp_params(self, active) + 2 * D
         head = D + (0 if self.tie_embeddings else D * self.padded_vocab)
         return N * block + head + (self.padded_vocab * D if embeddings else 0)
 
+    def active_params(self, embeddings: bool = True) -> int:
+        """The parameters one token runs through: :meth:`num_params` with ``k`` routed experts of ``E``."""
+        return self.num_params(embeddings, active=True)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * (non-embedding params + unembedding) + 12 * N * L * H * K (attention;
+        """Training FLOPs per token: 6 * (active non-embedding params + unembedding) + 12 * N * L * H * K (attention;
         Kaplan et al. 2020, sec. 2.1)."""
-        dense = self.num_params(embeddings=False) + (self.padded_vocab * self.d_model if self.tie_embeddings else 0)
+        dense = self.active_params(embeddings=False) + (self.padded_vocab * self.d_model if self.tie_embeddings else 0)
         return 6.0 * dense + 12.0 * self.num_layers * seq_len * self.num_heads * self.head_dim
 
     def inv_freq(self) -> np.ndarray:

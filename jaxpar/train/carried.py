@@ -21,6 +21,7 @@ state's ``model_state``: the loss takes and returns it, and microbatches read it
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxpar import protocol
 from jaxpar._tree import key_path
-from jaxpar.protocol import COMBINES, Carried, declare_carried
+from jaxpar.protocol import COMBINES, Carried, declare_carried, overwrite
 
 BATCH_STATS = declare_carried("batch_stats", "last", what="batch statistics (Linen BatchNorm's running mean and "
                               "variance)", through="loss")
@@ -52,31 +53,6 @@ def _rule(path: tuple) -> str:
 def is_carried(path: tuple) -> bool:
     """Whether a key path leads into a declared ``"gradient"`` collection."""
     return protocol.carried_of(path) is not None
-
-
-# ------------------------------------------------------------------------------------------ new values
-
-@jax.custom_vjp
-def overwrite(x: Any, old: Any, new: Any) -> Any:
-    """``x`` unchanged; under differentiation the cotangent of the carried leaves ``old`` is ``new`` (their new
-    value, or a ``"sum"`` collection's increment), the gradient of nothing. ``x`` is any value on the loss's path
-    (an activation, the loss itself), so the backward pass runs through here. The cotangent is the new value only
-    if nothing else in the loss differentiates ``old``: read the leaves elsewhere through ``jax.lax.stop_gradient``
-    (a loss divided by a running mean would add its gradient to the new mean)."""
-    return x
-
-
-def _overwrite_fwd(x, old, new):
-    return x, (old, new)
-
-
-def _overwrite_bwd(res, g):
-    old, new = res
-    cast = lambda o, n: jax.lax.stop_gradient(n).astype(o.dtype)
-    return g, jax.tree.map(cast, old, new), jax.tree.map(jnp.zeros_like, new)
-
-
-overwrite.defvjp(_overwrite_fwd, _overwrite_bwd)
 
 
 # ------------------------------------------------------------------------------- combining new values
@@ -123,10 +99,26 @@ def reduce_shards(path: tuple, x: jax.Array, axes: tuple[str, ...]) -> jax.Array
 
 def apply(old: Any, new: Any) -> Any:
     """The state's carried tree after a step: ``new`` (the combined new values), the old value plus the
-    increment for ``"sum"`` collections."""
+    increment for ``"sum"`` collections, and ``update(old, new)`` on the subtree of a collection declared with
+    an ``update``."""
     if old is None:
         return new
-    return jax.tree_util.tree_map_with_path(lambda p, o, n: o + n if _rule(p) == "sum" else n, old, new)
+    out = jax.tree_util.tree_map_with_path(lambda p, o, n: o + n if _rule(p) == "sum" else n, old, new)
+    return _updated(old, new, out)
+
+
+def _updated(old: Any, new: Any, out: Any) -> Any:
+    """``out`` with the subtree under each key whose declaration has an ``update`` replaced by its result."""
+    if not isinstance(out, Mapping):
+        return out
+    result = dict(out)
+    for k in out:
+        d = protocol.carried_of((jax.tree_util.DictKey(k),))
+        if d is not None and d.update is not None:
+            result[k] = d.update(old[k], new[k])
+        elif d is None:
+            result[k] = _updated(old[k], new[k], out[k])
+    return type(out)(result) if not isinstance(out, dict) else result
 
 
 # --------------------------------------------------------------------------------- the state, checkpoints

@@ -2,7 +2,8 @@
 
 * :mod:`jaxpar.models.hf.checkpoint`: load and save, dispatching on the family through its weight adapter.
 * :mod:`jaxpar.models.hf.gpt2`, :mod:`jaxpar.models.hf.llama`, :mod:`jaxpar.models.hf.families` (Qwen2, Qwen3,
-  Mistral, Gemma 3): one weight adapter per family, built from the readers of :mod:`jaxpar.models.hf.weights`.
+  Mistral, Gemma 3), :mod:`jaxpar.models.hf.moe` (Mixtral, Qwen3-MoE): one weight adapter per family, built from
+  the readers of :mod:`jaxpar.models.hf.weights`.
 * :mod:`jaxpar.models.hf.config`: ``config.json`` to a model config and back, refusing fields that change
   the computation.
 * :mod:`jaxpar.models.hf.tokenizer`: the checkpoint's ``tokenizer.json`` read as data, checked against the

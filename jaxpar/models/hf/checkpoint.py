@@ -2,8 +2,9 @@
 ``LlamaForCausalLM`` as :class:`jaxpar.models.Llama` (:mod:`jaxpar.models.hf.llama`), ``GPT2LMHeadModel`` as
 :class:`jaxpar.models.GPT` (:mod:`jaxpar.models.hf.gpt2`), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
 ``MistralForCausalLM``, ``Gemma3ForCausalLM`` and ``Gemma3ForConditionalGeneration``'s text decoder as
-:class:`jaxpar.models.FamilyModel` (:mod:`jaxpar.models.hf.families`). Load dispatches on ``config.json``'s
-architecture, save on the model's config.
+:class:`jaxpar.models.FamilyModel` (:mod:`jaxpar.models.hf.families`), and the mixtures of experts
+``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` as a ``FamilyModel`` with ``moe`` (:mod:`jaxpar.models.hf.moe`).
+Load dispatches on ``config.json``'s architecture, save on the model's config.
 
 A checkpoint is a directory with ``config.json`` and ``model.safetensors``, or sharded
 ``model-0000i-of-0000n.safetensors`` files with their ``model.safetensors.index.json`` (the layout of
@@ -29,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxpar.models.hf import files as hf_files
-from jaxpar.models.hf import families, gpt2, llama
+from jaxpar.models.hf import families, gpt2, llama, moe
 from jaxpar.models.hf.config import _arch, _read_config
 from jaxpar.models.hf.files import INDEX, SINGLE, Reader
 from jaxpar.models.hf.weights import Adapter, span
@@ -39,7 +40,8 @@ from jaxpar.sharding import rules as shd
 # buffers some checkpoints carry that are not weights: rotary frequencies, GPT-2's causal mask
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
-ADAPTERS = {adapter.model_type: adapter for adapter in (llama.ADAPTER, gpt2.ADAPTER) + families.ADAPTERS}
+ADAPTERS = {adapter.model_type: adapter
+            for adapter in (llama.ADAPTER, gpt2.ADAPTER) + families.ADAPTERS + moe.ADAPTERS}
 """The weight adapter of each family, by ``config.json``'s ``model_type``."""
 
 
@@ -54,6 +56,11 @@ def _adapter_of(model: Any) -> Adapter:
         if type(cfg) is adapter.config_type and isinstance(model, adapter.model) and adapter.saves \
                 and adapter.accepts(cfg):
             return adapter
+    if getattr(cfg, "moe", None) is not None:
+        raise ValueError(f"jaxpar.models.hf.save writes experts as a MixtralForCausalLM (a FamilyConfig of family "
+                         f"'mistral' with moe) or a Qwen3MoeForCausalLM (family 'qwen3' with moe); got a "
+                         f"{type(cfg).__name__}{' of family ' + repr(cfg.family) if hasattr(cfg, 'family') else ''} "
+                         "with moe, which no Hugging Face checkpoint here holds")
     names = " or ".join(dict.fromkeys(a.model.__name__ for a in ADAPTERS.values()))
     raise ValueError(f"jaxpar.models.hf.save writes a jaxpar.models.{names}, got {type(model).__name__}")
 

@@ -54,7 +54,14 @@ def _flag(hf: dict, key: str, default: bool) -> bool:
 
 _HEADS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-          "gemma3": "Gemma3ForConditionalGeneration"}
+          "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM"}
+# architectures refused by name, with what is missing
+_REFUSED = {"deepseek_v3": ("DeepseekV3ForCausalLM", "its attention is multi-head latent attention (MLA: q_lora_rank, "
+                            "kv_lora_rank, a compressed key/value cache), which jaxpar does not build; its routing "
+                            "(sigmoid affinities, selection bias, group-limited top-k, shared experts) is "
+                            "jaxpar.layers.moe.MoEConfig(router='sigmoid', ...), usable in a jaxpar model trained "
+                            "from scratch, but the checkpoint's attention weights have no place")}
 
 # Config fields that change what a model computes, in ways the models here do not: field -> (the values that
 # mean "off", what the field turns on). An absent field is off; a list is off when each of its items is (Gemma's
@@ -99,6 +106,9 @@ _UNSUPPORTED_BY_ARCH = {
     "qwen3": {"hidden_act": (("silu",), "another activation (Qwen3's SwiGLU uses silu)"),
               "attention_bias": ((None, False), "biases on q, k, v and o (Qwen3 has none)")},
     "mistral": {"hidden_act": (("silu",), "another activation (Mistral's SwiGLU uses silu)")},
+    "mixtral": {"hidden_act": (("silu",), "another activation (Mixtral's SwiGLU experts use silu)")},
+    "qwen3_moe": {"hidden_act": (("silu",), "another activation (Qwen3-MoE's SwiGLU experts use silu)"),
+                  "attention_bias": ((None, False), "biases on q, k, v and o (Qwen3-MoE has none)")},
     "gemma3_text": {"hidden_activation": ((None, "gelu_pytorch_tanh"), "another activation (Gemma 3's GeGLU uses "
                                           "gelu with the tanh approximation)"),
                     "hidden_act": ((None, "gelu_pytorch_tanh"), "another activation (Gemma 3's GeGLU uses gelu with "
@@ -128,6 +138,9 @@ def _arch(hf: dict) -> str:
     """The family (a key of ``_HEADS``): ``model_type`` and, when given, ``architectures`` must name its model."""
     arch = hf.get("architectures") or []
     kind = hf.get("model_type")
+    for refused, (head, why) in _REFUSED.items():
+        if kind == refused or head in arch:
+            raise ValueError(f"config.json is a {head}'s (model_type={kind!r}): {why}")
     kind = kind if kind in _HEADS else next((k for k, head in _HEADS.items() if head in arch), None)
     if kind is None:
         raise ValueError(f"config.json has model_type={hf.get('model_type')!r}, architectures={arch}; "

@@ -94,7 +94,7 @@ def _adapter(model_type: str, family: str, **kw) -> Adapter:
     return Adapter(model_type=model_type, config_type=FamilyConfig, model=FamilyModel, from_hf=family_config,
                    to_hf=family_hf_config, prefix=_prefix, save_prefix="model.", hf_shapes=_hf_shapes,
                    leaves=_leaves, export=_export, check_save=check_save,
-                   accepts=lambda cfg: cfg.family == family, **kw)
+                   accepts=lambda cfg: cfg.family == family and cfg.moe is None, **kw)
 
 
 ADAPTERS = (_adapter("qwen2", "qwen2"), _adapter("qwen3", "qwen3"), _adapter("mistral", "mistral"),

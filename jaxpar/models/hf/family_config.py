@@ -17,7 +17,8 @@ from jaxpar.models.families import FamilyConfig
 from jaxpar.models.hf.config import _check_computation, _flag, _need, _num
 
 # config.json's model_type -> jaxpar family (Gemma 3's two checkpoints share one decoder)
-FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3", "gemma3": "gemma3",
+          "mixtral": "mistral", "qwen3_moe": "qwen3"}   # the last two with experts (jaxpar.models.hf.moe)
 _KINDS = ("full_attention", "sliding_attention")
 
 

@@ -89,4 +89,4 @@ def _export(cfg: LlamaConfig, params: dict) -> dict[str, Callable[[], np.ndarray
 
 ADAPTER = Adapter(model_type="llama", config_type=LlamaConfig, model=Llama, from_hf=llama_config,
                   to_hf=llama_hf_config, prefix=lambda names: "", save_prefix="", hf_shapes=_hf_shapes,
-                  leaves=_leaves, export=_export)
+                  leaves=_leaves, export=_export, accepts=lambda cfg: cfg.moe is None)

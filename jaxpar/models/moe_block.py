@@ -1,0 +1,151 @@
+"""The mixture-of-experts part of a decoder block: what replaces the dense gated MLP of
+:class:`jaxpar.models.blocks.Block` when the config's ``moe`` is a :class:`jaxpar.layers.moe.MoEConfig` (Mixtral,
+Jiang et al. 2024; Qwen3-MoE, Yang et al. 2025): its params, its call of :func:`jaxpar.layers.moe.moe_mlp`, the
+per-layer router statistics the loss adds up, and the parameter counts (all experts, or the active ones).
+
+Params of one block (stacked ``[N, ...]`` over layers like every block param), shape legend as
+:mod:`jaxpar.models.blocks` plus E routed experts, F_e one expert's SwiGLU width, F_s the shared experts' width:
+
+* ``router_kernel [D, E]`` (``embed``, None): the router's logits ``h @ router_kernel`` (float32 math);
+* ``experts_gate_kernel`` / ``experts_up_kernel [E, D, F_e]`` (``experts``, ``embed``, ``expert_mlp``) and
+  ``experts_down_kernel [E, F_e, D]`` (``experts``, ``expert_mlp``, ``embed``): each expert's SwiGLU;
+* with shared experts, ``shared_gate_kernel`` / ``shared_up_kernel [D, F_s]`` and ``shared_down_kernel [F_s, D]``;
+* the carried collection ``moe_router`` ``{"bias" [E], "load" [E], "dropped" [], "rate" []}`` (float32, no
+  logical names; :mod:`jaxpar.layers.moe`): the selection bias, the last step's expert load, the dropped
+  choices, and the bias update rate (``MoEConfig.bias_update_rate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.layers.moe import MoEConfig, MoEStats, moe_mlp
+from jaxpar.sharding.names import EMBED, EXPERT_MLP, EXPERTS, MLP
+
+CARRIED = "moe_router"
+"""The key of the router's carried collection in a block's params."""
+
+
+def moe_of(cfg: Any) -> MoEConfig | None:
+    """The config's :class:`MoEConfig`, or None for a dense model (a config without the field too)."""
+    return getattr(cfg, "moe", None)
+
+
+def check(cfg: Any) -> None:
+    """Raises ValueError unless ``cfg.moe`` is None or a :class:`MoEConfig` whose experts the block can build: a
+    SwiGLU architecture without projection biases (the experts are SwiGLU with no biases)."""
+    moe = cfg.moe
+    if moe is None:
+        return
+    name = type(cfg).__name__
+    if not isinstance(moe, MoEConfig):
+        raise ValueError(f"{name}.moe={moe!r:.80} must be None (a dense MLP) or a jaxpar.layers.moe.MoEConfig")
+    a = cfg.architecture
+    if a.mlp != "swiglu" or a.bias:
+        raise ValueError(f"{name}.moe: the experts are SwiGLU without biases, but this architecture's MLP is "
+                         f"{a.mlp!r}{' with biases' if a.bias else ''}; use a SwiGLU family (llama, qwen3, mistral)")
+
+
+def widths(cfg: Any) -> tuple[int, int]:
+    """``(F_e, F_s)``: one routed expert's SwiGLU width (``expert_d_mlp``, 0: the model's ``d_mlp``) and the shared
+    experts' total width (``shared_d_mlp``, 0: ``num_shared_experts * F_e``; 0 without shared experts)."""
+    moe = cfg.moe
+    f_e = moe.expert_d_mlp or cfg.mlp_dim
+    f_s = 0 if not moe.num_shared_experts else (moe.shared_d_mlp or moe.num_shared_experts * f_e)
+    return f_e, f_s
+
+
+def mlp_params(cfg: Any, active: bool = False) -> int:
+    """The MLP params of one block: ``3 * D * F`` dense; with experts the router ``D * E``, ``3 * D * F_e`` per
+    routed expert (all ``E``, or the ``k`` a token runs when ``active``) and the shared experts' ``3 * D * F_s``."""
+    D, moe = cfg.d_model, moe_of(cfg)
+    if moe is None:
+        return 3 * D * cfg.mlp_dim
+    f_e, f_s = widths(cfg)
+    experts = moe.experts_per_token if active else moe.num_experts
+    return D * moe.num_experts + 3 * D * f_e * experts + 3 * D * f_s
+
+
+def declare(module: Any, param: Callable[..., Any], out_std: float) -> tuple[dict, dict | None]:
+    """In :class:`jaxpar.models.blocks.Block`'s ``setup``: ``(weights, carried)``, the MoE params (declared by
+    ``param(module, name, shape, names, std)``, the block's own) and the ``moe_router`` collection (None when the
+    params applied hold none: inference from params without carried state, the bias taken as 0)."""
+    c = module.cfg
+    D, E = c.d_model, c.moe.num_experts
+    f_e, f_s = widths(c)
+    w = {"router_kernel": param(module, "router_kernel", (D, E), (EMBED, None), c.init_std),
+         "experts_gate_kernel": param(module, "experts_gate_kernel", (E, D, f_e), (EXPERTS, EMBED, EXPERT_MLP),
+                                      c.init_std),
+         "experts_up_kernel": param(module, "experts_up_kernel", (E, D, f_e), (EXPERTS, EMBED, EXPERT_MLP),
+                                    c.init_std),
+         "experts_down_kernel": param(module, "experts_down_kernel", (E, f_e, D), (EXPERTS, EXPERT_MLP, EMBED),
+                                      out_std)}
+    if f_s:
+        w.update(shared_gate_kernel=param(module, "shared_gate_kernel", (D, f_s), (EMBED, MLP), c.init_std),
+                 shared_up_kernel=param(module, "shared_up_kernel", (D, f_s), (EMBED, MLP), c.init_std),
+                 shared_down_kernel=param(module, "shared_down_kernel", (f_s, D), (MLP, EMBED), out_std))
+    if not module.is_initializing() and not module.has_variable("params", CARRIED):
+        return w, None
+    rate = float(c.moe.bias_update_rate)
+    carried = module.param(CARRIED, lambda _: {"bias": jnp.zeros((E,), jnp.float32),
+                                               "load": jnp.zeros((E,), jnp.float32),
+                                               "dropped": jnp.zeros((), jnp.float32),
+                                               "rate": jnp.full((), rate, jnp.float32)})
+    return w, carried
+
+
+def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, dtype: Any,
+        decode: bool = False) -> tuple[jax.Array, MoEStats]:
+    """The MoE layer on the block's normed tokens ``h_TD [T, D]``: ``(y_TD, stats)``. The experts' and shared
+    kernels go in the compute ``dtype``, the router's as stored (its math is float32).
+
+    ``decode``: a cached generation step or prefill runs dropless whatever ``capacity_factor`` says: the capacity
+    counts choices per sequence, so a step of one token per row would drop other tokens than the whole sequence
+    did; dropless gives every token its ``k`` experts, as Mixtral and Qwen3-MoE compute (they never drop)."""
+    moe = cfg.moe
+    if decode and moe.capacity_factor is not None:
+        moe = dataclasses.replace(moe, capacity_factor=None)
+    w = {k: v if k == "router_kernel" else v.astype(dtype) for k, v in weights.items()}
+    return moe_mlp(moe, w, h_TD, carried)
+
+
+def zero_stats(cfg: Any) -> MoEStats:
+    """Zero router statistics of ``cfg``'s layer (float32): the sum over no layers."""
+    z = jnp.zeros((), jnp.float32)
+    return MoEStats(jnp.zeros((cfg.moe.num_experts,), jnp.float32), z, z, z)
+
+
+def add_stats(a: MoEStats, b: MoEStats) -> MoEStats:
+    return MoEStats(*(x + jnp.asarray(y, jnp.float32) for x, y in zip(a, b)))
+
+
+def aux_loss(cfg: Any, total: MoEStats) -> tuple[jax.Array, dict]:
+    """``(the auxiliary loss, its metrics)`` from the router statistics summed over the ``num_layers`` layers:
+    ``load_balance_coef * mean_layers(load_balance_loss) + z_loss_coef * mean_layers(z_loss)`` (Switch / GShard's
+    balance loss, ST-MoE's router z-loss, eq. 5) and ``{"moe_load_balance_loss", "moe_z_loss"}`` (the means over
+    layers) with ``"moe_dropped_fraction"`` (dropped choices over all ``tokens * k`` choices of every layer)."""
+    moe, n = cfg.moe, cfg.num_layers
+    lb, z = total.load_balance_loss / n, total.z_loss / n
+    choices = jnp.sum(total.counts)
+    dropped = jnp.where(choices > 0, total.dropped / jnp.where(choices > 0, choices, 1.0), 0.0)
+    loss = moe.load_balance_coef * lb + moe.z_loss_coef * z
+    return loss, {"moe_load_balance_loss": lb, "moe_z_loss": z, "moe_dropped_fraction": dropped}
+
+
+def check_stage(cfg: Any) -> None:
+    """Raises ValueError for a pipeline stage of a model whose loss has router auxiliary losses: a stage passes
+    activations only (the pipeline protocol), so the losses would be dropped."""
+    moe = moe_of(cfg)
+    if moe is not None and (moe.load_balance_coef or moe.z_loss_coef):
+        raise ValueError(f"the MoE config has load_balance_coef={moe.load_balance_coef}, z_loss_coef="
+                         f"{moe.z_loss_coef}: a pipeline stage passes activations only, so these auxiliary losses "
+                         "cannot reach the loss; set both to 0 under a pipeline and balance the experts with the "
+                         "aux-loss-free bias (MoEConfig.bias_update_rate, e.g. 1e-3)")
+
+
+__all__ = ["CARRIED", "add_stats", "aux_loss", "check", "check_stage", "declare", "mlp",
+           "mlp_params", "moe_of", "widths", "zero_stats"]
