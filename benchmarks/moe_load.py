@@ -78,8 +78,7 @@ def run(cfg: charlm.Config, corpus, mesh, eval_batches: int, check_dropless: boo
     wall = time.perf_counter() - start
     val = [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val") for i in range(eval_batches)]
     return {"rows": rows, "val_loss": jp.loop.mean_metrics(eval_step, state, val)["loss"], "wall_s": wall,
-            "params": model.cfg.num_params(), "active_params": getattr(model.cfg, "active_params",
-                                                                         model.cfg.num_params)()}
+            "params": model.cfg.num_params(), "active_params": model.cfg.active_params()}
 
 
 def summary(result: dict) -> dict:
