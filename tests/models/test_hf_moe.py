@@ -1,0 +1,194 @@
+"""Mixtures of experts in the shared decoder, against transformers: ``MixtralForCausalLM`` and
+``Qwen3MoeForCausalLM`` built on tiny random configs here, loaded with ``jaxpar.models.hf.load`` (logits within
+1e-4, greedy cached generation equal, ``hf.save`` read back by transformers equal), their config fields that
+jaxpar does not compute refused, and one training step of a Llama with experts on data=2 x fsdp=2 x tensor=2
+(and a 2-stage pipeline with the aux-loss-free bias) against the single-device step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers as T
+from helpers import (SMALL_LLAMA, assert_hf_logits_and_save, assert_scalar_close, assert_tree_close, gpt_batch,
+                     transformers_greedy)
+
+import jaxpar as jp
+from jaxpar.layers.moe import MoEConfig
+from jaxpar.models import FamilyConfig, Llama, hf
+from jaxpar.models.hf.config import _arch
+from jaxpar.models.hf.moe import check_save_moe, moe_config
+
+V, SEQ = 97, 12
+BASE = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None, num_experts_per_tok=2)
+# name -> (transformers config class, model class, fields beyond BASE)
+CASES = {
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_hidden_layers=2, intermediate_size=24,
+                                                          num_local_experts=4)),
+    "mixtral_tied_window": (T.MixtralConfig, T.MixtralForCausalLM, dict(
+        num_hidden_layers=2, intermediate_size=16, num_local_experts=8, tie_word_embeddings=True, sliding_window=5,
+        num_key_value_heads=4)),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=2, intermediate_size=48, moe_intermediate_size=16, num_experts=4, head_dim=16,
+        norm_topk_prob=False)),
+    "qwen3_moe_tied_norm": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=12, num_experts=8, head_dim=8,
+        norm_topk_prob=True, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+FAST = ("mixtral", "qwen3_moe")
+
+
+def hf_model(name: str, seed: int = 0):
+    cfg_cls, model_cls, extra = CASES[name]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**{**BASE, **extra})).eval()
+    with torch.no_grad():   # transformers' 0.02 init leaves the router's scores near uniform: a swapped expert,
+        for pname, p in model.named_parameters():   # projection or router row would barely move the logits
+            if "norm" in pname:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif ".mlp." in pname:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=[n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def loaded(request, tmp_path_factory):
+    ref = hf_model(request.param)
+    path = tmp_path_factory.mktemp("hf") / request.param
+    ref.save_pretrained(path)
+    model, params = hf.load(str(path))
+    return request.param, ref, model, params
+
+
+def test_logits_match_transformers_and_save_is_read_back(loaded, tmp_path):
+    name, ref, model, params = loaded
+    assert_hf_logits_and_save(name, ref, model, params, tmp_path / "out", V, SEQ)
+    counted = sum(p.numel() for p in ref.parameters())
+    assert dataclasses.replace(model.cfg, vocab_multiple=1).num_params() == counted
+    moe = model.cfg.moe
+    idle = (moe.num_experts - moe.experts_per_token) * 3 * model.cfg.d_model * moe.expert_d_mlp * model.cfg.num_layers
+    assert model.cfg.active_params() == model.cfg.num_params() - idle
+
+
+@pytest.mark.slow  # one compile of the cached decode per case: ~10 s each
+def test_greedy_cached_generation_equals_transformers(loaded):
+    name, ref, model, params = loaded
+    prompts = [[int(t) for t in np.random.default_rng(2).integers(0, V, n)] for n in (7, 4)]
+    new = 10
+    for prompt in prompts:
+        want = transformers_greedy(ref, prompt, new)
+        got = model.generate(params, prompt, new, jax.random.key(0), temperature=0.0)
+        assert got == want, (name, got, want)
+    # left-padded prompts of different lengths in one batch: each row as when generated alone
+    assert model.generate(params, prompts, new, jax.random.key(0), temperature=0.0) == [
+        model.generate(params, p, new, jax.random.key(0), temperature=0.0) for p in prompts]
+
+
+def _config(name: str, **fields) -> dict:
+    cfg_cls, _, extra = CASES[name]
+    out = cfg_cls(**{**BASE, **extra}).to_dict()
+    out.update(fields)
+    return out
+
+
+@pytest.mark.parametrize("name, field, value, match", [
+    ("mixtral", "router_jitter_noise", 0.1, "router_jitter_noise=0.1"),
+    ("qwen3_moe", "mlp_only_layers", [1], r"mlp_only_layers=\[1\]"),
+    ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step=2"),
+    ("qwen3_moe", "attention_bias", True, "attention_bias=True"),
+])
+def test_fields_that_change_the_computation_are_refused(name, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        moe_config(_config(name, **{field: value}))
+
+
+def test_config_mapping_reads_the_routing_and_refuses_deepseek_v3(tmp_path):
+    mixtral = moe_config(_config("mixtral", output_router_logits=True, router_aux_loss_coef=0.02))
+    assert (mixtral.family, mixtral.moe.num_experts, mixtral.moe.expert_d_mlp, mixtral.moe.norm_topk_prob) == (
+        "mistral", 4, 24, True)
+    assert mixtral.moe.load_balance_coef == pytest.approx(0.04)   # transformers' loss counts k choices per token
+    qwen = moe_config(_config("qwen3_moe", num_local_experts=4, use_sliding_window=True, sliding_window=6))
+    assert (qwen.family, qwen.moe.expert_d_mlp, qwen.moe.norm_topk_prob, qwen.moe.load_balance_coef) == (
+        "qwen3", 16, False, 0.0)
+    assert qwen.windows == (6, 6)   # Qwen3-MoE windows every layer
+    deepseek = T.DeepseekV3Config(num_hidden_layers=2, hidden_size=32, vocab_size=V).to_dict()
+    with pytest.raises(ValueError, match="MLA"):
+        _arch(deepseek)
+    (tmp_path / "config.json").write_text(json.dumps(deepseek))
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        hf.load(str(tmp_path))
+
+
+def test_configs_with_no_checkpoint_form_are_refused_on_save(tmp_path):
+    cfg = FamilyConfig(family="qwen3", num_layers=1, d_model=32, num_heads=4, moe=MoEConfig(num_experts=4))
+    for field, value in (("num_shared_experts", 1), ("capacity_factor", 1.25), ("router", "sigmoid")):
+        with pytest.raises(ValueError, match=field):
+            check_save_moe(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **{field: value})))
+    with pytest.raises(ValueError, match="with moe"):
+        hf.save(Llama(dataclasses.replace(SMALL_LLAMA, moe=MoEConfig(num_experts=4))), {}, str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="SwiGLU"):
+        FamilyConfig(family="gemma3", moe=MoEConfig(num_experts=4))
+
+
+# ------------------------------------------------------------------------- training parity (a Llama with experts)
+
+MOE_LLAMA = dataclasses.replace(SMALL_LLAMA, num_layers=4, moe=MoEConfig(
+    num_experts=4, experts_per_token=2, expert_d_mlp=32, load_balance_coef=0.01, z_loss_coef=0.001))
+
+
+def _trace(opt_state):
+    return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+                if isinstance(s, optax.TraceState)).trace
+
+
+def _step(cfg, mesh, batch, pipeline: bool = False):
+    model, tx = Llama(cfg), optax.sgd(0.1, momentum=0.9)
+    loss_fn = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss,
+                                   jp.pipeline.one_f_one_b(2, 4)) if pipeline else model.loss
+    state = jp.train.init_state(model.init, tx, 5, mesh=mesh, pipeline=loss_fn if pipeline else None)
+    new, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)(state, batch)
+    new = jp.train.to_model_order(new) if pipeline else new
+    return new, metrics
+
+
+@pytest.mark.slow   # two steps of a 4-layer Llama with experts: ~30 s
+@pytest.mark.parametrize("layout", ["2x2x2", "pipe2_bias"])
+def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
+    """data=2 x fsdp=2 x tensor=2 (auxiliary balance and z losses on; the experts' hidden dim split over tensor),
+    and a 1F1B pipeline of 2 stages with the aux-loss-free bias instead (coefficients 0): the loss, every
+    gradient (per leaf 1e-5 relative) and the router's carried load and bias equal the single-device step's."""
+    cfg = MOE_LLAMA
+    if layout == "pipe2_bias":
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_balance_coef=0.0, z_loss_coef=0.0,
+                                                               bias_update_rate=1e-3))
+    batch = gpt_batch(np.random.default_rng(4), 8, cfg)
+    ref, ref_metrics = _step(cfg, mesh_factory(), batch)
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2) if layout == "2x2x2" else mesh_factory(data=2, pipe=2, tensor=2)
+    new, metrics = _step(cfg, mesh, batch, pipeline=layout != "2x2x2")
+    e_loss = assert_scalar_close(metrics["loss"], ref_metrics["loss"], what=f"{layout} loss")
+    e_grads = assert_tree_close(_trace(new.opt_state), _trace(ref.opt_state), what=f"{layout} grads")
+    e_carried = assert_tree_close(new.carried, ref.carried, what=f"{layout} router state")
+    print(f"\n[{layout}] loss {e_loss:.2e}, grads {e_grads:.2e}, router state {e_carried:.2e} (relative)")
+    load = np.asarray(jax.device_get(ref.carried["blocks"]["moe_router"]["load"]))
+    assert np.all(load.sum(-1) == 8 * cfg.max_seq_len * 2), "every layer routes tokens x k choices (dropless)"
+    if layout == "2x2x2":
+        for key in ("moe_load_balance_loss", "moe_z_loss", "moe_dropped_fraction"):
+            assert_scalar_close(metrics[key], ref_metrics[key], what=key)
+        assert float(metrics["moe_load_balance_loss"]) > 0.9   # E * sum f P >= 1 at best balance
+    else:
+        bias = np.asarray(jax.device_get(new.carried["blocks"]["moe_router"]["bias"]))
+        # one update: +-gamma for an expert below / above the mean load, 0 at it
+        assert np.all(np.isin(bias, [-1e-3, 0.0, 1e-3])) and np.any(bias != 0), bias
+
+
+def test_a_pipeline_stage_of_a_moe_with_auxiliary_losses_is_refused():
+    model = Llama(dataclasses.replace(SMALL_LLAMA, moe=MoEConfig(num_experts=4, load_balance_coef=0.01)))
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        model.stage({}, jnp.zeros((1, 2, SMALL_LLAMA.d_model)))
