@@ -1,0 +1,331 @@
+"""jaxpar/layers/moe.py and jaxpar/layers/expert_parallel.py: the mixture-of-experts layer against a reference
+written here (a plain float32 loop over the experts, GShard's capacity as a loop over sequence positions), on one
+device and with the experts split over 2, 4 and 8 simulated devices by both dispatches (ring, all-to-all),
+composed with data, FSDP, expert-tensor and context parallelism: the loss (a random projection of the output
+plus the auxiliary losses) and every gradient per leaf within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpar as jp
+from helpers import assert_scalar_close, assert_tree_close
+from jaxpar import _hlo
+from jaxpar.layers import expert_parallel
+from jaxpar.layers.moe import MoEConfig, moe_mlp, param_axes, router_state
+from jaxpar.sharding.names import EXPERTS, Rules
+
+D, F, B, L = 16, 8, 8, 8
+ROUTING = {   # top-1, top-2 (Mixtral / Qwen3-MoE), DeepSeek-V3 (sigmoid, groups, bias, scaling, shared expert)
+    "top1": dict(num_experts=8, experts_per_token=1, load_balance_coef=0.01, z_loss_coef=0.001),
+    "top2": dict(num_experts=8, experts_per_token=2, load_balance_coef=0.01, z_loss_coef=0.001),
+    "deepseek": dict(num_experts=8, experts_per_token=2, router="sigmoid", num_groups=4, topk_groups=2,
+                     routed_scaling_factor=2.5, num_shared_experts=1, bias_update_rate=1e-3,
+                     load_balance_coef=0.01),
+}
+
+
+# ------------------------------------------------------------------------------------------ the reference
+
+def ref_choices(cfg: MoEConfig, w: dict, x_TD: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """numpy float64: each token's chosen experts ``[T, k]``, best first (selection scores plus bias, the top
+    groups by the sum of their two best scores)."""
+    logits = x_TD.astype(np.float64) @ np.asarray(w["router_kernel"], np.float64)
+    if cfg.router == "softmax":
+        s = np.exp(logits - logits.max(-1, keepdims=True))
+        s = s / s.sum(-1, keepdims=True)
+    else:
+        s = 1 / (1 + np.exp(-logits))
+    sel = s + bias
+    T, E, G = sel.shape[0], cfg.num_experts, cfg.num_groups
+    if G > 1:
+        grouped = sel.reshape(T, G, E // G)
+        group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+        best = np.argsort(-group_score, axis=-1, kind="stable")[:, :cfg.topk_groups]
+        allowed = np.zeros((T, G), bool)
+        np.put_along_axis(allowed, best, True, axis=-1)
+        sel = np.where(np.repeat(allowed, E // G, axis=-1), sel, -np.inf)
+    return np.argsort(-sel, axis=-1, kind="stable")[:, :cfg.experts_per_token]
+
+
+def ref_kept(cfg: MoEConfig, choice_TK: np.ndarray, seq_len: int) -> np.ndarray:
+    """GShard's capacity as a loop: per sequence, first choices before second, earlier positions first."""
+    kept = np.ones(choice_TK.shape, bool)
+    if cfg.capacity_factor is None:
+        return kept
+    C = math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.num_experts)
+    for start in range(0, choice_TK.shape[0], seq_len):
+        used = np.zeros(cfg.num_experts, int)
+        for r in range(choice_TK.shape[1]):
+            for t in range(start, start + seq_len):
+                e = choice_TK[t, r]
+                kept[t, r] = used[e] < C
+                used[e] += 1
+    return kept
+
+
+def swiglu(x, gate, up, down):
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def ref_layer(cfg: MoEConfig, w: dict, x_TD, choice_TK: np.ndarray, kept_TK: np.ndarray):
+    """Float32 JAX, differentiable in ``w`` and ``x``: the output ``[T, D]`` and the two auxiliary losses, the
+    routing (choices, capacity) fixed as it is piecewise constant."""
+    hp = jax.lax.Precision.HIGHEST
+    logits = jnp.dot(x_TD, w["router_kernel"], precision=hp)
+    scores = jax.nn.softmax(logits, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
+    weights = jnp.take_along_axis(scores, jnp.asarray(choice_TK), axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    weights = weights * cfg.routed_scaling_factor
+    y = jnp.zeros_like(x_TD)
+    for e in range(cfg.num_experts):
+        rows, ranks = np.nonzero((choice_TK == e) & kept_TK)
+        if len(rows):
+            out = swiglu(x_TD[rows], w["experts_gate_kernel"][e], w["experts_up_kernel"][e],
+                         w["experts_down_kernel"][e])
+            y = y.at[rows].add(weights[rows, ranks][:, None] * out)
+    if cfg.num_shared_experts:
+        y = y + swiglu(x_TD, w["shared_gate_kernel"], w["shared_up_kernel"], w["shared_down_kernel"])
+    T, E = x_TD.shape[0], cfg.num_experts
+    f = np.bincount(choice_TK.reshape(-1), minlength=E) / (T * cfg.experts_per_token)
+    probs = scores if cfg.router == "softmax" else scores / scores.sum(-1, keepdims=True)
+    balance = E * jnp.sum(f * probs.mean(0))
+    z = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+    return y, balance, z
+
+
+# ------------------------------------------------------------------------------------------ the cases
+
+class Case(NamedTuple):
+    cfg: MoEConfig
+    w: dict
+    x: np.ndarray        # [B, L, D] float32
+    proj: np.ndarray     # [D]
+    state: dict          # the layer's moe_router collection
+
+
+def make_case(routing: str, capacity: float | None, dispatch: str, seed: int = 0, *, num_experts: int = 8,
+              dims: tuple[int, int, int, int] = (B, L, D, F)) -> Case:
+    b, l, d, f = dims
+    cfg = MoEConfig(**{**ROUTING[routing], "num_experts": num_experts}, expert_d_mlp=f, capacity_factor=capacity,
+                    dispatch=dispatch)
+    rng = np.random.default_rng(seed)
+    w = {k: (rng.normal(size=shape) / np.sqrt(shape[-2])).astype(np.float32)
+         for k, shape in jp.layers.moe.param_shapes(cfg, d, f).items()}
+    state = router_state(cfg)
+    if cfg.bias_update_rate:   # a bias that changes the selection (the weights never see it)
+        state = {**state, "bias": jnp.asarray(rng.normal(size=cfg.num_experts) * 0.3, jnp.float32)}
+    return Case(cfg, w, rng.normal(size=(b, l, d)).astype(np.float32), rng.normal(size=(d,)).astype(np.float32),
+                state)
+
+
+def reference(case: Case):
+    """``(loss, grads of (w, x), counts, dropped)`` of the reference (dispatch plays no part: cached per case)."""
+    key = (dataclasses.replace(case.cfg, dispatch="ring"), case.x.tobytes(), case.proj.tobytes(),
+           np.asarray(case.state["bias"]).tobytes(), tuple(a.tobytes() for a in case.w.values()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(case)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(case: Case):
+    cfg, w, x, proj, state = case
+    b, l, d = x.shape
+    x_TD = x.reshape(-1, d)
+    choice = ref_choices(cfg, w, x_TD, np.asarray(state["bias"], np.float64))
+    kept = ref_kept(cfg, choice, l)
+
+    def loss(w, x_TD):
+        y, balance, z = ref_layer(cfg, w, x_TD, choice, kept)
+        return jnp.mean(y @ proj) + cfg.load_balance_coef * balance + cfg.z_loss_coef * z
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, jnp.asarray(x_TD))
+    counts = np.bincount(choice.reshape(-1), minlength=cfg.num_experts).astype(np.float32)
+    return value, (grads[0], grads[1].reshape(x.shape)), counts, float(np.sum(~kept))
+
+
+def layer_loss(cfg, proj, three_d):
+    def loss(w, x, state):
+        b, l, d = x.shape
+        h = x if three_d else x.reshape(-1, d)
+        y, stats = moe_mlp(cfg, w, h, state, seq_len=None if three_d else l)
+        value = jnp.mean(y.reshape(-1, d) @ proj)
+        return value + cfg.load_balance_coef * stats.load_balance_loss + cfg.z_loss_coef * stats.z_loss, stats
+    return loss
+
+
+def run_layer(case: Case, mesh=None, experts=(), three_d=False):
+    """jaxpar's layer under ``mesh`` with the experts split over the mesh axes ``experts``: ``((loss, stats),
+    grads of (w, x, state)), the compiled program's text``."""
+    cfg, w, x, proj, state = case
+    fn = jax.jit(jax.value_and_grad(layer_loss(cfg, proj, three_d), argnums=(0, 1, 2), has_aux=True))
+    if mesh is None:
+        compiled = fn.lower(w, x, state).compile()
+        return compiled(w, x, state), compiled.as_text()
+    rules = Rules((((EXPERTS, experts),) if experts else ()) + tuple(jp.sharding.DEFAULT_RULES)).without_absent(mesh)
+    place = lambda tree, names: jax.device_put(tree, {k: NamedSharding(mesh, rules.spec(names[k])) for k in tree})
+    w = place(w, param_axes(cfg))
+    x = jax.device_put(x, NamedSharding(mesh, rules.spec(("batch", "seq", None))))
+    with jp.sharding.use(mesh, rules):
+        compiled = fn.lower(w, x, state).compile()
+    return compiled(w, x, state), compiled.as_text()
+
+
+def check_against_reference(case: Case, what: str, **layout) -> tuple[dict, str]:
+    """Asserts the layer's loss, gradients, counts, dropped count and carried cotangent equal the reference's;
+    returns the worst relative errors and the compiled program's text."""
+    cfg = case.cfg
+    ((value, stats), (gw, gx, gstate)), text = run_layer(case, **layout)
+    ref_value, (ref_gw, ref_gx), counts, dropped = reference(case)
+    errors = {"loss": assert_scalar_close(value, ref_value, rtol=1e-5, what=f"{what}: loss"),
+              "grad w": assert_tree_close(gw, ref_gw, rtol=1e-5, what=f"{what}: weight gradients"),
+              "grad x": assert_tree_close(gx, ref_gx, rtol=1e-5, what=f"{what}: input gradient")}
+    np.testing.assert_array_equal(np.asarray(stats.counts), counts, err_msg=f"{what}: counts")
+    assert float(stats.dropped) == dropped, (what, float(stats.dropped), dropped)
+    if cfg.capacity_factor is None:
+        assert float(np.sum(stats.counts)) == case.x.shape[0] * case.x.shape[1] * cfg.experts_per_token
+        assert dropped == 0
+    else:
+        assert dropped > 0, f"{what}: the case drops no choice, so capacity is untested"
+    # the carried collection's cotangent: this call's counts (summed by the step), its dropped count, rate 0
+    np.testing.assert_array_equal(np.asarray(gstate["load"]), counts, err_msg=f"{what}: load cotangent")
+    np.testing.assert_array_equal(np.asarray(gstate["bias"]), counts, err_msg=f"{what}: bias cotangent")
+    assert float(gstate["dropped"]) == dropped and float(gstate["rate"]) == 0.0
+    return errors, text
+
+
+# ------------------------------------------------------------------------------------------ fast set
+
+COLLECTIVES = {"ring": ("all-gather", "reduce-scatter"), "all_to_all": ("all-to-all",)}
+
+
+@pytest.mark.parametrize("dispatch", ["ring", "all_to_all"])
+def test_expert_parallel_layer_equals_the_loop_reference(dispatch):
+    """One cheap case per dispatch: top-2 of 4 experts, capacity 1.0 (choices dropped), EP 2 over fsdp on
+    data=2 x fsdp=2; the dispatch's collectives run over fsdp."""
+    case = make_case("top2", 1.0, dispatch, num_experts=4, dims=(4, 4, 8, 4))
+    mesh = jp.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    _, text = check_against_reference(case, f"{dispatch}, EP 2", mesh=mesh, experts=("fsdp",))
+    sites = _hlo.collective_sites(text, dict(mesh.shape))
+    for kind in COLLECTIVES[dispatch]:
+        assert any(s.kind == kind and s.axes == ("fsdp",) for s in sites), (dispatch, kind, sites)
+
+
+def test_the_bias_changes_the_selection_and_not_the_weights():
+    cfg, w, x, _, state = make_case("deepseek", None, "ring")
+    h = jnp.asarray(x.reshape(-1, D))
+    with_bias = jp.layers.moe.route(cfg, w["router_kernel"], h, state["bias"])
+    without = jp.layers.moe.route(cfg, w["router_kernel"], h, jnp.zeros_like(state["bias"]))
+    assert np.any(np.asarray(with_bias.expert) != np.asarray(without.expert)), "the bias changes the selection"
+    np.testing.assert_array_equal(with_bias.expert, ref_choices(cfg, w, np.asarray(h), np.asarray(state["bias"])))
+    scores = jax.nn.sigmoid(h @ w["router_kernel"])   # and the weights are the unbiased affinities of the choice
+    chosen = jnp.take_along_axis(scores, with_bias.expert, axis=-1)
+    want = cfg.routed_scaling_factor * chosen / chosen.sum(-1, keepdims=True)
+    np.testing.assert_allclose(with_bias.weights, want, rtol=1e-6)
+
+
+def test_router_update_steps_the_bias_towards_the_underloaded_experts():
+    old = {"bias": jnp.array([[0.5, 0.0, -0.5, 0.0]]), "load": jnp.zeros((1, 4)), "dropped": jnp.zeros(1),
+           "rate": jnp.array([0.25])}
+    total = {"bias": jnp.array([[9.0, 1, 3, 3]]), "load": jnp.array([[9.0, 1, 3, 3]]), "dropped": jnp.array([2.0]),
+             "rate": jnp.zeros(1)}
+    new = jp.layers.moe.update_router(old, total)   # mean load 4: 9 over, 1 and 3 under
+    np.testing.assert_array_equal(new["bias"], [[0.25, 0.25, -0.25, 0.25]])
+    np.testing.assert_array_equal(new["load"], total["load"])
+    assert float(new["dropped"][0]) == 2.0 and float(new["rate"][0]) == 0.25
+
+
+def test_ragged_dot_and_its_gradients_on_this_jax():
+    """``jax.lax.ragged_dot`` on this jax's CPU backend: rows past the groups give 0; both gradients equal a
+    per-row gather of the expert weights."""
+    k1, k2 = jax.random.split(jax.random.key(3))
+    x, w = jax.random.normal(k1, (10, 4)), jax.random.normal(k2, (3, 4, 5))
+    sizes = jnp.array([3, 0, 5], jnp.int32)
+    group = np.array([0, 0, 0, 2, 2, 2, 2, 2, -1, -1])
+    loss = lambda x, w: jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, sizes)))
+    ref = lambda x, w: jnp.sum(jnp.sin(jnp.where((group >= 0)[:, None], jnp.einsum(
+        "td,tdf->tf", x, w[np.maximum(group, 0)], precision=jax.lax.Precision.HIGHEST), 0)))
+    assert_scalar_close(loss(x, w), ref(x, w), rtol=1e-6, what="ragged_dot")
+    assert_tree_close(jax.grad(loss, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w), rtol=1e-6, what="its gradients")
+
+
+BAD = [
+    (dict(num_experts=4, experts_per_token=5), "experts_per_token=5 > num_experts=4"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0 must be None"),
+    (dict(capacity_factor=-1.25), "capacity_factor=-1.25"),
+    (dict(num_groups=4, topk_groups=5), "topk_groups=5 > num_groups=4"),
+    (dict(num_experts=6, num_groups=4), "num_experts=6 is not divisible by num_groups=4"),
+    (dict(router="relu"), "router='relu'"),
+    (dict(dispatch="ragged"), "dispatch='ragged'"),
+    (dict(load_balance_coef=-0.1), "load_balance_coef=-0.1 must be a finite number >= 0"),
+    (dict(z_loss_coef=-1.0), "z_loss_coef=-1.0"),
+    (dict(bias_update_rate=-1e-3), "bias_update_rate=-0.001"),
+    (dict(num_experts=8, experts_per_token=4, num_groups=8, topk_groups=2), "raise topk_groups"),
+    (dict(routed_scaling_factor=0), "routed_scaling_factor=0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD)
+def test_bad_configs_are_refused_with_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        MoEConfig(**kwargs)
+
+
+def test_experts_not_divisible_by_the_expert_parallel_size_and_a_bias_without_its_mode_are_refused():
+    mesh = jp.make_mesh(data=2, fsdp=4)
+    rules = ((EXPERTS, ("data", "fsdp")), *jp.sharding.DEFAULT_RULES)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert-parallel size 8"):
+        expert_parallel.check_expert_parallel(6, mesh, rules)
+    with pytest.raises(ValueError, match="expert parallelism folds onto the batch"):
+        expert_parallel.check_expert_parallel(8, jp.make_mesh(data=2, tensor=4), ((EXPERTS, "tensor"),
+                                                                                    *jp.sharding.DEFAULT_RULES))
+    assert expert_parallel.check_expert_parallel(8, mesh, rules) == 8
+    with pytest.raises(ValueError, match="a router bias without the aux-free mode"):
+        jp.layers.moe.check_router_bias(MoEConfig(), np.array([0, 0.1] + [0] * 6))
+
+
+# ------------------------------------------------------------------------------------------ the matrix
+
+@pytest.mark.slow   # 6 compiles
+@pytest.mark.parametrize("capacity", [None, 1.0])
+@pytest.mark.parametrize("routing", list(ROUTING))
+def test_one_device_layer_equals_the_loop_reference(routing, capacity):
+    case = make_case(routing, capacity, "ring", seed=1)
+    errors, _ = check_against_reference(case, f"one device, {routing}, capacity {capacity}")
+    print(f"PARITY one device, {routing}, capacity {capacity}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+
+
+LAYOUTS = {   # name: (mesh sizes, expert axes, [B, L, D] tokens with L over context)
+    "dp2-fsdp2-tp2, EP2 fsdp": (dict(data=2, fsdp=2, tensor=2), ("fsdp",), False),
+    "dp2-fsdp2-tp2, EP4 data x fsdp": (dict(data=2, fsdp=2, tensor=2), ("data", "fsdp"), False),
+    "dp8, EP8": (dict(data=8), ("data",), False),
+    "dp2-fsdp2-context2, EP4": (dict(data=2, fsdp=2, context=2), ("data", "fsdp"), True),
+    "fsdp2-context2-tp2, EP4 fsdp x context": (dict(fsdp=2, context=2, tensor=2), ("fsdp", "context"), True),
+}
+
+
+@pytest.mark.slow   # ~60 compiles: every layout x dispatch x mode x routing
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dispatch", ["ring", "all_to_all"])
+@pytest.mark.parametrize("capacity", [None, 1.0])
+@pytest.mark.parametrize("routing", list(ROUTING))
+def test_expert_parallel_matrix_equals_the_loop_reference(routing, capacity, dispatch, layout):
+    sizes, experts, three_d = LAYOUTS[layout]
+    case = make_case(routing, capacity, dispatch, seed=len(layout) + len(routing))
+    mesh = jp.make_mesh(**sizes)
+    what = f"{routing}, {'dropless' if capacity is None else f'capacity {capacity}'}, {dispatch}, {layout}"
+    errors, _ = check_against_reference(case, what, mesh=mesh, experts=experts, three_d=three_d)
+    print(f"PARITY {what}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
