@@ -189,3 +189,38 @@ def pydoc_tokenizer(vocab_size: int, chars: int = 50_000, eos: str = "<|endoftex
     tokenizer.train_from_iterator(jp.data.default_text()[:chars].split("\n\n"), trainer)
     assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
     return tokenizer
+
+
+def assert_hf_logits_and_save(label: str, ref, model, params, out_dir, vocab: int, seq: int) -> float:
+    """A model loaded from the transformers model ``ref``: its logits on random tokens ``[2, seq]`` within 1e-4 of
+    ``ref``'s, and ``jaxpar.models.hf.save`` into ``out_dir`` read back by transformers to ``ref``'s very tensors.
+    Returns the largest logit difference."""
+    import json
+
+    import torch
+
+    from jaxpar.models import hf
+    tokens = np.random.default_rng(1).integers(0, vocab, (2, seq))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens, jnp.int32)))[..., :vocab]
+    diff = float(np.abs(got - want).max())
+    print(f"\n[{label}]: max |logits - transformers'| {diff:.2e}")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    hf.save(model, params, str(out_dir))
+    back = type(ref).from_pretrained(out_dir).eval()
+    assert json.load(open(Path(out_dir) / "config.json"))["model_type"] == ref.config.model_type
+    theirs, ours = ref.state_dict(), back.state_dict()
+    assert set(theirs) == set(ours)
+    for key in theirs:
+        np.testing.assert_array_equal(ours[key].numpy(), theirs[key].numpy(), err_msg=key)
+    return diff
+
+
+def transformers_greedy(ref, prompt: list[int], new: int) -> list[int]:
+    """``new`` greedy tokens after ``prompt`` from the transformers model ``ref`` (no end-of-text stop)."""
+    import torch
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -22,7 +22,8 @@ import optax
 import pytest
 import torch
 import transformers as T
-from helpers import SMALL_GEMMA3, SMALL_QWEN3, assert_scalar_close, assert_tree_close, gpt_batch
+from helpers import (SMALL_GEMMA3, SMALL_QWEN3, assert_hf_logits_and_save, assert_scalar_close, assert_tree_close,
+                     gpt_batch, transformers_greedy)
 
 import jaxpar as jp
 from jaxpar.models import FamilyConfig, families, hf
@@ -79,19 +80,7 @@ def _logits(model, params, tokens):
 
 def test_logits_match_transformers_and_save_is_read_back(loaded, tmp_path):
     name, ref, model, params = loaded
-    tokens = np.random.default_rng(1).integers(0, V, (2, SEQ))
-    with torch.no_grad():
-        want = ref(torch.tensor(tokens)).logits.numpy()
-    got = _logits(model, params, tokens)
-    print(f"\n[{name}] windows {model.cfg.windows}: max |logits - transformers'| {np.abs(got - want).max():.2e}")
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    hf.save(model, params, str(tmp_path / "out"))
-    back = type(ref).from_pretrained(tmp_path / "out").eval()
-    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == ref.config.model_type
-    theirs, ours = ref.state_dict(), back.state_dict()
-    assert set(theirs) == set(ours)
-    for key in theirs:
-        np.testing.assert_array_equal(ours[key].numpy(), theirs[key].numpy(), err_msg=key)
+    assert_hf_logits_and_save(f"{name} windows {model.cfg.windows}", ref, model, params, tmp_path / "out", V, SEQ)
 
 
 @pytest.mark.slow  # one compile of the cached decode per case: ~10 s each
@@ -99,9 +88,7 @@ def test_greedy_cached_generation_equals_transformers(loaded):
     name, ref, model, params = loaded
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, V, 7)]
     new = 12   # past every window here: the ring buffers wrap
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+    want = transformers_greedy(ref, prompt, new)
     got = model.generate(params, prompt, new, jax.random.key(0), temperature=0.0)
     assert got == want, (name, got, want)
 

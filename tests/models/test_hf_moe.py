@@ -16,7 +16,8 @@ import optax
 import pytest
 import torch
 import transformers as T
-from helpers import SMALL_LLAMA, assert_scalar_close, assert_tree_close, gpt_batch
+from helpers import (SMALL_LLAMA, assert_hf_logits_and_save, assert_scalar_close, assert_tree_close, gpt_batch,
+                     transformers_greedy)
 
 import jaxpar as jp
 from jaxpar.layers.moe import MoEConfig
@@ -68,24 +69,12 @@ def loaded(request, tmp_path_factory):
 
 def test_logits_match_transformers_and_save_is_read_back(loaded, tmp_path):
     name, ref, model, params = loaded
-    tokens = np.random.default_rng(1).integers(0, V, (2, SEQ))
-    with torch.no_grad():
-        want = ref(torch.tensor(tokens)).logits.numpy()
-    got = np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens, jnp.int32)))[..., :V]
-    print(f"\n[{name}] max |logits - transformers'| {np.abs(got - want).max():.2e}")
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert_hf_logits_and_save(name, ref, model, params, tmp_path / "out", V, SEQ)
     counted = sum(p.numel() for p in ref.parameters())
     assert dataclasses.replace(model.cfg, vocab_multiple=1).num_params() == counted
     moe = model.cfg.moe
     idle = (moe.num_experts - moe.experts_per_token) * 3 * model.cfg.d_model * moe.expert_d_mlp * model.cfg.num_layers
     assert model.cfg.active_params() == model.cfg.num_params() - idle
-    hf.save(model, params, str(tmp_path / "out"))
-    back = type(ref).from_pretrained(tmp_path / "out").eval()
-    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == ref.config.model_type
-    theirs, ours = ref.state_dict(), back.state_dict()
-    assert set(theirs) == set(ours)
-    for key in theirs:
-        np.testing.assert_array_equal(ours[key].numpy(), theirs[key].numpy(), err_msg=key)
 
 
 @pytest.mark.slow  # one compile of the cached decode per case: ~10 s each
@@ -94,9 +83,7 @@ def test_greedy_cached_generation_equals_transformers(loaded):
     prompts = [[int(t) for t in np.random.default_rng(2).integers(0, V, n)] for n in (7, 4)]
     new = 10
     for prompt in prompts:
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+        want = transformers_greedy(ref, prompt, new)
         got = model.generate(params, prompt, new, jax.random.key(0), temperature=0.0)
         assert got == want, (name, got, want)
     # left-padded prompts of different lengths in one batch: each row as when generated alone
@@ -197,7 +184,8 @@ def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
         assert float(metrics["moe_load_balance_loss"]) > 0.9   # E * sum f P >= 1 at best balance
     else:
         bias = np.asarray(jax.device_get(new.carried["blocks"]["moe_router"]["bias"]))
-        assert np.all(np.abs(bias) == 1e-3), "one bias update of +-gamma per expert"
+        # one update: +-gamma for an expert below / above the mean load, 0 at it
+        assert np.all(np.isin(bias, [-1e-3, 0.0, 1e-3])) and np.any(bias != 0), bias
 
 
 def test_a_pipeline_stage_of_a_moe_with_auxiliary_losses_is_refused():
