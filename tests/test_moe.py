@@ -25,8 +25,9 @@ from jaxpar.layers.moe import MoEConfig, moe_mlp, param_axes, router_state
 from jaxpar.sharding.names import EXPERTS, Rules
 
 D, F, B, L = 16, 8, 8, 8
-ROUTING = {   # top-1, top-2 (Mixtral / Qwen3-MoE), DeepSeek-V3 (sigmoid, groups, bias, scaling, shared expert)
-    "top1": dict(num_experts=8, experts_per_token=1, load_balance_coef=0.01, z_loss_coef=0.001),
+ROUTING = {   # top-1 (Switch: the probability, not renormalised, which would make it 1 and leave the router only the
+              # aux losses' gradient), top-2 (Mixtral / Qwen3-MoE), DeepSeek-V3 (sigmoid, groups, bias, scaling, shared)
+    "top1": dict(num_experts=8, experts_per_token=1, norm_topk_prob=False, load_balance_coef=0.01, z_loss_coef=0.001),
     "top2": dict(num_experts=8, experts_per_token=2, load_balance_coef=0.01, z_loss_coef=0.001),
     "deepseek": dict(num_experts=8, experts_per_token=2, router="sigmoid", num_groups=4, topk_groups=2,
                      routed_scaling_factor=2.5, num_shared_experts=1, bias_update_rate=1e-3,
