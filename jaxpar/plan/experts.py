@@ -13,8 +13,9 @@ all-gather's output, a reduce-scatter's or all-to-all's input (the full buffer),
 **Ring dispatch** (:mod:`jaxpar.layers.expert_parallel`): forward, one all-gather over the expert axes of the
 tokens and their routing, ``n T (D c + 4 k + 4 k [+ 4 k slots in capacity mode])`` (activations, float32
 weights, int32 experts), and one reduce-scatter of the float32 outputs ``4 n T D``; backward, their transposes:
-an all-gather of the outputs' cotangent ``4 n T D`` and a reduce-scatter of the tokens' and weights' cotangents
-``n T (D c + 4 k)``. **All-to-all dispatch**, dropless: each destination's buffer holds every local choice (the
+an all-gather of the outputs' cotangent ``n T D c`` and a reduce-scatter of the tokens' and weights' cotangents
+``n T (D c + 4 k)``. (The cotangent arrives in the compute dtype and jax gathers it as float32; XLA moves the
+conversion after the gather, so the wire carries ``c`` bytes an element, as counted; with ``c = 4`` the same.) **All-to-all dispatch**, dropless: each destination's buffer holds every local choice (the
 worst case), so each all-to-all moves ``n T k D c``; forward two (out and back) plus the int32 experts ``4 n T
 k``, backward two; in capacity mode the GShard buffers ``[T / L_g, E, C, D]`` (``L_g`` the tokens of a capacity
 group, ``C = ceil(capacity_factor L_g k / E)``), two forward, two backward. ``n = 1``: no dispatch traffic.
@@ -165,7 +166,7 @@ def dispatch_bytes(moe: Any, d_model: int, tokens: float, expert_parallel: int, 
     if moe.dispatch == "ring":
         gathered = n * T * (D * c + 8 * k + (4 * k if capacity else 0))
         return {"forward": {"all-gather": gathered, "reduce-scatter": 4 * n * T * D},
-                "backward": {"all-gather": 4 * n * T * D, "reduce-scatter": n * T * (D * c + 4 * k)}}
+                "backward": {"all-gather": n * T * D * c, "reduce-scatter": n * T * (D * c + 4 * k)}}
     if not capacity:
         rows = n * T * k * D * c
         return {"forward": {"all-to-all": 2 * rows + 4 * n * T * k}, "backward": {"all-to-all": 2 * rows}}
@@ -222,7 +223,10 @@ def expert_dots(text: str) -> dict:
     ``{"ragged": [...], "capacity": [...], "ragged_flops", "capacity_flops", "grouped_gemm_calls"}``. Each row
     ``{"computation", "shape", "operands", "flops", "runs", "backward"}`` (FLOPs as :func:`jaxpar._hlo.dot_flops`,
     times the runs of its computation; ``backward`` whether jax's transpose made it); ``grouped_gemm_calls`` the
-    custom calls whose target names a grouped or ragged GEMM (none: ``ragged_dot`` became dense dots)."""
+    custom calls whose target names a grouped or ragged GEMM (none: ``ragged_dot`` became dense dots).
+
+    On XLA:CPU jax decomposes ``ragged_dot`` before XLA sees it (its dots are named ``dot_general``), so only a GPU
+    program's ragged dots are found; the capacity buffers' einsums are found in both."""
     comps, entry = _hlo.parse_module(text)
     runs = _hlo.runs_per_computation(comps, entry)
     out: dict[str, Any] = {"ragged": [], "capacity": []}
@@ -305,8 +309,9 @@ def report_line(experts: dict) -> str:
     p, f, d = experts["params"], experts["flops"], experts["dispatch"]
     mem = experts["memory"].get(experts["expert_parallel"])
     dots = experts.get("compiled", {}).get("dots")
-    lowered = (f"; compiled ragged dots {dots['ragged_flops']:.3e} FLOPs ({dots['ragged_flops'] / (3 * f['useful']):.1f}"
-               f" x the useful train FLOPs), capacity dots {dots['capacity_flops']:.3e}" if dots else "")
+    lowered = "".join(f"; compiled {kind} dots {dots[kind + '_flops']:.3e} FLOPs ("
+                      f"{dots[kind + '_flops'] / (3 * f['useful']):.2f} x the useful train FLOPs)"
+                      for kind in ("ragged", "capacity") if dots and dots[kind])
     return (f"  experts: {p['total'] / 1e6:.4g}M params, {p['active'] / 1e6:.4g}M active; EP "
             f"{experts['expert_parallel']}: expert weights {(mem or {}).get('bytes', float('nan')) / 2**30:.3g} "
             f"GiB/device; dispatch {d['total'] / 2**30:.3g} GiB/step/device; useful expert FLOPs (forward) "
