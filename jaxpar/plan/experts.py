@@ -49,6 +49,7 @@ import numpy as np
 from jaxpar import _hlo
 from jaxpar._validate import positive_int
 from jaxpar.layers.moe import param_axes, param_shapes
+from jaxpar.plan.gpu_program import fusion_kinds
 from jaxpar.sharding.experts import expert_parallel_rules
 from jaxpar.sharding.names import EXPERTS, FSDP, Rules
 from jaxpar.sharding.rules import DEFAULT_RULES
@@ -221,14 +222,16 @@ def moe_plan(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: int, e
 def expert_dots(text: str) -> dict:
     """The experts' matmuls in a compiled program (XLA:CPU or XLA:GPU), found by their ``op_name``:
     ``{"ragged": [...], "capacity": [...], "ragged_flops", "capacity_flops", "grouped_gemm_calls"}``. Each row
-    ``{"computation", "shape", "operands", "flops", "runs", "backward"}`` (FLOPs as :func:`jaxpar._hlo.dot_flops`,
-    times the runs of its computation; ``backward`` whether jax's transpose made it); ``grouped_gemm_calls`` the
+    ``{"computation", "shape", "operands", "flops", "runs", "backward", "kernel"}`` (FLOPs as
+    :func:`jaxpar._hlo.dot_flops`, times the runs of its computation; ``backward`` whether jax's transpose made it;
+    ``kernel`` the fusion kind running it, e.g. ``__triton_nested_gemm_fusion`` on GPU); ``grouped_gemm_calls`` the
     custom calls whose target names a grouped or ragged GEMM (none: ``ragged_dot`` became dense dots).
 
     On XLA:CPU jax decomposes ``ragged_dot`` before XLA sees it (its dots are named ``dot_general``), so only a GPU
     program's ragged dots are found; the capacity buffers' einsums are found in both."""
     comps, entry = _hlo.parse_module(text)
     runs = _hlo.runs_per_computation(comps, entry)
+    kernels = fusion_kinds(comps)
     out: dict[str, Any] = {"ragged": [], "capacity": []}
     for name, instrs in comps.items():
         if name not in runs:
@@ -245,7 +248,7 @@ def expert_dots(text: str) -> dict:
             out[kind].append({"computation": name, "shape": i.shape.split("{")[0],
                               "operands": [shapes.get(o, "").split("{")[0] for o in i.operands[:2]],
                               "flops": _hlo.dot_flops(i, shapes) * runs[name][0], "runs": runs[name][0],
-                              "backward": "transpose(" in op})
+                              "backward": "transpose(" in op, "kernel": kernels.get(name, "")})
     out["ragged_flops"] = sum(r["flops"] for r in out["ragged"])
     out["capacity_flops"] = sum(r["flops"] for r in out["capacity"])
     targets = re.findall(r'custom_call_target="([^"]*)"', text)
