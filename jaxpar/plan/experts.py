@@ -15,11 +15,12 @@ tokens and their routing, ``n T (D c + 4 k + 4 k [+ 4 k slots in capacity mode])
 weights, int32 experts), and one reduce-scatter of the float32 outputs ``4 n T D``; backward, their transposes:
 an all-gather of the outputs' cotangent ``n T D c`` and a reduce-scatter of the tokens' and weights' cotangents
 ``n T (D c + 4 k)``. (The cotangent arrives in the compute dtype and jax gathers it as float32; XLA moves the
-conversion after the gather, so the wire carries ``c`` bytes an element, as counted; with ``c = 4`` the same.) **All-to-all dispatch**, dropless: each destination's buffer holds every local choice (the
-worst case), so each all-to-all moves ``n T k D c``; forward two (out and back) plus the int32 experts ``4 n T
-k``, backward two; in capacity mode the GShard buffers ``[T / L_g, E, C, D]`` (``L_g`` the tokens of a capacity
-group, ``C = ceil(capacity_factor L_g k / E)``), two forward, two backward. ``n = 1``: no dispatch traffic.
-``remat="full"`` recomputes the forward in the backward, so the forward's collectives run twice.
+conversion after the gather, so the wire carries ``c`` bytes an element, as counted; with ``c = 4`` the same.)
+**All-to-all dispatch**, dropless: each destination's buffer holds every local choice (the worst case), so each
+all-to-all moves ``n T k D c``; forward two (out and back) plus the int32 experts ``4 n T k``, backward two; in
+capacity mode the GShard buffers ``[T / L_g, E, C, D]`` (``L_g`` the tokens of a capacity group, ``C =
+ceil(capacity_factor L_g k / E)``), two forward, two backward. ``n = 1``: no dispatch traffic. ``remat="full"``
+recomputes the forward in the backward, so the forward's collectives run twice.
 
 **FLOPs** of the routed experts' three matmuls per device and layer, forward: useful ``6 T k D F`` (each of the
 ``T k`` choices through ``D x F``, ``D x F`` and ``F x D``; a train step 3 times that); capacity buffers ``6
@@ -33,9 +34,9 @@ n T k`` in the all-to-all's worst-case buffers: ``E_l n = E`` times the useful F
 train step by :func:`expert_dots`; ``benchmarks/README.md``): no grouped-GEMM kernel (no custom call); every
 ``ragged_dot`` of the forward and backward is a loop fusion that writes the masked ``[R, E_l D]`` expansion (an
 iota / compare / select per group, then a transpose) and a dense Triton GEMM over it, so the experts' matmuls
-do ``E`` times the useful FLOPs (8x for 8 experts at expert-parallel 1, 2 or 8) and write ``E_l`` times the rows'
-bytes. The capacity form is dense batched Triton GEMMs over ``[groups, E_l, C, D]`` buffers: ``capacity_factor``
-times the useful FLOPs, no ragged op.
+do ``E`` times the useful FLOPs (8x for 8 experts, measured at expert-parallel 2, 4 and 8, forward and backward)
+and write ``E_l`` times the rows' bytes. The capacity form is dense batched Triton GEMMs over ``[groups, E_l, C,
+D]`` buffers: ``capacity_factor`` times the useful FLOPs, no ragged op.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ RING_KINDS = ("all-gather", "reduce-scatter")
 # buffers' batched einsums (jaxpar.layers.expert_parallel.swiglu_buffers)
 _RAGGED = "ragged_dot"
 _BUFFER_EINSUMS = ("ecd,edf->", "ecf,efd->")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def _moe(cfg: Any):
@@ -240,8 +240,7 @@ def expert_dots(text: str) -> dict:
         for i in instrs:
             if i.opcode != "dot" and not _hlo.is_gemm_call(i):
                 continue
-            m = _OP_NAME.search(i.attrs)
-            op = m.group(1) if m else ""
+            op = _hlo.op_name(i)
             kind = "ragged" if _RAGGED in op else "capacity" if any(e in op for e in _BUFFER_EINSUMS) else None
             if kind is None:
                 continue

@@ -62,6 +62,11 @@ from jaxpar.plan.compiled_step import (Plan, batch_structs, build_step, collecti
                                        default_tx, model_summary, policy_of)
 
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
+PLANNING_XLA_FLAGS = ("--xla_disable_hlo_passes=all-reduce-promotion",)
+"""XLA flags of a planning process, which compiles and never runs: XLA:CPU's pass widening bf16 all-reduces to
+float32 aborts the process (jaxlib 0.10.2: "Invalid binary instruction opcode copy") on the bf16 psum jax emits
+for a weight entering a ``shard_map`` whole over a manual axis (a mixture of experts' expert weights over a batch
+axis that holds no experts); without it the all-reduce stays bf16, as XLA:GPU keeps it."""
 
 
 def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> dict:
@@ -149,7 +154,7 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
 def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    env["XLA_FLAGS"] = " ".join([*flags, *PLANNING_XLA_FLAGS, f"--xla_force_host_platform_device_count={n}"])
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = os.path.join(tmp, "in.pkl"), os.path.join(tmp, "out.pkl")
         with open(inp, "wb") as f:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar.layers.moe import MoEConfig, moe_mlp, param_axes, param_shapes
@@ -115,7 +116,7 @@ def check_dispatch(moe: MoEConfig, mesh, ep: int) -> tuple[dict, dict]:
 
 def test_ring_dispatch_bytes_match_the_compiled_layer():
     """Ring, EP 2 over fsdp on data=2 x fsdp=2: the all-gather and reduce-scatter bytes of the formula."""
-    got, want = check_dispatch(MOE, jp.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4]), 2)
+    _, want = check_dispatch(MOE, jp.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4]), 2)
     assert set(want) == {"all-gather", "reduce-scatter"} and want["all-gather"] > 0
 
 
