@@ -586,5 +586,5 @@ def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
 __all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "NO_TRAFFIC", "Walker", "analyze",
            "array_dims", "attribute", "callees", "collective_counts", "collective_payload", "collective_sites",
            "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "op_name", "operand_bytes",
-           "parse_module", "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes",
-           "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]
+           "parse_module", "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes",
+           "shape_bytes", "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]

@@ -38,4 +38,5 @@ from jaxpar.plan.targets import GpuTarget, gpu_target
 from jaxpar.plan.planner import MAX_DEVICES, Plan, build_step, estimate, plan, planning_mesh, policy_of
 
 __all__ = ["GPU", "GpuTarget", "MAX_DEVICES", "Plan", "analytic_time", "build_step", "check_layout", "estimate",
-           "experts", "gpu", "gpu_program", "gpu_target", "hlo", "host_split", "memory", "plan", "planning_mesh", "policy_of", "roofline", "step_time"]
+           "experts", "gpu", "gpu_program", "gpu_target", "hlo", "host_split", "memory", "plan", "planning_mesh",
+           "policy_of", "roofline", "step_time"]
