@@ -195,11 +195,11 @@ def expert_flops(moe: Any, d_model: int, d_mlp: int, tokens: float, expert_paral
 
 
 def moe_plan(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: int, expert_parallel: int = 1, *,
-             grad_accum_steps: int = 1, param_bytes: int = 4) -> dict:
+             grad_accum_steps: int = 1) -> dict:
     """The analytic expert plan of a layout: ``{"params", "memory", "dispatch", "flops"}`` per device, per step
     (``dispatch`` and ``flops`` summed over the ``num_layers`` MoE layers and ``grad_accum_steps``
     microbatches; ``dispatch["total"]`` forward (twice under ``remat="full"``) plus backward; ``flops`` the
-    forward's; capacity groups are sequences of ``seq_len``).
+    forward's; capacity groups are sequences of ``seq_len``; ``memory`` in the config's ``param_dtype``).
 
     Raises:
       ValueError: ``cfg.moe`` is None; an ``expert_parallel`` that does not fold onto ``sizes``' batch axes.
@@ -216,7 +216,8 @@ def moe_plan(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: int, e
     flops = {key: v * layers for key, v in expert_flops(moe, cfg.d_model, cfg.mlp_dim, T, expert_parallel,
                                                         group_len=seq_len).items()}
     return {"params": param_counts(cfg), "expert_parallel": expert_parallel, "tokens_per_device": T,
-            "memory": expert_memory(cfg, sizes, param_bytes=param_bytes), "dispatch": dispatch, "flops": flops}
+            "memory": expert_memory(cfg, sizes, param_bytes=np.dtype(cfg.param_dtype or np.float32).itemsize),
+            "dispatch": dispatch, "flops": flops}
 
 
 def expert_dots(text: str) -> dict:
