@@ -66,13 +66,23 @@ def declare(module: Any, param: Callable[..., Any], out_std: float) -> tuple[dic
     """In :class:`jaxpar.models.blocks.Block`'s ``setup``: ``(weights, carried)``, the MoE params
     (:func:`jaxpar.layers.moe.param_shapes` and ``param_axes``, declared by ``param(module, name, shape, names,
     std)``, the block's own; the down projections with the block's ``out_std``) and the ``moe_router`` collection
-    (:func:`jaxpar.layers.moe.router_state`; None when the params applied hold none: inference from params
-    without carried state, the bias taken as 0)."""
+    (:func:`jaxpar.layers.moe.router_state`; None when the params applied hold none and the config has no
+    aux-loss-free bias: inference from params without carried state, the bias 0 as it stays without updates).
+
+    Raises:
+      ValueError: params without the router state for a config with ``bias_update_rate > 0`` (their selection
+        bias, in ``TrainState.carried``, would be taken as 0: other experts than training chose).
+    """
     c = module.cfg
     axes = moe_layer.param_axes(c.moe)
     w = {name: param(module, name, shape, axes[name], out_std if name.endswith("down_kernel") else c.init_std)
          for name, shape in moe_layer.param_shapes(c.moe, c.d_model, c.mlp_dim).items()}
     if not module.is_initializing() and not module.has_variable("params", CARRIED):
+        if c.moe.bias_update_rate:
+            raise ValueError(f"the params hold no router state ({CARRIED!r}), but the config's MoE has "
+                             f"bias_update_rate={c.moe.bias_update_rate}: its selection bias lives in the train "
+                             "state's carried state; apply jp.train.carried.merge(params, state.carried) (the params "
+                             "jp.train.to_model_order(state).params with it put back)")
         return w, None
     return w, module.param(CARRIED, lambda _: moe_layer.router_state(c.moe))
 

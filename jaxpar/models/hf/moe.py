@@ -238,9 +238,14 @@ def _export(cfg: FamilyConfig, params: dict) -> dict[str, Callable[[], np.ndarra
 
     Raises:
       ValueError: a nonzero ``moe_router`` bias (the checkpoint's router has none: its model would choose other
-        experts).
+        experts); params without the router state of a config with ``bias_update_rate > 0`` (its bias unknown).
     """
     b = params["blocks"]
+    if CARRIED not in b and cfg.moe.bias_update_rate:
+        raise ValueError(f"the params hold no router state ({CARRIED!r}) and the config's MoE has bias_update_rate="
+                         f"{cfg.moe.bias_update_rate}: its selection bias (in the train state's carried state) "
+                         "decides whether a checkpoint can hold this model; pass jp.train.carried.merge(params, "
+                         "state.carried)")
     bias = b.get(CARRIED, {}).get("bias")
     if bias is not None and np.any(host(bias) != 0):
         raise ValueError(f"the params' router selection bias (blocks/moe_router/bias, max |bias| "
