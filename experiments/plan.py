@@ -8,6 +8,13 @@ Command::
     python experiments/plan.py --model 7b --devices 64 --global-batch 256 --out-dir runs/plan7b
     python experiments/plan.py --model 1b --devices 16 --global-batch 64 --remat full none \\
         --schedules 1f1b interleaved zbv --microbatches 8
+    python experiments/plan.py --target h100 --hosts 1 --model mixtral-8x7b --expert-parallel 8
+
+A mixture of experts (``--model moe-tiny``, ``mixtral-8x7b``, ``qwen3-30b-a3b``) is planned with its experts folded
+``--expert-parallel`` ways onto the batch axes; each plan's report adds its experts line
+(:mod:`jaxpar.plan.experts`: all and active parameters, expert weights per device, the dispatch's bytes per step,
+the experts' useful FLOPs and, on a GPU target, what ``ragged_dot`` compiled to), and its MFU counts the active
+parameters.
 
 ``--target h100`` (``h200``, ``b200``, ``a100``; ``--device`` is an alias) compiles each chosen layout with XLA's
 GPU compiler for ``--hosts`` x ``--gpus-per-host`` compile-only GPUs (``jp.plan.plan(..., target=)``: GPU memory,
@@ -52,12 +59,31 @@ MODELS = {
                                 vocab_size=128256, rope_theta=500000.0)),
     "llama3-70b": ("llama", dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_mlp=28672,
                                  vocab_size=128256, rope_theta=500000.0)),
+    # mixtures of experts (a Llama whose MLPs are routed SwiGLU experts, top-k, dropless): moe-tiny, a test
+    # model; mixtral-8x7b (Mistral AI's config: 8 experts of width 14,336, top-2); qwen3-30b-a3b (Qwen's
+    # Qwen3-30B-A3B sizes: 128 experts of width 768, top-8, head_dim 128; its q/k norms are the qwen3 family's)
+    "moe-tiny": ("moe", dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_mlp=128, vocab_size=61,
+                             experts=(8, 2, 32))),
+    "mixtral-8x7b": ("moe", dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, d_mlp=14336,
+                                 vocab_size=32000, rope_theta=1e6, experts=(8, 2, 14336))),
+    "qwen3-30b-a3b": ("moe", dict(family="qwen3", d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                                  head_dim=128, d_mlp=6144, vocab_size=151936, rope_theta=1e6,
+                                  experts=(128, 8, 768))),
 }
 
 
 def model_config(name: str, seq_len: int, remat: str, dtype):
     """The config of ``MODELS[name]`` (scanned layers, bf16 compute) for sequences of ``seq_len``."""
     family, sizes = MODELS[name]
+    if family == "moe":
+        from jaxpar.layers.moe import MoEConfig
+        from jaxpar.models.families import FamilyConfig
+        from jaxpar.models.llama import LlamaConfig
+        sizes = dict(sizes)
+        E, k, width = sizes.pop("experts")
+        moe = MoEConfig(num_experts=E, experts_per_token=k, expert_d_mlp=width)
+        build = FamilyConfig if "family" in sizes else LlamaConfig
+        return build(max_seq_len=seq_len, scan_layers=True, remat=remat, dtype=dtype, moe=moe, **sizes)
     if family == "llama":
         from jaxpar.models.llama import LlamaConfig
         return LlamaConfig(max_seq_len=seq_len, scan_layers=True, remat=remat, dtype=dtype, **sizes)
@@ -69,8 +95,12 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", choices=list(MODELS), default="1b",
-                    help="GPT size (tiny: test model; 125m, 350m, 1.3b, 1b, 7b, 65b) or llama3-8b / llama3-70b "
-                         "(sizes in MODELS)")
+                    help="GPT size (tiny: test model; 125m, 350m, 1.3b, 1b, 7b, 65b), llama3-8b / llama3-70b, or a "
+                         "mixture of experts: moe-tiny, mixtral-8x7b, qwen3-30b-a3b (sizes in MODELS)")
+    ap.add_argument("--expert-parallel", type=int, default=1,
+                    help="a mixture of experts' expert-parallel size: the experts folded onto the batch axes "
+                         "(jp.sharding.expert_parallel_rules: fsdp, data or both); layouts it does not fold onto "
+                         "are skipped; 1: every device holds every expert")
     ap.add_argument("--target", "--device", dest="target", default=None,
                     help="GPU target to compile for (h100, h200, b200, a100; old names h100-80gb, a100-80gb); "
                          "none: simulated CPU devices only, step times from the h100 datasheet")
@@ -79,7 +109,7 @@ def parse(argv=None):
                     help="GPUs of the run (default: --hosts x --gpus-per-host, or 8)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 2 per device)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 8192 for llama3, "
-                                                               "else 2048)")
+                                                               "4096 for the mixtures of experts, else 2048)")
     ap.add_argument("--remat", nargs="+", default=["full"], choices=["none", "full", "dots"],
                     help="GPTConfig.remat choices to sweep: none, full (save each block's input), dots (save matmuls)")
     ap.add_argument("--schedules", nargs="*", default=[],
@@ -111,11 +141,14 @@ def parse(argv=None):
                  "give one of them")
     args.global_batch = 2 * args.devices if args.global_batch is None else args.global_batch
     if args.seq_len is None:
-        args.seq_len = 8192 if MODELS[args.model][0] == "llama" else 2048
+        args.seq_len = {"llama": 8192, "moe": 4096}.get(MODELS[args.model][0], 2048)
     if args.max_layouts is None:
         args.max_layouts = 3 if args.target else 12
+    if args.expert_parallel != 1 and MODELS[args.model][0] != "moe":
+        ap.error(f"--expert-parallel {args.expert_parallel} needs a mixture of experts (--model moe-tiny, "
+                 "mixtral-8x7b or qwen3-30b-a3b)")
     for flag in ("devices", "global_batch", "seq_len", "microbatches", "chunks", "gpus_per_host", "max_layouts",
-                 "max_context"):
+                 "max_context", "expert_parallel"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.devices > args.gpus_per_host and args.devices % args.gpus_per_host:
@@ -156,6 +189,7 @@ def candidates(args, jp) -> tuple[list[tuple], dict[str, int]]:
                 try:
                     sched = None if name is None else schedule(jp, name, sizes["pipe"], args.microbatches, args.chunks)
                     jp.plan.check_layout(cfg, sizes, args.global_batch, args.seq_len, sched, 1, args.gpus_per_host)
+                    jp.plan.experts.check_experts(cfg, sizes, args.expert_parallel)
                 except ValueError as e:
                     reason = str(e)
                     skipped[reason] = skipped.get(reason, 0) + 1
@@ -171,7 +205,7 @@ def prune(args, jp, cands: list[tuple]) -> list[tuple]:
     for cfg, sizes, sched in cands:
         est = jp.plan.estimate(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
                                device=args.target or "h100", num_devices=args.devices, gpus_per_host=args.gpus_per_host,
-                               memory_fraction=args.memory_fraction)
+                               memory_fraction=args.memory_fraction, expert_parallel=args.expert_parallel)
         # a layout that does not fit ranks by the memory it needs (the closest to fitting first)
         key = (False, est["time"]["step_s"]) if est["fits"] else (True, est["needed_bytes"])
         scored.append((key, (cfg, sizes, sched), est))
@@ -231,7 +265,9 @@ def plot(plans, path):
 def main(argv=None) -> list:
     args, ap = parse(argv)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.devices}"])
+    from jaxpar.plan.planner import PLANNING_XLA_FLAGS   # imports no jax: the flags are read when jax starts
+    os.environ["XLA_FLAGS"] = " ".join([*flags, *PLANNING_XLA_FLAGS,
+                                        f"--xla_force_host_platform_device_count={args.devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.target is not None:   # compile what a jaxpar GPU run compiles: its overlap flags, read once at start
         from jaxpar.tools import gpu as gpu_defaults
@@ -268,7 +304,8 @@ def main(argv=None) -> list:
         try:
             p = jp.plan.plan(cfg, sizes, global_batch=args.global_batch, seq_len=args.seq_len, schedule=sched,
                              num_devices=args.devices, gpus_per_host=args.gpus_per_host,
-                             memory_fraction=args.memory_fraction, target=target, compare_cpu=target is not None)
+                             memory_fraction=args.memory_fraction, target=target, compare_cpu=target is not None,
+                             expert_parallel=args.expert_parallel)
         except Exception as e:  # noqa: BLE001  one layout's compiler failure must not end the sweep
             print(f"layout {sizes} remat={cfg.remat} schedule={getattr(sched, 'name', None)} failed to compile: "
                   f"{type(e).__name__}: {str(e)[:500]}", flush=True)

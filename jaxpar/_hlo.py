@@ -538,6 +538,12 @@ def program_text(text: str) -> str:
     return _METADATA.sub("", text.split("\nFileNames")[0])
 
 
+def op_name(instr: Instr) -> str:
+    """The ``op_name`` of an instruction's metadata (the jax scopes and primitive that made it), or ``""``."""
+    m = _OP_NAME.search(instr.attrs)
+    return m.group(1) if m else ""
+
+
 def scopes(text: str) -> set[str]:
     """Every ``jax.named_scope`` name in the instructions' metadata (the parts of their ``op_name`` paths)."""
     return {part for name in _OP_NAME.findall(text) for part in name.split("/")}
@@ -579,6 +585,6 @@ def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
 
 __all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "NO_TRAFFIC", "Walker", "analyze",
            "array_dims", "attribute", "callees", "collective_counts", "collective_payload", "collective_sites",
-           "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "operand_bytes", "parse_module",
-           "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes",
-           "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]
+           "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "op_name", "operand_bytes",
+           "parse_module", "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes",
+           "shape_bytes", "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]

@@ -263,3 +263,27 @@ def test_moe_load_script_tiny(tmp_path):
     assert rows["dense"]["active_params"] + router == rows["none"]["active_params"] < rows["none"]["params"]
     assert out["dropless_check"]["all_equal_and_nothing_dropped"] and out["dropless_check"]["steps_each"] == 5
     assert (tmp_path / "moe_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # three layer steps and four sharded states, each compiled or traced
+def test_moe_layer_script_tiny():
+    """benchmarks/moe_layer.py: the three steps timed side by side with their ratios; the compiled matmul FLOPs
+    (router taken off) are the useful ones for the dense MLP, about capacity_factor times them for the capacity
+    form and E = 8 times them for ragged_dot's lowering; the expert weights per device at EP 1/2/4/8 measured
+    from the sharded state equal the planner's, params / EP (times fsdp=4 where fsdp is not an expert axis)."""
+    import moe_layer
+    out = moe_layer.main(["--tokens", "64", "--seq-len", "16", "--d-model", "32", "--expert-d-mlp", "16",
+                          "--steps", "1", "--rounds", "1", "--layers", "2", "--batch", "16"])
+    step = out["step"]
+    assert set(step) == {"dropless", "capacity", "dense"} and step["dense"]["cpu_ms_over_dense"] == 1.0
+    assert all(row["wall_ms"] > 0 and row["wall_ms_over_dense"] > 0 for row in step.values())
+    assert step["dense"]["mlp_flops_over_useful"] == pytest.approx(1.0)
+    assert 1.25 <= step["capacity"]["mlp_flops_over_useful"] < 1.4      # 5 slots per expert per 16-token sequence
+    assert 8.0 <= step["dropless"]["mlp_flops_over_useful"] < 8.2       # plus the weighted combine's einsum
+    for layout in ("fsdp_embed", "whole_embed"):
+        rows = out["memory"][layout]
+        assert sorted(rows) == [1, 2, 4, 8]
+        for ep, row in rows.items():
+            fsdp = 1 if "fsdp" in row["axes"] or layout == "whole_embed" else 4
+            assert row["measured_bytes"] == row["planned_bytes"] == row["params_over_ep_bytes"] / fsdp > 0
+            assert (row["ring_dispatch_bytes_per_step"] > 0) == (ep > 1)

@@ -85,6 +85,7 @@ def test_sweep_for_a_gpu_target_compiles_with_xla_gpu_and_recommends_a_layout(tm
     (["--model", "300b"], "invalid choice: '300b'"),
     (["--hosts", "0"], "--hosts must be >= 1, got 0"),
     (["--hosts", "2"], "--devices 4 is not --hosts 2 x --gpus-per-host 8; give one of them"),
+    (["--expert-parallel", "2"], "--expert-parallel 2 needs a mixture of experts"),
 ])
 def test_bad_flags_are_refused_by_the_parser(flags, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -24,14 +24,19 @@ replayed from its schedule).
 * :mod:`jaxpar._hlo`: reading a compiled program's HLO text (FLOPs with loops by trip count, bytes accessed,
   collectives by mesh axis).
 * :mod:`jaxpar.plan.memory`: the analytic per-device memory of the GPT train step.
+* :mod:`jaxpar.plan.experts`: a mixture of experts' plan (``plan(..., expert_parallel=)``): all and active
+  parameters, expert weights per device by expert-parallel size, the dispatch's bytes over the expert axes, the
+  experts' FLOPs, and what ``ragged_dot`` compiled to (on GPU: dense GEMMs over a masked expansion, E times the
+  useful FLOPs).
 """
 
 from jaxpar import _hlo as hlo
-from jaxpar.plan import gpu_program, memory, step_time
+from jaxpar.plan import experts, gpu_program, memory, step_time
 from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
 from jaxpar.plan.mesh_sizes import check_layout, host_split
 from jaxpar.plan.targets import GpuTarget, gpu_target
 from jaxpar.plan.planner import MAX_DEVICES, Plan, build_step, estimate, plan, planning_mesh, policy_of
 
-__all__ = ["GPU", "GpuTarget", "MAX_DEVICES", "Plan", "analytic_time", "build_step", "check_layout", "estimate", "gpu", "gpu_program",
-           "gpu_target", "hlo", "host_split", "memory", "plan", "planning_mesh", "policy_of", "roofline", "step_time"]
+__all__ = ["GPU", "GpuTarget", "MAX_DEVICES", "Plan", "analytic_time", "build_step", "check_layout", "estimate",
+           "experts", "gpu", "gpu_program", "gpu_target", "hlo", "host_split", "memory", "plan", "planning_mesh",
+           "policy_of", "roofline", "step_time"]

@@ -29,6 +29,8 @@ class Plan:
     the device's tokens). ``collectives``: ``{kind: {axes: bytes}}`` per step. ``time``: the roofline terms
     and ``step_s``, ``step_overlap_s``, ``mfu``. ``hosts``: ``per_host`` and ``across_hosts`` sizes of the
     mesh (:func:`host_split`). ``analytic_time``: :func:`analytic_time` of the layout (no compilation).
+    ``experts`` (a model with ``moe``): :func:`jaxpar.plan.experts.compiled_experts` (parameters, expert weights
+    per device by expert-parallel size, dispatch bytes, the experts' FLOPs and the matmuls they compiled to).
     """
     label: str
     model: dict
@@ -50,6 +52,7 @@ class Plan:
     compile_s: float
     analytic_time: dict
     gpu: dict | None = None    # a GPU target's plan (jaxpar.plan.gpu_plan): collectives by dtype, fp8 GEMMs, attention
+    experts: dict | None = None  # a mixture of experts' plan (jaxpar.plan.experts.compiled_experts); None when dense
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -57,7 +60,7 @@ class Plan:
     def report(self) -> str:
         """A few lines: layout, memory (compiled beside analytic), FLOPs, collectives, time, fit."""
         if self.gpu is not None:
-            return gpu_report(self)
+            return gpu_report(self) + self._experts_line()
         mem, gib = self.memory, GiB_text
         across = [f"{a}={s}" for a, s in self.hosts["across_hosts"].items() if s > 1]
         lines = [f"{self.label}: {self.model['name']} on {' x '.join(f'{a}={s}' for a, s in self.mesh.items())}"
@@ -79,7 +82,11 @@ class Plan:
                  f"{self.analytic_time['step_s'] * 1e3:.3g} ms",
                  f"  fits: {gib(self.needed_bytes)} needed, {gib(self.available_bytes)} available" if self.fits
                  else f"  {self.advice}"]
-        return "\n".join(lines)
+        return "\n".join(lines) + self._experts_line()
+
+    def _experts_line(self) -> str:
+        from jaxpar.plan.experts import report_line
+        return "" if self.experts is None else "\n" + report_line(self.experts)
 
 
 def GiB_text(b: float) -> str:
@@ -105,11 +112,12 @@ def default_tx(model: Any) -> Any:
 
 
 def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_steps: int = 1, donate: bool = True,
-               *, tx: Any = None, policy: Any = None):
+               *, tx: Any = None, policy: Any = None, rules: Any = None):
     """``(model, tx, step, abstract_state)`` of the train step of a model of the protocol, or of the model a config
     builds, on ``mesh``: the same step a run builds (a pipeline's state in its schedule's stage layout, as
     ``experiments/charlm.py`` trains it). ``tx``: the optimizer (None: :func:`default_tx`); ``policy``: the
-    precision policy (None: :func:`policy_of` the config; give one for fp8 dots, ``dot="fp8"``).
+    precision policy (None: :func:`policy_of` the config; give one for fp8 dots, ``dot="fp8"``); ``rules``: the
+    logical rules (None: ``jp.sharding.DEFAULT_RULES``; e.g. ``jp.sharding.expert_parallel_rules``).
 
     Raises:
       TypeError: as :func:`jaxpar.plan.memory.model_and_config`.
@@ -118,10 +126,13 @@ def build_step(model_config: Any, mesh: Any, schedule: Any = None, grad_accum_st
     from jaxpar import pipeline
     model, cfg = plan_memory.model_and_config(model_config)
     tx = default_tx(model) if tx is None else tx
+    from jaxpar.sharding.rules import DEFAULT_RULES
+    rules = DEFAULT_RULES if rules is None else rules
     pipe = None if schedule is None else pipeline.Pipeline.from_model(model, schedule)
-    step = train.make_train_step(model.loss if pipe is None else pipe, tx, mesh=mesh,
+    step = train.make_train_step(model.loss if pipe is None else pipe, tx, mesh=mesh, rules=rules,
                                  grad_accum_steps=grad_accum_steps, donate=donate)
-    state = train.abstract_state(model.init, tx, mesh=mesh, policy=policy or policy_of(cfg), pipeline=pipe)
+    state = train.abstract_state(model.init, tx, mesh=mesh, rules=rules, policy=policy or policy_of(cfg),
+                                 pipeline=pipe)
     return model, tx, step, state
 
 

@@ -21,8 +21,8 @@ sum: XLA overlaps compute with memory traffic inside a kernel (hence their max),
 hides behind compute depends on the latency-hiding scheduler and on data dependencies (a tensor-parallel
 all-reduce sits between two matmuls of the same layer and cannot hide), so the no-overlap figure is the
 conservative one and ``step_overlap_s`` the best case. ``mfu = 6 N B L / (step_s * devices * peak)`` with ``N``
-the parameter count (embeddings included; attention's ``L^2`` FLOPs and remat's recompute are not model
-FLOPs), ``B L`` the tokens of a step and ``peak`` the dense bf16 FLOP/s per GPU.
+the parameter count (a mixture of experts' active ones; embeddings included; attention's ``L^2`` FLOPs and
+remat's recompute are not model FLOPs), ``B L`` the tokens of a step and ``peak`` the dense bf16 FLOP/s per GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxpar.tools import metrics as _metrics
 from jaxpar._hlo import HloStats
+from jaxpar.plan.experts import flop_params
 from jaxpar.sharding.names import CONTEXT, DATA, FSDP, PIPE, TENSOR
 
 _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
@@ -83,7 +84,8 @@ def roofline(stats: HloStats, sizes: dict[str, int], spec: GPU, across: dict[str
     n = math.prod(sizes.values())
     return {"compute_s": t_c, "hbm_s": t_m, "comm_s": t_x, "comm_s_by_axes": comm, "step_s": step,
             "step_overlap_s": max(t_c, t_m, t_x), "mfu": model_flops_total / (step * n * spec.peak_flops),
-            "mfu_formula": "6 * num_params * global_batch * seq_len / (step_s * num_devices * peak_bf16_flops)"}
+            "mfu_formula": "6 * num_params (of experts: active) * global_batch * seq_len / (step_s * num_devices * "
+                           "peak_bf16_flops)"}
 
 
 def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], global_batch: int, seq_len: int,
@@ -105,7 +107,7 @@ def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], globa
     """
     n, t, f, d, p = (math.prod(sizes.values()), sizes[TENSOR], sizes[FSDP], sizes[DATA], sizes[PIPE])
     c, b = (np.dtype(x or jnp.float32).itemsize for x in (cfg.dtype, cfg.param_dtype))
-    N, tokens = float(cfg.num_params()), float(global_batch * seq_len)
+    N, tokens = flop_params(cfg), float(global_batch * seq_len)
     bubble = 0.0 if schedule is None else schedule.bubble_fraction
     compute = (8 if cfg.remat == "full" else 6) * N * tokens / (n * spec.peak_flops) / (1 - bubble)
     C = sizes.get(CONTEXT, 1)

@@ -27,6 +27,7 @@ from typing import Any
 
 from jaxpar import _hlo
 from jaxpar.plan import compiled_step, gpu_program, step_time
+from jaxpar.plan import experts as plan_experts
 from jaxpar.plan import memory as plan_memory
 from jaxpar.plan.mesh_sizes import does_not_fit_message, host_split, suggestions
 
@@ -66,13 +67,15 @@ def _memory(compiled: Any, state: Any, parts: dict[str, float]) -> dict:
 
 def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global_batch: int, seq_len: int,
                    schedule: Any, grad_accum_steps: int, memory_fraction: float, tx: Any = None,
-                   policy: Any = None):
+                   policy: Any = None, expert_parallel: int = 1):
     """The :class:`jaxpar.plan.compiled_step.Plan` of a layout compiled for ``target`` (module docstring); arguments as
     :func:`jaxpar.plan.plan` (already checked), ``target`` a :class:`jaxpar.plan.GpuTarget` of the mesh's size."""
     start = time.perf_counter()
     per_host, across = host_split(sizes, target.gpus_per_host)
     mesh = target.mesh(**sizes)
-    model, _, step, state = compiled_step.build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy)
+    model, _, step, state = compiled_step.build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx,
+                                                     policy=policy,
+                                                     rules=plan_experts.expert_rules(sizes, expert_parallel))
     cfg = plan_memory.model_and_config(model_config)[1]
     compiled = step.lower(state, compiled_step.batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
@@ -82,13 +85,13 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
     parts = plan_memory.estimate(model, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
     memory = _memory(compiled, state, parts)
     n = math.prod(sizes.values())
-    model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
+    model_flops = 6.0 * plan_experts.flop_params(cfg) * global_batch * seq_len
     collectives = compiled_step.collectives_by_kind(stats)
     host_of = [d.process_index for d in mesh.devices.flat]
     replay = step_time.scheduled_time(text, shape, host_of, target,
                                       0.0 if schedule is None else schedule.bubble_fraction)
-    replay.update(step_time.throughput(replay["step_s"], global_batch * seq_len, n, 6.0 * cfg.num_params(),
-                                       target.bf16_flops))
+    replay.update(step_time.throughput(replay["step_s"], global_batch * seq_len, n,
+                                       6.0 * plan_experts.flop_params(cfg), target.bf16_flops))
     replay.update(step_overlap_s=replay["step_s"], hbm_s=0.0)
     needed, available = memory["compiled_bytes"], target.memory_bytes * memory_fraction
     fits = needed <= available
@@ -108,7 +111,9 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
                                     grad_accum_steps),
         gpu={"target": target.name, "topology": target.topology, "config_source": target.config_source,
              "collectives": gpu_program.collectives(text, shape), "dots": gpu_program.dots(text),
-             "attention": gpu_program.attention_kernel(text)})
+             "attention": gpu_program.attention_kernel(text)},
+        experts=plan_experts.compiled_experts(cfg, sizes, global_batch, seq_len, expert_parallel, grad_accum_steps,
+                                              text))
 
 
 __all__ = ["plan_on_target", "resolve_target"]

@@ -45,7 +45,7 @@ def collectives(text: str, mesh_shape: dict[str, int]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["bytes"])
 
 
-def _fusion_kinds(comps: dict[str, list[_hlo.Instr]]) -> dict[str, str]:
+def fusion_kinds(comps: dict[str, list[_hlo.Instr]]) -> dict[str, str]:
     """``{fused computation: its fusion's kind}`` (the ``backend_config`` kind, else the ``kind=kLoop`` attribute)."""
     kinds = {}
     for instrs in comps.values():
@@ -65,7 +65,7 @@ def dots(text: str) -> dict:
     them)."""
     comps, entry = _hlo.parse_module(text)
     runs = _hlo.runs_per_computation(comps, entry)
-    kinds = _fusion_kinds(comps)
+    kinds = fusion_kinds(comps)
     out = dict.fromkeys(("dots", "fp8_dots", "fp8_triton_gemms", "fp8_cublaslt_gemms", "fp8_other", "flops",
                          "fp8_flops"), 0.0)
     for name, instrs in comps.items():
@@ -102,4 +102,4 @@ def attention_kernel(text: str) -> str:
     return "XLA (no fused attention kernel: its matmuls and softmax are separate fusions)"
 
 
-__all__ = ["attention_kernel", "collectives", "dots", "is_fp8"]
+__all__ = ["attention_kernel", "collectives", "dots", "fusion_kinds", "is_fp8"]

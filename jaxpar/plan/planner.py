@@ -53,6 +53,7 @@ import jax
 
 from jaxpar._validate import positive_int
 from jaxpar import _hlo as plan_hlo
+from jaxpar.plan import experts as plan_experts
 from jaxpar.plan import memory as plan_memory
 from jaxpar.plan.mesh_sizes import check_layout, does_not_fit_message, host_split, mesh_sizes, suggestions
 from jaxpar.plan.costs import GPU, analytic_time, gpu, roofline
@@ -61,6 +62,11 @@ from jaxpar.plan.compiled_step import (Plan, batch_structs, build_step, collecti
                                        default_tx, model_summary, policy_of)
 
 MAX_DEVICES = 8192   # simulated CPU devices a plan may use (each one a host thread and its buffers' metadata)
+PLANNING_XLA_FLAGS = ("--xla_disable_hlo_passes=all-reduce-promotion",)
+"""XLA flags of a planning process, which compiles and never runs: XLA:CPU's pass widening bf16 all-reduces to
+float32 aborts the process (jaxlib 0.10.2: "Invalid binary instruction opcode copy") on the bf16 psum jax emits
+for a weight entering a ``shard_map`` whole over a manual axis (a mixture of experts' expert weights over a batch
+axis that holds no experts); without it the all-reduce stays bf16, as XLA:GPU keeps it."""
 
 
 def _memory(compiled: Any, state: Any, parts: dict[str, float], text: str) -> dict:
@@ -110,11 +116,12 @@ def _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len
 
 
 def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_accum_steps, gpus_per_host,
-               memory_fraction, tx=None, policy=None) -> Plan:
+               memory_fraction, tx=None, policy=None, expert_parallel=1) -> Plan:
     start = time.perf_counter()
     per_host, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
-    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy)
+    model, _, step, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx, policy=policy,
+                                       rules=plan_experts.expert_rules(sizes, expert_parallel))
     cfg = plan_memory.model_and_config(model_config)[1]
     compiled = step.lower(state, batch_structs(global_batch, seq_len)).compile()
     compile_s = time.perf_counter() - start
@@ -125,7 +132,7 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     n = math.prod(sizes.values())
-    model_flops = 6.0 * cfg.num_params() * global_batch * seq_len
+    model_flops = 6.0 * plan_experts.flop_params(cfg) * global_batch * seq_len
     collectives = collectives_by_kind(stats)
     needed = memory["compiled_bytes"]
     fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
@@ -139,13 +146,15 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
                 collectives=collectives, time=roofline(stats, sizes, spec, across, model_flops), fits=fits,
                 needed_bytes=needed, available_bytes=available, advice=advice, compile_s=compile_s,
                 analytic_time=analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec,
-                                            grad_accum_steps))
+                                            grad_accum_steps),
+                experts=plan_experts.compiled_experts(cfg, sizes, global_batch, seq_len, expert_parallel,
+                                                      grad_accum_steps, text))
 
 
 def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    env["XLA_FLAGS"] = " ".join([*flags, *PLANNING_XLA_FLAGS, f"--xla_force_host_platform_device_count={n}"])
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = os.path.join(tmp, "in.pkl"), os.path.join(tmp, "out.pkl")
         with open(inp, "wb") as f:
@@ -167,7 +176,7 @@ def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
 
 
 def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices, grad_accum_steps,
-              gpus_per_host, memory_fraction) -> tuple[GPU, dict[str, int]]:
+              gpus_per_host, memory_fraction, expert_parallel=1) -> tuple[GPU, dict[str, int]]:
     """The checks of :func:`plan` (all before anything is traced); returns ``(gpu spec, mesh sizes)``."""
     model_config = plan_memory.model_and_config(model_config)[1]
     spec = gpu(device)
@@ -183,12 +192,13 @@ def _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device,
             or not 0 < float(memory_fraction) <= 1):
         raise ValueError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")
     check_layout(model_config, sizes, global_batch, seq_len, schedule, grad_accum_steps, gpus_per_host)
+    plan_experts.check_experts(model_config, sizes, expert_parallel)
     return spec, sizes
 
 
 def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
              device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
-             gpus_per_host: int = 8, memory_fraction: float = 0.9, tx: Any = None) -> dict:
+             gpus_per_host: int = 8, memory_fraction: float = 0.9, tx: Any = None, expert_parallel: int = 1) -> dict:
     """The analytic side of :func:`plan` without compiling (a fraction of a second): the state's exact sharded
     bytes and the :mod:`jaxpar.plan.memory` estimate, per device, and :func:`analytic_time`.
 
@@ -199,11 +209,12 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
       ``{"memory": {part: bytes}, "needed_bytes", "available_bytes", "fits", "advice", "time": {...}}``.
     """
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
-                            grad_accum_steps, gpus_per_host, memory_fraction)
+                            grad_accum_steps, gpus_per_host, memory_fraction, expert_parallel)
     memory_fraction = float(memory_fraction)
     _, across = host_split(sizes, gpus_per_host)
     mesh = planning_mesh(sizes, gpus_per_host)
-    model, _, _, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx)
+    model, _, _, state = build_step(model_config, mesh, schedule, grad_accum_steps, tx=tx,
+                                    rules=plan_experts.expert_rules(sizes, expert_parallel))
     cfg = plan_memory.model_and_config(model_config)[1]
     parts = plan_memory.estimate(model, state, mesh, global_batch, seq_len, schedule, grad_accum_steps)
     needed = sum(parts.values())
@@ -216,7 +227,7 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
 def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,
          device: str = "h100-80gb", num_devices: int | None = None, grad_accum_steps: int = 1,
          gpus_per_host: int = 8, memory_fraction: float = 0.9, timeout: float = 900.0, tx: Any = None,
-         target: Any = None, policy: Any = None, compare_cpu: bool = False) -> Plan:
+         target: Any = None, policy: Any = None, compare_cpu: bool = False, expert_parallel: int = 1) -> Plan:
     """Compiles a model's train step for ``mesh_shape`` on simulated CPU devices, or with XLA's GPU compiler for
     a GPU ``target``, and returns its :class:`Plan`.
 
@@ -249,6 +260,9 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
       policy: the precision policy (None: the config's, :func:`policy_of`); e.g. ``dot="fp8"`` for fp8 matmuls.
       compare_cpu: with a ``target``, also compile for simulated CPU devices and put that plan's memory beside
         the GPU's (``memory["cpu_compiled_bytes"]``).
+      expert_parallel: a mixture of experts' expert-parallel size (``jp.sharding.expert_parallel_rules``: the
+        experts folded onto batch axes of the mesh; 1: every device holds every expert). A config with ``moe``
+        gets :attr:`Plan.experts` (:mod:`jaxpar.plan.experts`) and its model FLOPs count the active parameters.
 
     Returns:
       A :class:`Plan`; a layout that does not fit is a Plan with ``fits=False`` and ``advice`` reading "does not
@@ -262,7 +276,8 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         ``max_seq_len``; a batch the layout cannot split; a schedule that is not a ``Schedule`` or does not
         match ``pipe``; an unknown ``device``; a bad ``grad_accum_steps``, ``gpus_per_host`` or
         ``memory_fraction`` (any real number type, numpy's included); a ``timeout`` that is not a positive
-        finite number.
+        finite number; an ``expert_parallel`` that is not a fold of the batch axes or does not divide the experts
+        (:func:`jaxpar.plan.experts.check_experts`).
       RuntimeError: the planning subprocess failed (its stderr attached) or ran past ``timeout``.
       ImportError / RuntimeError: a ``target`` without the jax CUDA plugin of jaxlib's version.
     """
@@ -273,19 +288,21 @@ def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int,
         device = target if isinstance(target, str) else target.name
         gpus_per_host = gpus_per_host if isinstance(target, str) else target.gpus_per_host
     spec, sizes = _validate(model_config, mesh_shape, global_batch, seq_len, schedule, device, num_devices,
-                            grad_accum_steps, gpus_per_host, memory_fraction)
+                            grad_accum_steps, gpus_per_host, memory_fraction, expert_parallel)
     args = (model_config, sizes, int(global_batch), int(seq_len), schedule, spec, int(grad_accum_steps),
-            int(gpus_per_host), float(memory_fraction), tx, policy)
+            int(gpus_per_host), float(memory_fraction), tx, policy, int(expert_parallel))
     n = math.prod(sizes.values())
     if target is not None:
         from jaxpar.plan import gpu_plan
         resolved = gpu_plan.resolve_target(target, n, int(gpus_per_host))
         result = gpu_plan.plan_on_target(model_config, sizes, resolved, int(global_batch), int(seq_len), schedule,
-                                         int(grad_accum_steps), float(memory_fraction), tx, policy)
+                                         int(grad_accum_steps), float(memory_fraction), tx, policy,
+                                         int(expert_parallel))
         if compare_cpu:
             cpu = plan(model_config, sizes, global_batch=global_batch, seq_len=seq_len, schedule=schedule,
                        device=device, grad_accum_steps=grad_accum_steps, gpus_per_host=gpus_per_host,
-                       memory_fraction=memory_fraction, timeout=timeout, tx=tx, policy=policy)
+                       memory_fraction=memory_fraction, timeout=timeout, tx=tx, policy=policy,
+                       expert_parallel=expert_parallel)
             result.memory.update(cpu_compiled_bytes=cpu.needed_bytes, cpu_temp_bytes=cpu.memory["temp_bytes"],
                                  cpu_upcast_bytes=cpu.memory["cpu_upcast_bytes"])
         return result
