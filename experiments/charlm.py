@@ -38,6 +38,13 @@ compacted at the end into a smaller dense GPT whose speed-up and validation loss
 
     python experiments/charlm.py --prune-structure both --sparsity 0.5 --out-dir runs/structured
 
+A mixture of experts (a Llama whose MLPs are 8 routed SwiGLU experts, top-2, dropless; jaxpar.layers.moe), the
+experts split over 4 devices folded onto the batch axes (the dense layers and the batch placed as without; the
+per-expert load is logged to metrics.jsonl and drawn in expert_load.png)::
+
+    python experiments/charlm.py --model moe --experts 8 --experts-per-token 2 --expert-parallel 4 --fsdp 2 --tensor 1
+    python experiments/charlm.py --model moe --bias-update-rate 1e-3          # DeepSeek-V3's aux-loss-free balancing
+
 Expected (2-core CPU, defaults): about 8 minutes, final validation loss about 1.3 nats/character on
 CPython's ``pydoc_data.topics`` text; writes metrics.jsonl, TensorBoard events, loss.png and config.json to
 ``--out-dir`` (with checkpoints/) and prints a generated sample.
@@ -57,12 +64,50 @@ import optax
 
 import jaxpar as jp
 from jaxpar.cli import experiment
+from jaxpar.layers.moe import MoEConfig
 from jaxpar.models import GPT, GPTConfig, Llama, LlamaConfig
 
 experiment.require_extra("experiments/charlm.py")  # a core-only install stops here, told which extra to install
 import tyro  # noqa: E402  (after the check above)
 
 Flat = tyro.conf.OmitArgPrefixes  # a shared config piece's flags stay flat: --fsdp, --precision, --sparsity
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """--model moe: each block's MLP is a mixture of routed SwiGLU experts (jaxpar.layers.moe.MoEConfig)."""
+    experts: int = 8               # routed experts per MoE layer
+    experts_per_token: int = 2     # experts each token is routed to (top-k)
+    expert_d_mlp: int = 0          # each expert's SwiGLU width (0: --d-mlp's)
+    expert_parallel: int = 1
+    """devices the experts are split over (1: every device holds every expert): folded onto the batch axes
+    (jp.sharding.expert_parallel_rules), so it divides --experts and is --fsdp, --data or their product; the
+    global batch and the dense layers' placement are those of 1"""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """softmax: top-k of a softmax over the experts, renormalised (Mixtral, Qwen3-MoE); sigmoid: DeepSeek-V3's
+    sigmoid affinities"""
+    capacity_factor: float | None = None  # None: dropless; > 0: GShard capacity per expert per sequence, rest dropped
+    load_balance_coef: float = 0.0  # weight of the Switch/GShard auxiliary load-balancing loss
+    z_loss_coef: float = 0.0       # weight of the router z-loss (ST-MoE)
+    bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free selection bias step gamma (1e-3); 0: no bias
+    dispatch: Literal["ring", "all_to_all"] = "ring"  # expert-parallel dispatch: all-gather + psum_scatter, or
+                                                      # all-to-all (both give the same result)
+
+    def flags(self) -> str:
+        """These settings as the command line gives them, e.g. ``--experts 8 --experts-per-token 2 ...``."""
+        return " ".join(f"--{f.name.replace('_', '-')} {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def moe_config(self, d_mlp: int = 0) -> MoEConfig:
+        """The layer's config (``expert_d_mlp`` 0: ``d_mlp``; 0 again: the model's). ValueError (from
+        ``MoEConfig``) in flag terms."""
+        try:
+            return MoEConfig(num_experts=self.experts, experts_per_token=self.experts_per_token,
+                             expert_d_mlp=self.expert_d_mlp or d_mlp, router=self.router,
+                             capacity_factor=self.capacity_factor, load_balance_coef=self.load_balance_coef,
+                             z_loss_coef=self.z_loss_coef, bias_update_rate=self.bias_update_rate,
+                             dispatch=self.dispatch)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--model moe with {self.flags()}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +126,15 @@ class Config:
     --microbatches >= 2 x --pipe)"""
     chunks: int = 2                # virtual stages per device of --schedule interleaved
     microbatches: int = 4          # pipeline microbatches per (accumulation) batch (pipe > 1)
-    model: Literal["gpt", "llama"] = "gpt"
+    model: Literal["gpt", "llama", "moe"] = "gpt"
     """gpt: GPT-2-style blocks (LayerNorm, GELU, --positions); llama: Llama blocks (RMSNorm, SwiGLU, rotary,
-    grouped-query attention with --num-kv-heads)"""
+    grouped-query attention with --num-kv-heads); moe: the Llama with a mixture of experts for each MLP (--experts)"""
+    moe: Annotated[ExpertsConfig, Flat] = ExpertsConfig()
     num_layers: int = 4            # transformer blocks
     num_kv_heads: int = 0          # --model llama: key/value heads (divides num_heads); 0: num_heads
     num_heads: int = 4             # attention heads (divisible by tensor)
     d_model: int = 128             # model width
+    d_mlp: int = 0                 # MLP width (0: the model's default, 4 x d_model for gpt, 8/3 x for llama)
     seq_len: int = 128             # characters (tokens with --data-dir) per training sequence
     positions: Literal["learned", "rotary"] = "learned"  # learned position table or rotary (RoPE)
     context_attention: Literal["auto", "ring", "all_gather"] = "auto"
@@ -169,7 +216,57 @@ class Config:
             if self.num_layers % stages:
                 raise ValueError(f"--num-layers {self.num_layers} is not divisible by the {stages} virtual stages of "
                                  f"--schedule {self.schedule} (--pipe {self.pipe} x {schedule.num_chunks} chunks)")
+        self.check_experts()
         self.optimizer()  # the library checks the optimizer, pruning and precision flags now, before any work
+
+    def check_experts(self) -> None:
+        """The --model moe flags: the layer's checks (in flags), --expert-parallel dividing --experts, no auxiliary
+        loss through a pipeline; the other flags only with --model moe."""
+        moe = self.moe
+        if self.model != "moe":
+            if moe != ExpertsConfig():
+                changed = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(moe)
+                           if getattr(moe, f.name) != f.default]
+                raise ValueError(f"{', '.join(changed)} configure a mixture of experts: add --model moe "
+                                 f"(--model is {self.model})")
+            return
+        moe.moe_config()
+        if moe.expert_parallel < 1 or moe.experts % moe.expert_parallel:
+            works = [e for e in range(1, moe.experts + 1) if moe.experts % e == 0]
+            raise ValueError(f"--expert-parallel {moe.expert_parallel} must divide --experts {moe.experts} (each "
+                             f"device holds experts / expert_parallel of them): use one of {works}")
+        if self.pipe > 1 and (moe.load_balance_coef or moe.z_loss_coef):
+            raise ValueError(f"--load-balance-coef {moe.load_balance_coef} / --z-loss-coef {moe.z_loss_coef} with "
+                             f"--pipe {self.pipe}: pipeline stages carry activations only, so auxiliary losses "
+                             "cannot reach the loss; use --bias-update-rate (aux-loss-free balancing) or --pipe 1")
+
+    def rules(self, mesh: jax.sharding.Mesh) -> jp.sharding.Rules:
+        """The logical rules: ``jp.sharding.DEFAULT_RULES`` with the experts split --expert-parallel ways over the
+        batch axes (--model moe). ValueError in flags when that size folds onto no batch axes."""
+        size = self.moe.expert_parallel if self.model == "moe" else 1
+        try:
+            return jp.sharding.expert_parallel_rules(mesh, size)
+        except ValueError as e:
+            data, fsdp = mesh.shape.get("data", 1), mesh.shape.get("fsdp", 1)
+            works = [s for s in jp.sharding.expert_fold_choices(mesh) if self.moe.experts % s == 0]
+            fix = (f", or --fsdp {size} --data {data * fsdp // size} (the same devices)"
+                   if (data * fsdp) % size == 0 else "")
+            raise ValueError(f"--expert-parallel {size} splits the experts over the batch axes (--data {data} x "
+                             f"--fsdp {fsdp}), so it must be --fsdp, --data or their product: use "
+                             f"--expert-parallel {' or '.join(map(str, works))}{fix} ({e})") from None
+
+    def build_model(self, vocab_size: int):
+        """The --model (GPT, Llama, or the Llama with --experts) for a vocabulary of ``vocab_size``."""
+        strategy = self.context_attention if self.context_attention != "auto" else \
+            "all_gather" if self.pipe > 1 else "ring"
+        shared = dict(vocab_size=vocab_size, num_layers=self.num_layers, num_heads=self.num_heads,
+                      d_model=self.d_model, d_mlp=self.d_mlp, max_seq_len=self.seq_len,
+                      tie_embeddings=self.tie_embeddings, scan_layers=self.scan_layers, remat=self.remat,
+                      context_attention=strategy)
+        if self.model == "gpt":
+            return GPT(GPTConfig(positions=self.positions, **shared))
+        moe = self.moe.moe_config() if self.model == "moe" else None
+        return Llama(LlamaConfig(num_kv_heads=self.num_kv_heads, moe=moe, **shared))
 
     def optimizer(self, axis_names=None) -> optax.GradientTransformation:
         """AdamW (warm-up + cosine), then pruning, inside loss scaling for fp16. ValueError on bad flags."""
@@ -192,7 +289,8 @@ class Config:
 
 # Settings a resumed run may change: the mesh (checkpoints restore onto any layout), the length of the run and
 # what is logged. Anything else (model, optimizer, data, seed, precision, pruning) needs a new --out-dir.
-RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "context", "context_attention", "pipe", "schedule", "chunks", "microbatches", "simulate_devices",
+RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "context", "context_attention", "pipe", "schedule", "chunks",
+                               "microbatches", "simulate_devices", "expert_parallel", "dispatch",
                                "devices_per_host", "steps", "eval_interval", "eval_batches", "sample_chars", "out_dir",
                                "resume", "checkpoint_interval"})
 
@@ -205,16 +303,12 @@ def main(cfg: Config) -> float | None:
     jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.cli.launch` or on a cluster
     corpus = jp.data.TokenCorpus(cfg.data_dir) if cfg.data_dir else jp.data.CharCorpus.load(cfg.text)
     mesh = cfg.mesh.make(pipe=cfg.pipe)
+    rules = cfg.rules(mesh)   # --expert-parallel: the experts folded onto the batch axes
     experiment.log_devices(mesh)
     # the step checks this too, but only after init and the first outputs: fail before anything is written
-    jp.grads.check_batch_size(cfg.batch_size, mesh, jp.sharding.DEFAULT_RULES, cfg.grad_accum_steps,
+    jp.grads.check_batch_size(cfg.batch_size, mesh, rules, cfg.grad_accum_steps,
                               cfg.microbatches if cfg.pipe > 1 else 1)
-    strategy = cfg.context_attention if cfg.context_attention != "auto" else "all_gather" if cfg.pipe > 1 else "ring"
-    shared = dict(vocab_size=corpus.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads, d_model=cfg.d_model,
-                  max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers,
-                  remat=cfg.remat, context_attention=strategy)
-    model = (Llama(LlamaConfig(num_kv_heads=cfg.num_kv_heads, **shared)) if cfg.model == "llama" else
-             GPT(GPTConfig(positions=cfg.positions, **shared)))
+    model = cfg.build_model(corpus.vocab_size)
     tx = cfg.optimizer(jax.eval_shape(model.init, jax.random.key(0)))  # logical names: what each leaf is
     out, policy = Path(cfg.out_dir), cfg.precision.policy()
     experiment.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
@@ -227,15 +321,16 @@ def main(cfg: Config) -> float | None:
     # step); checkpoints are written in model order, so a run resumes under any --schedule / --pipe
     staged = cfg.grad_fn(model) if cfg.pipe > 1 else None
     state, step0 = jp.checkpoint.restore_or_init(  # resumes from the latest checkpoint when there is one
-        ckpt, lambda: jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, policy=policy,
-                                          pipeline=staged),
-        lambda: jp.train.abstract_state(model.init, tx, mesh=mesh, policy=policy, pipeline=staged),
+        ckpt, lambda: jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, rules=rules,
+                                          policy=policy, pipeline=staged),
+        lambda: jp.train.abstract_state(model.init, tx, mesh=mesh, rules=rules, policy=policy, pipeline=staged),
         require=cfg.resume)
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
         (out / "config.json").write_text(json.dumps(experiment.flat_config(cfg), indent=2))
     print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val {unit(cfg)}s, vocab {corpus.vocab_size} "
           f"(padded {model.cfg.padded_vocab}); model: {model.cfg.num_params():,} params"
+          + (f" ({model.cfg.active_params():,} active), {experts_header(cfg, rules)}" if cfg.model == "moe" else "")
           + (f"; {pipeline_header(cfg)}" if cfg.pipe > 1 else "") + (f"; resumed from step {step0}" if step0 else ""),
           flush=True)
     result, val = train(cfg, model, corpus, mesh, tx, state, step0, ckpt, writer)
@@ -257,6 +352,14 @@ def unit(cfg: Config) -> str:
     return "token" if cfg.data_dir else "character"
 
 
+def experts_header(cfg: Config, rules: jp.sharding.Rules) -> str:
+    """The run header's experts part (--model moe), e.g. ``8 experts, top-2, split 4 ways over ('data',)``."""
+    axes = rules.mesh_axes(jp.sharding.names.EXPERTS)
+    return (f"{cfg.moe.experts} experts, top-{cfg.moe.experts_per_token}, "
+            + (f"split {cfg.moe.expert_parallel} ways over {'x'.join(axes)} ({cfg.moe.dispatch} dispatch)" if axes
+               else "on every device"))
+
+
 def pipeline_header(cfg: Config) -> str:
     """The run header's pipeline part (pipe > 1), e.g. ``pipeline: schedule 1f1b, pipe 2, microbatches 4``."""
     chunks = cfg.pipeline_schedule().num_chunks
@@ -268,10 +371,14 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
     """The loop with its hooks (throughput, log, progress bar, evaluation, checkpoints); SIGTERM stops it
     cleanly. Returns ``(jp.loop.LoopResult, final validation loss)``."""
     rows = jp.data.process_slice(cfg.batch_size, mesh)  # this process's rows of every global batch
+    rules = cfg.rules(mesh)
     # both steps run the GPT's check_batch on every host batch (the default for a model's own loss or parts)
-    train_step = jp.train.make_train_step(cfg.grad_fn(model), tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps)
+    train_step = jp.train.make_train_step(cfg.grad_fn(model), tx, mesh=mesh, rules=rules,
+                                          grad_accum_steps=cfg.grad_accum_steps)
+    if cfg.model == "moe":
+        train_step = with_expert_load(train_step)
     # with --pipe > 1 the eval runs through the pipeline too (its forward-only table)
-    eval_step = jp.train.make_eval_step(cfg.grad_fn(model), mesh=mesh)
+    eval_step = jp.train.make_eval_step(cfg.grad_fn(model), mesh=mesh, rules=rules)
     val_batches = lambda s: [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows)
                              for i in range(cfg.eval_batches * (4 if s == cfg.steps else 1))]
     vals = {}
@@ -298,14 +405,28 @@ def train(cfg: Config, model, corpus, mesh, tx, state, step0, ckpt, writer):
     return result, vals.get(cfg.steps)
 
 
+def with_expert_load(train_step):
+    """``train_step`` whose metrics also hold the experts' load after the step (``expert_load_{i}``,
+    ``max_mean_load``, ...: ``jp.metrics.expert_load_metrics`` of the new state's carried router counts)."""
+    load = jax.jit(jp.metrics.expert_load_metrics)
+
+    def step(state, batch):
+        state, metrics = train_step(state, batch)
+        return state, {**load(state.carried), **metrics}   # the loss's own entries (aux) win a shared name
+    return step
+
+
 def report(cfg: Config, model, corpus, mesh, state, val: float, active: bool) -> None:
     """A generated sample (every process: SPMD), the loss plot and the final line (process 0)."""
     prompt = "The" if cfg.data_dir else "The "   # a subword vocabulary starts words with their space
     sample = model.generate(state.params, corpus.encode(prompt), cfg.sample_chars, jax.random.key(cfg.seed + 1))
     if active:
         out = Path(cfg.out_dir)
-        jp.plot.loss_curve(jp.metrics.read_jsonl(out / "metrics.jsonl"), out / "loss.png",
-                           title=f"char-GPT on {jp.describe(mesh)}")
+        rows = jp.metrics.read_jsonl(out / "metrics.jsonl")
+        jp.plot.loss_curve(rows, out / "loss.png", title=f"char-{cfg.model} on {jp.describe(mesh)}")
+        if cfg.model == "moe":
+            jp.plot.expert_load([r for r in rows if r["split"] == "train"], out / "expert_load.png",
+                                title=f"expert load, {cfg.moe.experts} experts top-{cfg.moe.experts_per_token}")
         if cfg.pipe > 1:   # the schedule this run trained with, beside its metrics
             jp.plot.schedule_gantt(cfg.pipeline_schedule(), out / "schedule.png")
         print("\n--- sample ---\n" + prompt + corpus.decode(sample) + "\n--------------")
@@ -346,9 +467,9 @@ def compaction_report(cfg: Config, model, corpus, mesh, tx, state, active: bool,
     val_batches = [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val", rows) for i in range(cfg.eval_batches * 4)]
     runs = {}
     for name, (m, s) in {"masked": (model, state), "compacted": (small, small_state)}.items():
-        train_step = jp.train.make_train_step(cfg.grad_fn(m), tx, mesh=mesh, grad_accum_steps=cfg.grad_accum_steps,
-                                              donate=False)
-        eval_step = jp.train.make_eval_step(m.loss, mesh=mesh)
+        train_step = jp.train.make_train_step(cfg.grad_fn(m), tx, mesh=mesh, rules=cfg.rules(mesh),
+                                              grad_accum_steps=cfg.grad_accum_steps, donate=False)
+        eval_step = jp.train.make_eval_step(m.loss, mesh=mesh, rules=cfg.rules(mesh))
         runs[name] = dict(state=s, train=train_step, eval=eval_step, cfg=m.cfg,
                           val=jp.loop.mean_metrics(eval_step, s, val_batches)["loss"])
     timed = step_times(runs, corpus.batch(cfg.seed, cfg.steps, cfg.batch_size, cfg.seq_len, rows=rows), rounds)

@@ -244,3 +244,22 @@ def test_gpu_published_script_tiny(tmp_path, monkeypatch):
         assert row["ratio"] == pytest.approx(row["predicted_tokens_per_s_per_gpu"] / published)
         assert row["step_s"] >= row["compute_s"] > 0 and 0 < row["predicted_mfu"] < 1
     assert bf16["fp8_dots"] == 0 < fp8["fp8_dots"]
+
+
+@pytest.mark.slow  # five tiny training runs (four MoE modes and the dense model), each compiled
+def test_moe_load_script_tiny(tmp_path):
+    """benchmarks/moe_load.py: a row per mode with the load figures, the dropless counts checked on every step (the
+    script asserts them), the capacity run's dropped fraction, the dense model's active parameters equal to the
+    MoE's, and the plot."""
+    import moe_load
+    out = moe_load.main(["--steps", "5", "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--seq-len", "16",
+                         "--batch-size", "8", "--expert-d-mlp", "16", "--eval-batches", "1", "--out-dir", str(tmp_path)])
+    rows = out["rows"]
+    assert set(rows) == {"none", "aux_loss", "aux_free_bias", "capacity", "dense"}
+    for name in ("none", "aux_loss", "aux_free_bias"):
+        assert 1.0 <= rows[name]["max_mean_load_last"] <= 8.0 and rows[name]["dropped_fraction"] == 0.0
+    assert 0.0 <= rows["capacity"]["dropped_fraction"] < 1.0 and np.isfinite(rows["dense"]["val_loss"])
+    router = 1 * 32 * 8                                    # the MoE's active params add one router [D, E] per layer
+    assert rows["dense"]["active_params"] + router == rows["none"]["active_params"] < rows["none"]["params"]
+    assert out["dropless_check"]["all_equal_and_nothing_dropped"] and out["dropless_check"]["steps_each"] == 5
+    assert (tmp_path / "moe_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -34,6 +34,9 @@ def test_plot_helpers_return_figures_and_write_pngs(tmp_path, mesh_factory):
         "layer_sparsity": lambda path: jp.plot.layer_sparsity({"u": jp.pruning.sparsity_report({"w": kernel})}, path),
         "nm_mask": lambda path: jp.plot.nm_mask(rng.random((8, 8)) > 0.5, (2, 4), path),
         "array_sharding": lambda path: jp.plot.array_sharding(x, path),
+        "expert_load": lambda path: jp.plot.expert_load(
+            {"aux loss": [{"step": s, "expert_load_0": 0.2, "expert_load_1": 0.8} for s in (1, 2)],
+             "bias": [{"step": 1, "expert_load_0": 0.5, "expert_load_1": 0.5}]}, path),
     }
     for name, call in calls.items():
         assert isinstance(call(None), Figure), name
@@ -48,7 +51,7 @@ def test_plot_helpers_return_figures_and_write_pngs(tmp_path, mesh_factory):
     bad = [lambda: jp.plot.grouped_bars({}), lambda: jp.plot.nm_mask(np.ones((2, 2, 2), bool), (2, 4)),
            lambda: jp.plot.array_sharding(np.ones((2, 2))), lambda: jp.plot.loss_scale_curve([0], [1.0, 2.0], [0]),
            lambda: jp.plot.sparsity_schedule(sparsity, 0), lambda: jp.plot.bubble_vs_microbatches([]),
-           lambda: jp.plot.layer_sparsity({})]
+           lambda: jp.plot.layer_sparsity({}), lambda: jp.plot.expert_load([{"step": 1, "loss": 2.0}])]
     for call in bad:
         with pytest.raises(ValueError):
             call()

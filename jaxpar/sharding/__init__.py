@@ -3,6 +3,7 @@
 * :mod:`jaxpar.sharding.mesh`: ``make_mesh`` over the axes ``AXES`` (data, pipe, fsdp, context, tensor), hybrid
   meshes over hosts, ``jax.distributed`` start-up.
 * :mod:`jaxpar.sharding.rules`: the ``Rules`` of logical names, ``constrain``, named shardings, batch axes.
+* :mod:`jaxpar.sharding.experts`: expert parallelism, the routed experts folded onto the batch axes.
 * :mod:`jaxpar.sharding.params`: how params and model state are placed (path rules, the model's names, automatic
   FSDP) and the audit of activation names.
 * :mod:`jaxpar.sharding.opt_state`: optimizer-state leaves placed along the parameter each follows.
@@ -11,6 +12,7 @@
 """
 
 from jaxpar.sharding import mesh
+from jaxpar.sharding.experts import expert_fold_choices, expert_parallel_rules
 from jaxpar.sharding.report import LeafReport, ShardingReport, describe_params
 from jaxpar.sharding.rules import (DEFAULT_RULES, NON_MATRIX_NAME_PARTS, STACKED_AXIS_NAMES, PathRules, Rules,
                                    batch_axes, batch_sharding, check_transformation, constrain, effective_rules,
@@ -20,9 +22,9 @@ from jaxpar.sharding.rules import (DEFAULT_RULES, NON_MATRIX_NAME_PARTS, STACKED
 
 __all__ = ["DEFAULT_RULES", "LeafReport", "NON_MATRIX_NAME_PARTS", "PathRules", "Rules", "STACKED_AXIS_NAMES",
            "ShardingReport", "batch_axes", "batch_sharding", "check_transformation", "constrain", "describe_params",
-           "effective_rules", "global_batch_rows", "leaf_axis_names", "logical_specs", "mesh", "named_shardings",
-           "opt_state_shardings", "path_rules", "process_batch_rows", "replicated", "resolve_names", "use",
-           "use_for_init", "validate_rules", "without_absent_context"]
+           "effective_rules", "expert_fold_choices", "expert_parallel_rules", "global_batch_rows", "leaf_axis_names",
+           "logical_specs", "mesh", "named_shardings", "opt_state_shardings", "path_rules", "process_batch_rows",
+           "replicated", "resolve_names", "use", "use_for_init", "validate_rules", "without_absent_context"]
 
 import jaxpar._face as _face  # noqa: E402
 

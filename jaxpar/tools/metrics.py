@@ -1,4 +1,5 @@
-"""Metric loggers (JSONL, TensorBoard) and throughput / MFU accounting. Only process 0 writes.
+"""Metric loggers (JSONL, TensorBoard), throughput / MFU accounting, and the experts' load from carried state.
+Only process 0 writes.
 
 MFU: ``mfu(tokens_per_s, flops_per_token, peak_flops(device))``; ``peak_flops`` is a GPU's datasheet dense
 bf16 figure (H100, H200, A100) or, on a CPU, a measured large matmul.
@@ -10,12 +11,14 @@ import functools
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar._optional import require
 from jaxpar.tools import datasheets as _datasheets
@@ -195,5 +198,81 @@ class Throughput:
         return out
 
 
-__all__ = ["GPU_DATASHEETS", "MetricsWriter", "Throughput", "measure_matmul_flops", "mfu", "peak_flops",
-           "read_jsonl"]
+# ------------------------------------------------------------------------------------- mixture of experts
+
+ROUTER_COLLECTION = "moe_router"
+"""The key of the MoE router's carried collection (:mod:`jaxpar.layers.moe`), whose ``load`` leaf holds the last
+step's global count of routed choices per expert."""
+
+
+def _router_collections(tree: Any) -> list[dict]:
+    """Every dict under the key :data:`ROUTER_COLLECTION` in a nested tree of dicts / lists / tuples, in order."""
+    found = []
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == ROUTER_COLLECTION and isinstance(value, dict) and "load" in value:
+                found.append(value)
+            else:
+                found += _router_collections(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            found += _router_collections(value)
+    return found
+
+
+def expert_load_metrics(carried: Any, per_layer: bool = False) -> dict[str, jax.Array]:
+    """The experts' load after a step, from every MoE router collection in ``carried`` (any model).
+
+    Reads each ``moe_router`` dict's ``load`` (routed choices per expert, ``[..., E]``: one row per MoE layer,
+    e.g. ``[N, E]`` for ``N`` stacked layers) and ``dropped`` (choices dropped by capacity, ``[...]``) wherever the
+    tree holds them (``state.carried`` of ``jp.train.init_state``; the values are the step's global counts, over
+    every microbatch and replica). Traceable: call it eagerly or under ``jax.jit``.
+
+    Returns:
+      float32 scalars: ``expert_load_{i}``, the fraction of the routed choices that went to expert ``i``, mean
+      over layers (uniform routing gives ``1/E`` each); ``max_mean_load``, ``max_i load_i / mean_i load_i`` per
+      layer, mean over layers (1 is perfect balance, ``E`` all on one expert; the MaxVio of Wang et al. 2024,
+      arXiv 2408.15664, plus 1); ``moe_choices``, the routed choices per layer, mean over layers (tokens x k);
+      with ``dropped`` leaves ``moe_dropped_fraction``, dropped over routed choices, mean over layers; with
+      ``per_layer`` also each layer's ``expert_load_l{layer}_{i}`` and ``moe_choices_l{layer}`` (layers in the
+      order the tree flattens). A layer that routed nothing yet (before the first step) gives NaN fractions.
+      Empty when ``carried`` holds no router collection.
+
+    Raises:
+      ValueError: collections with different expert counts.
+    """
+    collections = _router_collections(carried)
+    if not collections:
+        return {}
+    counts = {c["load"].shape[-1] for c in collections}
+    if len(counts) != 1:
+        raise ValueError(f"the carried tree holds MoE router collections of {sorted(counts)} experts; "
+                         "expert_load_metrics averages over layers of one expert count: pass one model's subtree")
+    experts = counts.pop()
+    load = jnp.concatenate([jnp.reshape(c["load"], (-1, experts)).astype(jnp.float32) for c in collections])
+    total = load.sum(-1)
+    fraction = load / total[:, None]                                    # [layers, E]
+    out = {f"expert_load_{i}": fraction[:, i].mean() for i in range(experts)}
+    out["max_mean_load"] = (load.max(-1) / load.mean(-1)).mean()
+    out["moe_choices"] = total.mean()
+    if all("dropped" in c for c in collections):
+        dropped = jnp.concatenate([jnp.reshape(c["dropped"], (-1,)).astype(jnp.float32) for c in collections])
+        out["moe_dropped_fraction"] = (dropped / total).mean()
+    if per_layer:
+        for layer in range(load.shape[0]):
+            out.update({f"expert_load_l{layer}_{i}": fraction[layer, i] for i in range(experts)})
+            out[f"moe_choices_l{layer}"] = total[layer]
+    return out
+
+
+def expert_load_rows(rows: list[dict[str, Any]]) -> tuple[list[int], Any]:
+    """The per-expert load of metrics rows (metrics.jsonl's, with :func:`expert_load_metrics`' keys):
+    ``(steps, load)``, ``load`` a numpy ``[steps, E]`` array of fractions, rows without the keys skipped."""
+    keys = sorted((k for r in rows for k in r if re.fullmatch(r"expert_load_\d+", k)), key=lambda k: int(k[12:]))
+    keys = list(dict.fromkeys(keys))
+    picked = [r for r in rows if keys and all(k in r for k in keys)]
+    return [int(r["step"]) for r in picked], np.asarray([[r[k] for k in keys] for r in picked], np.float64)
+
+
+__all__ = ["GPU_DATASHEETS", "MetricsWriter", "ROUTER_COLLECTION", "Throughput", "expert_load_metrics",
+           "expert_load_rows", "measure_matmul_flops", "mfu", "peak_flops", "read_jsonl"]

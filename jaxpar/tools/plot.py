@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar._optional import require
+from jaxpar.tools.metrics import expert_load_rows
 
 _DPI = 110
 
@@ -147,6 +148,43 @@ def grouped_bars(values: dict[str, dict[str, float]], path: str | Path | None = 
     ax.set_ylabel(ylabel)
     ax.margins(y=0.12)
     return _save(fig, ax, title, path)
+
+
+def expert_load(runs: list[dict[str, Any]] | dict[str, list[dict[str, Any]]], path: str | Path | None = None,
+                title: str = "expert load over training"):
+    """Each expert's share of the routed choices against the step: one panel per run, one line per expert.
+
+    Args:
+      runs: metrics rows (metrics.jsonl's, with ``expert_load_{i}`` from
+        :func:`jaxpar.tools.metrics.expert_load_metrics`), or ``{label: rows}`` for several runs side by side
+        (e.g. routing without balancing, with the auxiliary loss, with the aux-free bias). The dashed line is
+        perfect balance, ``1/E``.
+      path: the PNG to write, or None to return the Figure.
+
+    Raises:
+      ValueError: no runs, or a run whose rows carry no ``expert_load_{i}``.
+    """
+    runs = {"": runs} if isinstance(runs, list) else dict(runs)
+    if not runs:
+        raise ValueError("expert_load needs metrics rows, or {label: rows} of at least one run")
+    loads = {label: expert_load_rows(rows) for label, rows in runs.items()}
+    empty = [label or "the run" for label, (steps, _) in loads.items() if not steps]
+    if empty:
+        raise ValueError(f"no expert_load_<i> in the rows of {', '.join(map(repr, empty))}: log "
+                         "jp.metrics.expert_load_metrics(state.carried) with each step's metrics")
+    fig = require("matplotlib.figure", "jaxpar.tools.plot").Figure(figsize=(4.2 * len(runs) + 1.0, 3.8))
+    axes = np.atleast_1d(fig.subplots(1, len(runs), sharey=True, squeeze=False)[0])
+    for ax, (label, (steps, load)) in zip(axes, loads.items()):
+        for i in range(load.shape[1]):
+            ax.plot(steps, load[:, i], lw=1.0, label=f"expert {i}")
+        ax.axhline(1.0 / load.shape[1], color="k", ls="--", lw=1)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of routed choices")
+    axes[-1].legend(fontsize=7, ncol=2)
+    fig.suptitle(title)
+    return _write(fig, path)
 
 
 def array_sharding(x: Any, path: str | Path | None = None, title: str | None = None):
@@ -419,5 +457,6 @@ def nm_mask(mask: Any, n_m: tuple[int, int], path: str | Path | None = None, axi
     return _write(fig, path)
 
 
-__all__ = ["accuracy_vs_sparsity", "array_sharding", "bubble_vs_microbatches", "curves", "grouped_bars",
-           "layer_sparsity", "loss_curve", "loss_scale_curve", "nm_mask", "schedule_gantt", "sparsity_schedule"]
+__all__ = ["accuracy_vs_sparsity", "array_sharding", "bubble_vs_microbatches", "curves", "expert_load",
+           "grouped_bars", "layer_sparsity", "loss_curve", "loss_scale_curve", "nm_mask", "schedule_gantt",
+           "sparsity_schedule"]
