@@ -23,6 +23,9 @@ splits the MLP: its partial outputs are summed over it after the down projection
   GShard buffers ``[groups, E, C, D]`` split by expert.
 
 Axes already manual when the layer is traced (a pipeline's stages) are used as they are: their arrays are local.
+Inside such a region the layer opens no nested ``shard_map`` (Shardy rejects a nested partial-manual one's
+backward): where the token or expert axes it would need are not all manual there, every device computes every
+expert for its tokens (the pipeline gathers FSDP-sharded expert weights as it gathers any stage weight).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.sharding.names import BATCH, EXPERT_MLP, EXPERTS, SEQ, Rules, axes_entry
 from jaxpar.sharding.rules import DEFAULT_RULES
@@ -96,8 +100,7 @@ def combine(rows_RD: jax.Array, weights_TK: jax.Array) -> jax.Array:
 def capacity_slot(expert_TK: jax.Array, slot_TK: jax.Array, group_rows: int, experts: int, capacity: int):
     """Flat buffer slots ``[T * k]`` of ``[T / group_rows, experts, capacity]`` buffers: ``(group, expert, slot)`` of
     each choice whose expert is in ``[0, experts)`` and whose slot is below ``capacity``, else -1."""
-    T, k = expert_TK.shape
-    group = (jnp.arange(T, dtype=jnp.int32) // group_rows)[:, None]
+    group = (jnp.arange(expert_TK.shape[0], dtype=jnp.int32) // group_rows)[:, None]
     keep = (expert_TK >= 0) & (expert_TK < experts) & (slot_TK >= 0) & (slot_TK < capacity)
     return jnp.where(keep, (group * experts + expert_TK) * capacity + slot_TK, -1).reshape(-1)
 
@@ -235,7 +238,9 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
     lead = (lambda a: _split(rules, a, mesh)) if not mesh.empty else (lambda a: ())
     batch, seq, etp = lead(BATCH), lead(SEQ), lead(EXPERT_MLP)
     new = [a for a in (*batch, *seq, *ep) if a not in manual]
-    opened = sorted(set(new) | ({*etp} - manual if new else set()), key=mesh.axis_names.index) if new else []
+    if new and manual:   # inside another region (a pipeline's stages), where a nested partial-manual shard_map
+        ep, n, new = (), 1, []   # fails Shardy's verifier in the backward: every expert here, GSPMD splits the rest
+    opened = sorted(set(new) | ({*etp} - manual), key=mesh.axis_names.index) if new else []
     summed = tuple(a for a in etp if a in opened or a in manual)   # expert-tensor axes holding partial outputs
 
     def body(x, expert, weights, slot, *w):
@@ -263,4 +268,5 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
 
 
 __all__ = ["DISPATCHES", "buffers_in", "buffers_out", "capacity_slot", "check_expert_parallel", "combine",
-           "current_rules", "dispatch", "dropless_rows", "expert_axes", "manual_axes", "swiglu_buffers", "swiglu_grouped"]
+           "current_rules", "dispatch", "dropless_rows", "expert_axes", "manual_axes", "swiglu_buffers",
+           "swiglu_grouped"]
