@@ -306,7 +306,8 @@ class Block(nn.Module):
         x_BLD = constrain(x_BLD + o_TD.reshape(B, L, D), BATCH, SEQ, EMBED)
         h_TD = tokens(_normalize(c, x_BLD, self.norm2))
         if self.moe is not None:
-            m_TD, stats = moe_block.mlp(c, self.moe_weights, self.moe_router, h_TD, compute_dtype(c, x_BLD), decode)
+            m_TD, stats = moe_block.mlp(c, self.moe_weights, self.moe_router, h_TD, L, compute_dtype(c, x_BLD),
+                                        decode)
             return constrain(x_BLD + post(m_TD, 1).reshape(B, L, D), BATCH, SEQ, EMBED), stats
         mlp = lambda u_TF: constrain(u_TF, *token_names(), MLP)
         if a.mlp == "gelu":

@@ -23,10 +23,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.layers.moe import MoEConfig, MoEStats, moe_mlp
-from jaxpar.sharding.names import EMBED, EXPERT_MLP, EXPERTS, MLP
+from jaxpar.layers import moe as moe_layer
+from jaxpar.layers.moe import MoEConfig, MoEStats
 
-CARRIED = "moe_router"
+CARRIED = moe_layer.ROUTER.key
 """The key of the router's carried collection in a block's params."""
 
 
@@ -50,68 +50,48 @@ def check(cfg: Any) -> None:
                          f"{a.mlp!r}{' with biases' if a.bias else ''}; use a SwiGLU family (llama, qwen3, mistral)")
 
 
-def widths(cfg: Any) -> tuple[int, int]:
-    """``(F_e, F_s)``: one routed expert's SwiGLU width (``expert_d_mlp``, 0: the model's ``d_mlp``) and the shared
-    experts' total width (``shared_d_mlp``, 0: ``num_shared_experts * F_e``; 0 without shared experts)."""
-    moe = cfg.moe
-    f_e = moe.expert_d_mlp or cfg.mlp_dim
-    f_s = 0 if not moe.num_shared_experts else (moe.shared_d_mlp or moe.num_shared_experts * f_e)
-    return f_e, f_s
-
-
 def mlp_params(cfg: Any, active: bool = False) -> int:
     """The MLP params of one block: ``3 * D * F`` dense; with experts the router ``D * E``, ``3 * D * F_e`` per
     routed expert (all ``E``, or the ``k`` a token runs when ``active``) and the shared experts' ``3 * D * F_s``."""
     D, moe = cfg.d_model, moe_of(cfg)
     if moe is None:
         return 3 * D * cfg.mlp_dim
-    f_e, f_s = widths(cfg)
     experts = moe.experts_per_token if active else moe.num_experts
-    return D * moe.num_experts + 3 * D * f_e * experts + 3 * D * f_s
+    return (D * moe.num_experts + 3 * D * moe.expert_width(cfg.mlp_dim) * experts
+            + 3 * D * moe.shared_width(cfg.mlp_dim))
 
 
 def declare(module: Any, param: Callable[..., Any], out_std: float) -> tuple[dict, dict | None]:
-    """In :class:`jaxpar.models.blocks.Block`'s ``setup``: ``(weights, carried)``, the MoE params (declared by
-    ``param(module, name, shape, names, std)``, the block's own) and the ``moe_router`` collection (None when the
-    params applied hold none: inference from params without carried state, the bias taken as 0)."""
+    """In :class:`jaxpar.models.blocks.Block`'s ``setup``: ``(weights, carried)``, the MoE params
+    (:func:`jaxpar.layers.moe.param_shapes` and ``param_axes``, declared by ``param(module, name, shape, names,
+    std)``, the block's own; the down projections with the block's ``out_std``) and the ``moe_router`` collection
+    (:func:`jaxpar.layers.moe.router_state`; None when the params applied hold none: inference from params
+    without carried state, the bias taken as 0)."""
     c = module.cfg
-    D, E = c.d_model, c.moe.num_experts
-    f_e, f_s = widths(c)
-    w = {"router_kernel": param(module, "router_kernel", (D, E), (EMBED, None), c.init_std),
-         "experts_gate_kernel": param(module, "experts_gate_kernel", (E, D, f_e), (EXPERTS, EMBED, EXPERT_MLP),
-                                      c.init_std),
-         "experts_up_kernel": param(module, "experts_up_kernel", (E, D, f_e), (EXPERTS, EMBED, EXPERT_MLP),
-                                    c.init_std),
-         "experts_down_kernel": param(module, "experts_down_kernel", (E, f_e, D), (EXPERTS, EXPERT_MLP, EMBED),
-                                      out_std)}
-    if f_s:
-        w.update(shared_gate_kernel=param(module, "shared_gate_kernel", (D, f_s), (EMBED, MLP), c.init_std),
-                 shared_up_kernel=param(module, "shared_up_kernel", (D, f_s), (EMBED, MLP), c.init_std),
-                 shared_down_kernel=param(module, "shared_down_kernel", (f_s, D), (MLP, EMBED), out_std))
+    axes = moe_layer.param_axes(c.moe)
+    w = {name: param(module, name, shape, axes[name], out_std if name.endswith("down_kernel") else c.init_std)
+         for name, shape in moe_layer.param_shapes(c.moe, c.d_model, c.mlp_dim).items()}
     if not module.is_initializing() and not module.has_variable("params", CARRIED):
         return w, None
-    rate = float(c.moe.bias_update_rate)
-    carried = module.param(CARRIED, lambda _: {"bias": jnp.zeros((E,), jnp.float32),
-                                               "load": jnp.zeros((E,), jnp.float32),
-                                               "dropped": jnp.zeros((), jnp.float32),
-                                               "rate": jnp.full((), rate, jnp.float32)})
-    return w, carried
+    return w, module.param(CARRIED, lambda _: moe_layer.router_state(c.moe))
 
 
-def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, dtype: Any,
+def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, seq_len: int, dtype: Any,
         decode: bool = False) -> tuple[jax.Array, MoEStats]:
-    """The MoE layer on the block's normed tokens ``h_TD [T, D]``: ``(y_TD, stats)``. The experts' and shared
-    kernels go in the compute ``dtype``, the router's as stored (its math is float32).
+    """The MoE layer (:func:`jaxpar.layers.moe.moe_mlp`) on the block's normed tokens ``h_TD [T, D]``, rows of
+    sequences of ``seq_len``: ``(y_TD, stats)``. The experts' and shared kernels go in the compute ``dtype``, the
+    router's as stored (its math is float32).
 
     ``decode``: a cached generation step or prefill runs dropless whatever ``capacity_factor`` says: the capacity
     counts choices per sequence, so a step of one token per row would drop other tokens than the whole sequence
-    did; dropless gives every token its ``k`` experts, as Mixtral and Qwen3-MoE compute (they never drop)."""
+    did; dropless gives every token its ``k`` experts, as Mixtral and Qwen3-MoE compute (they never drop).
+    """
     moe = cfg.moe
     if decode and moe.capacity_factor is not None:
         moe = dataclasses.replace(moe, capacity_factor=None)
     w = {k: v if k == "router_kernel" else v.astype(dtype) for k, v in weights.items()}
     # plain dicts (a Linen module's attributes hand them back frozen), the structure of the layer's new values
-    return moe_mlp(moe, w, h_TD, None if carried is None else dict(carried))
+    return moe_layer.moe_mlp(moe, w, h_TD, None if carried is None else dict(carried), seq_len=seq_len)
 
 
 def zero_stats(cfg: Any) -> MoEStats:
@@ -179,5 +159,5 @@ def with_experts(cfg: Any, sizes: dict[tuple, int], family: str) -> tuple[Any, d
     return dataclasses.replace(cfg, moe=dataclasses.replace(moe, num_experts=count)), rest
 
 
-__all__ = ["CARRIED", "add_stats", "aux_loss", "check", "check_stage", "declare", "mlp",
-           "mlp_params", "moe_of", "widths", "with_experts", "zero_stats"]
+__all__ = ["CARRIED", "add_stats", "aux_loss", "check", "check_stage", "declare", "mlp", "mlp_params", "moe_of",
+           "with_experts", "zero_stats"]

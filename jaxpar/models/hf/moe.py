@@ -36,8 +36,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxpar.layers import moe as moe_layer
 from jaxpar.layers.moe import MoEConfig
 from jaxpar.models.families import FamilyConfig, FamilyModel
+from jaxpar.models.moe_block import CARRIED
 from jaxpar.models.hf import families
 from jaxpar.models.hf.config import _flag, _need, _num
 from jaxpar.models.hf.family_config import check_save, family_config, family_hf_config
@@ -111,11 +113,11 @@ def moe_hf_config(cfg: FamilyConfig) -> dict:
     out.update(architectures=[HEADS[kind]], model_type=kind, num_experts_per_tok=k, num_local_experts=moe.num_experts,
                router_aux_loss_coef=moe.load_balance_coef / k, output_router_logits=moe.load_balance_coef > 0)
     if kind == "mixtral":
-        out.update(intermediate_size=moe.expert_d_mlp or cfg.d_mlp, router_jitter_noise=0.0)
+        out.update(intermediate_size=moe.expert_width(cfg.d_mlp), router_jitter_noise=0.0)
     else:
         out.pop("max_window_layers", None)
         out.pop("layer_types", None)
-        out.update(moe_intermediate_size=moe.expert_d_mlp or cfg.d_mlp, norm_topk_prob=moe.norm_topk_prob,
+        out.update(moe_intermediate_size=moe.expert_width(cfg.d_mlp), norm_topk_prob=moe.norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[])
     return out
 
@@ -152,9 +154,9 @@ def _experts(name: Callable[[int, int], str], layers: int, experts: int):
     return leaf
 
 
-def _constant(shape: tuple[int, ...], value: float):
-    """A leaf of ``value`` everywhere (the router's carried state, which a Hugging Face checkpoint lacks)."""
-    return lambda reader, index: np.full(shape, value, np.float32)[index]
+def _constant(shape: tuple[int, ...], value: np.ndarray):
+    """A leaf ``value`` broadcast to ``shape`` (the router's fresh carried state, which a checkpoint lacks)."""
+    return lambda reader, index: np.broadcast_to(np.asarray(value, np.float32), shape)[index]
 
 
 def _moe_names(cfg: FamilyConfig, prefix: str) -> tuple[Callable, dict]:
@@ -174,15 +176,13 @@ def _leaves(cfg: FamilyConfig, prefix: str) -> dict:
     router, experts = _moe_names(cfg, prefix)
     b["router_kernel"] = linear_leaf(router, (E, D), 1, (1, 0), N)   # leaf [D, E] from HF [E, D]
     b.update({leaf: _experts(name, N, E) for leaf, name in experts.items()})
-    rate = float(cfg.moe.bias_update_rate)
-    b["moe_router"] = {"bias": _constant((N, E), 0.0), "load": _constant((N, E), 0.0),
-                       "dropped": _constant((N,), 0.0), "rate": _constant((N,), rate)}
+    b[CARRIED] = {k: _constant((N,) + v.shape, v) for k, v in moe_layer.router_state(cfg.moe).items()}
     return tree
 
 
 def _hf_shapes(cfg: FamilyConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     want = {k: v for k, v in families._hf_shapes(cfg, prefix).items() if not k.endswith(_HF_MLP)}
-    D, E, F = cfg.d_model, cfg.moe.num_experts, cfg.moe.expert_d_mlp or cfg.d_mlp
+    D, E, F = cfg.d_model, cfg.moe.num_experts, cfg.moe.expert_width(cfg.d_mlp)
     router, experts = _moe_names(cfg, prefix)
     shape = {"experts_gate_kernel": (F, D), "experts_up_kernel": (F, D), "experts_down_kernel": (D, F)}
     for i in range(cfg.num_layers):
@@ -199,7 +199,7 @@ def _export(cfg: FamilyConfig, params: dict) -> dict[str, Callable[[], np.ndarra
         experts).
     """
     b = params["blocks"]
-    bias = b.get("moe_router", {}).get("bias")
+    bias = b.get(CARRIED, {}).get("bias")
     if bias is not None and np.any(host(bias) != 0):
         raise ValueError(f"the params' router selection bias (blocks/moe_router/bias, max |bias| "
                          f"{np.abs(host(bias)).max():.3g}) is nonzero: a {HEADS[_kind(cfg)]} checkpoint has no such "
