@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar import protocol
 from jaxpar.sharding.names import (AXES, BATCH, CONTEXT, DATA, EMBED, EXPERT_MLP, EXPERTS, FSDP, HEADS, KV, KV_HEADS,
                                    LAYERS, MLP, PIPE, POSITION, SEQ, STAGE, TENSOR, VOCAB, Rules, axes_entry,
                                    entry_axes)
@@ -166,7 +167,8 @@ def leaf_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...]
     Parameters reach optimizers unboxed (plain arrays), so their logical names come separately: ``axis_names``
     is the Flax-boxed tree of ``jax.eval_shape(init_fn, rng)``, or a tree of logical ``PartitionSpec`` s /
     name tuples with the structure of ``params`` (:func:`logical_specs`), or None (no names). Each returned
-    tuple has one entry per axis of the leaf (padded with None).
+    tuple has one entry per axis of the leaf (padded with None). Carried collections (a MoE router's counts) in
+    ``axis_names`` are dropped when ``params`` holds none: ``init_state`` moves them out of the optimizer's params.
 
     Raises:
       ValueError: ``axis_names`` does not have the structure of ``params``, or a leaf's names are longer than
@@ -178,6 +180,8 @@ def leaf_axis_names(params: Any, axis_names: Any) -> list[tuple[str | None, ...]
     box = lambda x: isinstance(x, nn.LogicallyPartitioned)
     if any(box(x) for x in jax.tree.leaves(axis_names, is_leaf=box)):
         axis_names = nn.get_partition_spec(axis_names)
+    if protocol.split_carried(params)[1] is None:   # an init's names hold the carried state the optimizer never sees
+        axis_names = protocol.split_carried(axis_names)[0]
     try:
         specs = jax.tree.structure(params).flatten_up_to(axis_names)
     except (ValueError, TypeError) as e:

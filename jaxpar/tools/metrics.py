@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar._optional import require
+from jaxpar.layers import moe
 from jaxpar.tools import datasheets as _datasheets
 
 
@@ -200,17 +201,15 @@ class Throughput:
 
 # ------------------------------------------------------------------------------------- mixture of experts
 
-ROUTER_COLLECTION = "moe_router"
-"""The key of the MoE router's carried collection (:mod:`jaxpar.layers.moe`), whose ``load`` leaf holds the last
-step's global count of routed choices per expert."""
 
 
 def _router_collections(tree: Any) -> list[dict]:
-    """Every dict under the key :data:`ROUTER_COLLECTION` in a nested tree of dicts / lists / tuples, in order."""
+    """Every dict under the MoE router's carried key (``moe_router``, :data:`jaxpar.layers.moe.ROUTER`) that holds a
+    ``load``, in a nested tree of dicts / lists / tuples, in order."""
     found = []
     if isinstance(tree, dict):
         for key, value in tree.items():
-            if key == ROUTER_COLLECTION and isinstance(value, dict) and "load" in value:
+            if key == moe.ROUTER.key and isinstance(value, dict) and "load" in value:
                 found.append(value)
             else:
                 found += _router_collections(value)
@@ -274,5 +273,5 @@ def expert_load_rows(rows: list[dict[str, Any]]) -> tuple[list[int], Any]:
     return [int(r["step"]) for r in picked], np.asarray([[r[k] for k in keys] for r in picked], np.float64)
 
 
-__all__ = ["GPU_DATASHEETS", "MetricsWriter", "ROUTER_COLLECTION", "Throughput", "expert_load_metrics",
-           "expert_load_rows", "measure_matmul_flops", "mfu", "peak_flops", "read_jsonl"]
+__all__ = ["GPU_DATASHEETS", "MetricsWriter", "Throughput", "expert_load_metrics", "expert_load_rows",
+           "measure_matmul_flops", "mfu", "peak_flops", "read_jsonl"]
