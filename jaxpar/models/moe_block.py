@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxpar.layers import moe as moe_layer
 from jaxpar.layers.moe import MoEConfig, MoEStats
+from jaxpar.sharding.names import EXPERTS
 
 CARRIED = moe_layer.ROUTER.key
 """The key of the router's carried collection in a block's params."""
