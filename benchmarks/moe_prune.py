@@ -56,10 +56,12 @@ def val_loss(model, state, mesh, rules, batches) -> float:
     return jp.loop.mean_metrics(evaluate, state, batches)["loss"]
 
 
-def train(step, state, corpus, cfg, start: int, stop: int):
+def train(step, state, corpus, cfg, start: int, stop: int, label: str):
     for t in range(start, stop):
         state, metrics = step(state, corpus.batch(cfg.seed, t, cfg.batch_size, cfg.seq_len))
-    return state, float(metrics["loss"])
+        if (t + 1) % 50 == 0 or t + 1 == stop:
+            print(f"{label} step {t + 1}: loss {float(metrics['loss']):.4f}", file=sys.stderr, flush=True)
+    return state
 
 
 def masked_state(state, masks):
@@ -104,7 +106,7 @@ def main(argv=None) -> dict:
     val = [corpus.batch(cfg.seed, i, cfg.batch_size, cfg.seq_len, "val") for i in range(args.eval_batches)]
     start = time.perf_counter()
     state = jp.train.init_state(model.init, tx, jax.random.key(cfg.seed), mesh=mesh, rules=rules)
-    state, _ = train(step, state, corpus, cfg, 0, args.steps)
+    state = train(step, state, corpus, cfg, 0, args.steps, f"{args.experts} experts")
     before = val_loss(model, state, mesh, rules, val)
 
     fit = [corpus.batch(cfg.seed + 1, i, cfg.batch_size, cfg.seq_len) for i in range(args.load_batches)]
@@ -120,9 +122,9 @@ def main(argv=None) -> dict:
     norm_state, _ = jp.pruning.compact_state(state, model.cfg, tx, mesh=mesh, rules=rules, masks=by_norm)
     pruned_by_norm = val_loss(small, norm_state, mesh, rules, val)
 
-    recovered_state, _ = train(small_step, small_state, corpus, cfg, args.steps, total)
+    recovered_state = train(small_step, small_state, corpus, cfg, args.steps, total, f"{args.keep} experts")
     recovered = val_loss(small, recovered_state, mesh, rules, val)
-    dense_state, _ = train(step, state, corpus, cfg, args.steps, total)
+    dense_state = train(step, state, corpus, cfg, args.steps, total, f"{args.experts} experts")
     unpruned = val_loss(model, dense_state, mesh, rules, val)
     wall = time.perf_counter() - start
 

@@ -263,3 +263,21 @@ def test_moe_load_script_tiny(tmp_path):
     assert rows["dense"]["active_params"] + router == rows["none"]["active_params"] < rows["none"]["params"]
     assert out["dropless_check"]["all_equal_and_nothing_dropped"] and out["dropless_check"]["steps_each"] == 5
     assert (tmp_path / "moe_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # trains a tiny MoE, compacts it twice, fine-tunes it, and times both steps
+def test_moe_prune_script_tiny():
+    """benchmarks/moe_prune.py: 8 -> 6 experts per layer by measured load, the compacted model's loss equal to the
+    masked model's, the losses of every stage finite, fewer parameters and the same active ones less two router
+    columns per layer, the speed ratios computed from the timings beside them."""
+    import moe_prune
+    out = moe_prune.main(["--steps", "4", "--finetune-steps", "2", "--d-model", "32", "--num-layers", "1",
+                          "--seq-len", "16", "--batch-size", "8", "--expert-d-mlp", "16", "--eval-batches", "1",
+                          "--rounds", "1", "--load-batches", "2"])
+    assert out["compacted_equals_masked"] and all(np.isfinite(v) for v in out["val_loss"].values())
+    assert [len(r) for r in out["removed_experts"]] == [2] and 0 <= out["load_share_removed"] <= 0.25
+    m = out["model"]
+    assert m["params"] - m["pruned_params"] == 2 * (32 + 3 * 32 * 16)        # two experts and their router columns
+    assert m["active_params"] - m["pruned_active_params"] == 2 * 32
+    t = out["step_ms_1_device"]
+    assert out["speedup"]["train_ms"] == pytest.approx(t["8 experts"]["train_ms"] / t["6 experts"]["train_ms"], 1e-2)
