@@ -287,3 +287,21 @@ def test_moe_layer_script_tiny():
             fsdp = 1 if "fsdp" in row["axes"] or layout == "whole_embed" else 4
             assert row["measured_bytes"] == row["planned_bytes"] == row["params_over_ep_bytes"] / fsdp > 0
             assert (row["ring_dispatch_bytes_per_step"] > 0) == (ep > 1)
+
+
+@pytest.mark.slow  # trains a tiny MoE, compacts it twice, fine-tunes it, and times both steps
+def test_moe_prune_script_tiny():
+    """benchmarks/moe_prune.py: 8 -> 6 experts per layer by measured load, the compacted model's loss equal to the
+    masked model's, the losses of every stage finite, fewer parameters and the same active ones less two router
+    columns per layer, the speed ratios computed from the timings beside them."""
+    import moe_prune
+    out = moe_prune.main(["--steps", "4", "--finetune-steps", "2", "--d-model", "32", "--num-layers", "1",
+                          "--seq-len", "16", "--batch-size", "8", "--expert-d-mlp", "16", "--eval-batches", "1",
+                          "--rounds", "1", "--load-batches", "2"])
+    assert out["compacted_equals_masked"] and all(np.isfinite(v) for v in out["val_loss"].values())
+    assert [len(r) for r in out["removed_experts"]] == [2] and 0 <= out["load_share_removed"] <= 0.25
+    m = out["model"]
+    assert m["params"] - m["pruned_params"] == 2 * (32 + 3 * 32 * 16)        # two experts and their router columns
+    assert m["active_params"] - m["pruned_active_params"] == 2 * 32
+    t = out["step_ms_1_device"]
+    assert out["speedup"]["train_ms"] == pytest.approx(t["8 experts"]["train_ms"] / t["6 experts"]["train_ms"], 1e-2)

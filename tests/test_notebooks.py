@@ -42,6 +42,7 @@ FIGURES = {
                                           # accuracy vs sparsity
     "06_charlm_end_to_end.ipynb": 1,      # the loss curve across the checkpoint restore
     "07_plan_a_gpu_run.ipynb": 1,         # time per step split into compute, exposed communication and bubble
+    "08_experts.ipynb": 3,                # expert load over training, characters' experts, dispatch collectives
     "09_finetune_hugging_face.ipynb": 1,  # the fine-tuning loss curve (train and validation)
 }
 # Notebooks that compile for compile-only GPUs (jp.plan.gpu_target): they need the jax CUDA plugin (the gpu extra).

@@ -189,12 +189,15 @@ def compact_grouped(cfg: Any, sizes: dict[tuple, int], family: str) -> Any:
     """The config of a grouped-query family after compaction (its model's ``replace``): ``sizes`` maps
     ``("blocks", "mlp")`` (the kept gated-MLP width: gate, up and down coupled) and ``("blocks", "heads")`` (the
     kept query heads, the same number in each key/value group, see :mod:`jaxpar.pruning.groups`) to the kept
-    counts; ``num_kv_heads`` and ``head_dim`` are kept.
+    counts, and ``("blocks", "experts")`` a mixture of experts' kept experts
+    (:func:`jaxpar.models.moe_block.with_experts`); ``num_kv_heads`` and ``head_dim`` are kept.
 
     Raises:
-      ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``; a head count that is not a multiple
-        of ``num_kv_heads``; ``blocks/mlp`` of a mixture of experts (its ``mlp`` params are the shared experts').
+      ValueError: a group other than ``blocks/mlp``, ``blocks/heads`` or ``blocks/experts``; a head count that is
+        not a multiple of ``num_kv_heads``; ``blocks/mlp`` of a mixture of experts (its ``mlp`` params are the
+        shared experts'); an experts count the routing cannot take (``with_experts``).
     """
+    cfg, sizes = moe_block.with_experts(cfg, sizes, family)   # blocks/experts: the routed experts kept
     if ("blocks", "mlp") in sizes and moe_block.moe_of(cfg) is not None:
         raise ValueError(f"the {family} has experts: its 'mlp' params are the shared experts' (routed experts are "
                          "'expert_mlp', never pruned with the dense MLP), so compacting blocks/mlp would not change "

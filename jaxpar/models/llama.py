@@ -123,10 +123,11 @@ class Llama(Decoder):
 
     def replace(self, sizes: dict[tuple, int]) -> LlamaConfig:
         """The config after compaction (:func:`jaxpar.models.decoder.compact_grouped`): ``sizes`` maps
-        ``("blocks", "mlp")`` and ``("blocks", "heads")`` to the kept counts.
+        ``("blocks", "mlp")``, ``("blocks", "heads")`` and, with experts, ``("blocks", "experts")`` to the kept counts.
 
         Raises:
-          ValueError: a group other than ``blocks/mlp`` or ``blocks/heads``; a head count that is not a multiple
-            of ``num_kv_heads``.
+          ValueError: a group other than ``blocks/mlp``, ``blocks/heads`` or ``blocks/experts``; a head count that
+            is not a multiple of ``num_kv_heads``; an experts count the routing cannot take
+            (:func:`jaxpar.models.moe_block.with_experts`).
         """
         return compact_grouped(self.cfg, sizes, "Llama")

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxpar.layers import attention as cp
 from jaxpar.layers import moe as moe_layer
 from jaxpar.layers.moe import MoEConfig, MoEStats
+from jaxpar.sharding.names import EXPERTS
 
 CARRIED = moe_layer.ROUTER.key
 """The key of the router's carried collection in a block's params."""
@@ -146,5 +147,36 @@ def check_stage(cfg: Any) -> None:
                          "aux-loss-free bias (MoEConfig.bias_update_rate, e.g. 1e-3)")
 
 
+def with_experts(cfg: Any, sizes: dict[tuple, int], family: str) -> tuple[Any, dict[tuple, int]]:
+    """Compaction's experts group (:mod:`jaxpar.pruning.experts`): ``(cfg with moe.num_experts = E', the other
+    sizes)`` when ``sizes`` holds ``("blocks", "experts")``, else ``(cfg, sizes)``. The routing groups stay: each of
+    the ``num_groups`` groups keeps ``E' / num_groups`` experts (the selection keeps them so).
+
+    Raises:
+      ValueError: experts kept by a dense model; ``E' < experts_per_token``; ``E'`` not a multiple of
+        ``num_groups``; a group left with one expert where it had more (group scores sum each group's top 2);
+        fewer experts in ``topk_groups`` groups than ``experts_per_token``.
+    """
+    key = ("blocks", EXPERTS)
+    if key not in sizes:
+        return cfg, sizes
+    moe, count = moe_of(cfg), sizes[key]
+    if moe is None:
+        raise ValueError(f"the {family} is dense (moe=None) but got a compacted count for blocks/experts")
+    G, k = moe.num_groups, moe.experts_per_token
+    if count < k:
+        raise ValueError(f"compacting the {family} to {count} experts leaves fewer than experts_per_token={k}: keep "
+                         f"at least {k}")
+    if count % G:
+        raise ValueError(f"compacting the {family} to {count} experts: group-limited routing splits them in "
+                         f"num_groups={G} groups of equal size, so keep a multiple of {G} (the same number per group)")
+    if count // G < min(2, moe.num_experts // G) or k > moe.topk_groups * (count // G):
+        raise ValueError(f"compacting the {family} to {count} experts leaves {count // G} per routing group: a group "
+                         f"is scored by its top 2 experts and topk_groups={moe.topk_groups} groups must hold "
+                         f"experts_per_token={k}; keep more experts per group")
+    rest = {s: n for s, n in sizes.items() if s != key}
+    return dataclasses.replace(cfg, moe=dataclasses.replace(moe, num_experts=count)), rest
+
+
 __all__ = ["CARRIED", "add_stats", "aux_loss", "check", "check_stage", "declare", "mlp", "mlp_params", "moe_of",
-           "zero_stats"]
+           "with_experts", "zero_stats"]

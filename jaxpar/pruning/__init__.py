@@ -20,13 +20,21 @@ holds less memory, where unstructured zeros need sparse kernels that XLA lacks):
   and :func:`compact_state` (a ``TrainState`` onto a mesh): the pruned groups removed, every stacked layer padded
   to one count (a multiple of the tensor axis), the optimizer state gathered by the same indices.
 
+Experts (whole experts of a mixture of experts, :mod:`jaxpar.pruning.experts`):
+
+* :func:`select_experts`: per layer, the experts to keep by router load (``state.carried`` or
+  :func:`measure_expert_load` on batches) or by weight norm (:func:`expert_scores`); :func:`compact` /
+  :func:`compact_state` (``masks=``) remove the rest with their router columns and router state, the router's top-k
+  then running over the kept experts.
+
 Modules: ``schedules`` (sparsity vs step), ``structure`` (which leaves, layer and reduction axes, from logical
 names), ``select`` (exact top-k by bisection on counts, N:M groups, ERK), ``transform`` (the unstructured
 transformation), ``groups`` (coupled groups from logical names), ``structured`` (the structured transformation),
-``compact`` (compaction).
+``compact`` (compaction), ``experts`` (expert groups and their selection).
 """
 
 from jaxpar.pruning.compact import Compaction, compact, compact_opt_state, compact_state
+from jaxpar.pruning.experts import EXPERT_SCORES, expert_scores, measure_expert_load, select_experts
 from jaxpar.pruning.schedules import SparsitySchedule, constant_sparsity, one_shot, polynomial_sparsity
 from jaxpar.pruning.select import erk_densities
 from jaxpar.pruning.structured import (STRUCTURED_DISTRIBUTIONS, StructuredPruningState, group_masks, param_masks,
@@ -34,7 +42,7 @@ from jaxpar.pruning.structured import (STRUCTURED_DISTRIBUTIONS, StructuredPruni
 from jaxpar.pruning.transform import (DISTRIBUTIONS, MagnitudePruningState, magnitude_pruning, masks,
                                       sparsity_report)
 
-__all__ = ["Compaction", "DISTRIBUTIONS", "MagnitudePruningState", "STRUCTURED_DISTRIBUTIONS", "SparsitySchedule",
+__all__ = ["Compaction", "DISTRIBUTIONS", "EXPERT_SCORES", "MagnitudePruningState", "STRUCTURED_DISTRIBUTIONS", "SparsitySchedule",
            "StructuredPruningState", "compact", "compact_opt_state", "compact_state", "constant_sparsity",
-           "erk_densities", "group_masks", "magnitude_pruning", "masks", "one_shot", "param_masks",
-           "polynomial_sparsity", "sparsity_report", "structured_pruning"]
+           "erk_densities", "expert_scores", "group_masks", "magnitude_pruning", "masks", "measure_expert_load", "one_shot", "param_masks",
+           "polynomial_sparsity", "select_experts", "sparsity_report", "structured_pruning"]

@@ -1,4 +1,4 @@
-"""Compaction: a structurally pruned model as a smaller dense model (pruned neurons and heads removed).
+"""Compaction: a structurally pruned model as a smaller dense model (pruned neurons, heads and experts removed).
 
 :func:`compact` turns params plus group masks (from :func:`jaxpar.pruning.structured_pruning`) into the params of a
 smaller model and the config that runs it; :func:`compact_opt_state` gathers the optimizer state by the same
@@ -26,9 +26,10 @@ from jaxpar.sharding import rules as shd
 from jaxpar.train import step as train
 from jaxpar._validate import positive_int
 from jaxpar import protocol
+from jaxpar.pruning import experts
 from jaxpar.pruning.groups import GroupPlan, Member, expand, group_plans, lookup, nest
 from jaxpar.pruning.structured import StructuredPruningState, _find, _mask_keys, carried_minimum, group_masks
-from jaxpar.sharding.names import HEADS, MLP
+from jaxpar.sharding.names import EXPERTS, HEADS, MLP
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -59,6 +60,8 @@ def _check_replaced(c: "Compaction", model: Any, params: Any) -> None:
         raise TypeError(f"{name} returned {c.config!r:.80}, which is neither a model nor a config with as_model(): "
                         "return the smaller model's config")
     want = jax.eval_shape(new.init, jax.random.key(0))
+    if len(jax.tree.leaves(nn.meta.unbox(want))) != len(c.param_shapes):   # params without their carried state
+        want = protocol.split_carried(want)[0]
     flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(want))[0]
     if len(flat) != len(c.param_shapes):
         raise ValueError(f"{name} returned a config whose params have {len(flat)} leaves, not {len(c.param_shapes)}")
@@ -88,7 +91,7 @@ def _as_masks(masks_or_state: Any) -> dict:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), masks_or_state)
 
 
-GROUP_AXES = (MLP, HEADS)
+GROUP_AXES = (MLP, HEADS, EXPERTS)
 """The logical axes whose groups compaction removes: the keys ``multiple_of`` may hold."""
 
 
@@ -179,11 +182,12 @@ class Compaction:
         params = _unboxed(params)
         masks = _as_masks(masks_or_state)
         model = _model(config, params)
-        names = jax.eval_shape(model.init, jax.random.key(0))
-        _check_shapes(params, names)
+        names = _names_like(params, jax.eval_shape(model.init, jax.random.key(0)))
         keys = [tuple(k) for k in _mask_keys(masks)]
-        axes = tuple(dict.fromkeys(k[-1] for k in keys))
+        axes = tuple(dict.fromkeys(k[-1] for k in keys if k[-1] != EXPERTS))
         plans = {p.key: p for p in group_plans(params, names, axes, _groups(model))} if axes else {}
+        if any(k[-1] == EXPERTS for k in keys):
+            plans.update((p.key, p) for p in experts.expert_plans(params, names))
         index, kept = {}, {}
         for key in keys:
             if key not in plans:
@@ -193,6 +197,10 @@ class Compaction:
             if mask.shape != plans[key].mask_shape:
                 raise ValueError(f"mask {key_path(key)} has shape {mask.shape}; this model's groups have "
                                  f"{plans[key].mask_shape}: pass the masks of these params")
+            if key[-1] == EXPERTS:
+                index[key], kept[key] = experts.expert_indices(mask, plans[key], _multiple(multiple_of, EXPERTS),
+                                                               experts.routing_groups(config))
+                continue
             index[key], kept[key] = _plan_indices(mask, plans[key], _multiple(multiple_of, key[-1]),
                                                   carried_minimum(plans[key]) if carry else 1)
         new_config = _replaced(model, {k: v.shape[-1] for k, v in index.items()})
@@ -242,12 +250,20 @@ class Compaction:
         return _compact_opt_state(self, opt_state, params)
 
 
-def _check_shapes(params: Any, names: Any) -> None:
-    want = jax.tree.map(lambda x: tuple(x.shape), nn.meta.unbox(names))
+def _names_like(params: Any, names: Any) -> Any:
+    """The config's boxed ``names`` (``jax.eval_shape(init)``) for ``params``, which may lack the carried state
+    ``init`` holds (``TrainState.params``: ``init_state`` moves it to ``TrainState.carried``).
+
+    Raises:
+      ValueError: params whose structure or shapes are not the config's, with or without the carried state.
+    """
     got = jax.tree.map(lambda x: tuple(jnp.shape(x)), params)
-    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-        raise ValueError("params do not match the config: pass the config the params were built with (their "
-                         f"shapes {got} vs the config's {want})")
+    for candidate in (names, protocol.split_carried(names)[0]):
+        want = jax.tree.map(lambda x: tuple(x.shape), nn.meta.unbox(candidate))
+        if jax.tree.structure(want) == jax.tree.structure(got) and want == got:
+            return candidate
+    raise ValueError("params do not match the config: pass the config the params were built with (their "
+                     f"shapes {got} vs the config's {jax.tree.map(lambda x: tuple(x.shape), nn.meta.unbox(names))})")
 
 
 def _factored_axes(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -348,8 +364,20 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
     :func:`structured_pruning` refuses the compacted model (nothing is left to prune within a group):
     :func:`compact_state` keeps at least 2, and ``multiple_of={'heads': 2 * num_kv_heads}`` keeps an even count here.
 
+    Whole experts of a mixture of experts (masks ``{module: {"experts": bool [*stacked, E]}}``, from
+    :func:`jaxpar.pruning.select_experts`) are removed with their router columns and carried router state
+    (:mod:`jaxpar.pruning.experts`): every layer keeps the same experts' count, never padded, a multiple of
+    ``multiple_of['experts']``; the compacted router's top-k runs over the kept experts (the removed experts' tokens
+    go to their best kept ones). With sigmoid scores (DeepSeek-V3), or softmax scores without a selection bias and
+    with renormalised top-k weights (``norm_topk_prob``: Mixtral, Qwen3-MoE), the compacted model computes what
+    the model whose router never selects the removed experts computes. A softmax over fewer experts raises each
+    kept probability by the removed experts' share of that token: with ``norm_topk_prob=False`` the weights grow
+    so, and a non-zero selection bias (added to the probabilities) weighs less against them, which may change a
+    choice the bias decided.
+
     Args:
-      params: the model's params (numpy or jax arrays, sharded or not); Flax-boxed params (``model.init``'s
+      params: the model's params, with or without the carried state ``model.init`` holds (numpy or jax arrays,
+        sharded or not); Flax-boxed params (``model.init``'s
         ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` leaves) are unboxed first, as ``jp.train.init_state``
         does, and ``new_params`` comes back unboxed.
       masks_or_state: an optimizer state (or ``TrainState``) holding one :func:`structured_pruning` state, or
@@ -359,8 +387,9 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
         ``jp.models.GPTConfig`` (groups ``blocks/mlp``, ``blocks/heads``), a ``jp.models.MLP`` instance (group
         ``dense_i/mlp``: hidden layer ``i`` whose kernel outputs ``mlp``, chained with the next layer, as
         ``MLP.prune_groups()`` names it for the transform), or a user's model.
-      multiple_of: an int, or ``{axis: int}`` with axes among :data:`GROUP_AXES` (``'mlp'``, ``'heads'``; a
-        missing axis is 1) (default 1).
+      multiple_of: an int, or ``{axis: int}`` with axes among :data:`GROUP_AXES` (``'mlp'``, ``'heads'``,
+        ``'experts'``; a missing axis is 1) (default 1). Experts are never padded: their kept count must be a
+        multiple already.
 
     Returns:
       ``(new_params, new_config)``: the params (jax arrays; leaves outside pruned groups are returned as given)
@@ -371,7 +400,9 @@ def compact(params: Any, masks_or_state: Any, config: Any, *, multiple_of: int |
       TypeError: a config without the protocol's ``init`` or ``replace`` (the missing part is named);
         ``masks_or_state`` holding no structured pruning state or masks.
       ValueError: params not matching the config; a mask of a group the model lacks or of the wrong shape;
-        ``multiple_of`` not a positive int, or a dict with a key that is not a group axis (naming the valid ones).
+        ``multiple_of`` not a positive int, or a dict with a key that is not a group axis (naming the valid ones);
+        expert masks keeping different counts in different layers or routing groups, or a count that is not a
+        multiple of ``multiple_of['experts']`` (:func:`jaxpar.pruning.experts.expert_indices`).
     """
     params = _unboxed(params)
     c = Compaction.build(params, masks_or_state, config, multiple_of)
@@ -417,7 +448,7 @@ def _mesh_multiples(mesh, rules) -> dict[str, int]:
 
 
 def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, rules: shd.Rules = shd.DEFAULT_RULES,
-                  multiple_of: int | Mapping[str, int] | None = None):
+                  multiple_of: int | Mapping[str, int] | None = None, masks: Any = None):
     """Compacts a ``jp.train.TrainState`` (params and optimizer state) and places it on ``mesh``.
 
     The state's :func:`structured_pruning` masks give the groups; the result is laid out like
@@ -439,7 +470,11 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
       tx: the optax transformation of the state.
       mesh, rules: where the compacted state goes.
       multiple_of: as for :func:`compact`; default: per axis, the product of the mesh axes the rules shard it
-        over (``tensor`` for ``mlp`` and ``heads`` under the default rules).
+        over (``tensor`` for ``mlp`` and ``heads`` under the default rules; the expert-parallel axes for
+        ``experts``).
+      masks: the group masks to compact by (e.g. :func:`jaxpar.pruning.select_experts`'), instead of the state's
+        :func:`structured_pruning` masks (None). The carried state (``state.carried``: the router's bias and load)
+        is cut with the params.
 
     Returns:
       ``(new_state, new_config)``: ``new_state`` owns fresh buffers (no array is shared with ``state``, also for
@@ -450,11 +485,14 @@ def compact_state(state: Any, config: Any, tx: Any, *, mesh: jax.sharding.Mesh, 
         differ from ``tx.init`` of the compacted model (the leaf path is named).
     """
     multiple_of = _mesh_multiples(mesh, rules) if multiple_of is None else multiple_of
-    c = Compaction.build(state.params, state.opt_state, config, multiple_of, carry=True)
-    params, opt_state = c.params(state.params), c.opt_state(state.opt_state, state.params)
-    target = train.abstract_state(_model(c.config, state.params).init, tx, mesh=mesh, rules=rules,
-                                  policy=state.policy)
-    new = state.replace(params=params, opt_state=opt_state)
+    # the carried state rides along inside the params (an expert's router state is cut with its weights)
+    merged = protocol.merge_carried(state.params, state.carried)
+    masks = state.opt_state if masks is None else masks
+    c = Compaction.build(merged, masks, config, multiple_of, carry=True)
+    params, carried = protocol.split_carried(c.params(merged))
+    opt_state = c.opt_state(state.opt_state, merged)
+    target = train.abstract_state(_model(c.config, merged).init, tx, mesh=mesh, rules=rules, policy=state.policy)
+    new = state.replace(params=params, opt_state=opt_state, carried=carried)
     if jax.tree.structure(new) != jax.tree.structure(target):
         raise ValueError("the compacted state does not have the structure of tx.init of the compacted model: pass "
                          "the tx the state was built with (an optimizer that factors a param only above a size, "

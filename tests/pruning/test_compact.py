@@ -340,7 +340,7 @@ def _kept_mlp(seed: int, keep: int = 16):
 def test_compact_rejects_unknown_or_bad_multiple_of(multiple_of):
     boxed = GPT(TINY).init(jax.random.key(0))
     _, masks = _kept_mlp(0)
-    match = (r"multiple_of has unknown keys \['(mpl|head)'\]; its keys are the group axes \('mlp', 'heads'\)"
+    match = (r"multiple_of has unknown keys \['(mpl|head)'\]; its keys are the group axes \('mlp', 'heads', 'experts'\)"
              if set(multiple_of) - {"mlp"} else "must be a positive int")
     with pytest.raises(ValueError, match=match):
         jp.pruning.compact(boxed, masks, TINY, multiple_of=multiple_of)
