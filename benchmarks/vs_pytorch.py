@@ -32,6 +32,12 @@ contention (PyTorch's OpenMP threads suffer most). For a load-robust comparison 
 both on one thread and count CPU time::
 
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/vs_pytorch.py --threads 1 --clock cpu
+
+(XLA:CPU's thunk executor still runs independent operations on a second thread with that flag: pin the process to
+one core, ``taskset -c 0``, for a one-thread comparison.) The process first calls
+``jp.tools.cpu.reuse_host_memory()`` (``--no-reuse-host-memory`` skips it), as a CPU training run should: glibc then
+reuses XLA:CPU's per-step temporary buffer instead of mapping and faulting it in afresh each step (a third of
+jaxpar's step time without it, ``benchmarks/README.md``); the setting is the process's, so PyTorch runs under it too.
 """
 
 from __future__ import annotations
@@ -275,13 +281,20 @@ def parse(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--model-module", default=None,
                     help="another version of jaxpar/models/gpt.py to benchmark (e.g. a copy from before a change)")
+    ap.add_argument("--no-reuse-host-memory", dest="reuse_host_memory", action="store_false",
+                    help="skip jp.tools.cpu.reuse_host_memory() (glibc then maps and faults in XLA:CPU's temporary "
+                         "buffer afresh every step; it applies to both sides, one process)")
     ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
                     help="wall: elapsed time; cpu: this process's CPU time (robust to other load with one thread)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict:
-    out = measure(parse(argv))
+    args = parse(argv)
+    # before any device use: XLA:CPU's worker threads take their malloc arena at their first allocation
+    host = jp.tools.cpu.reuse_host_memory() if args.reuse_host_memory else None
+    out = measure(args)
+    out["reuse_host_memory"] = None if host is None else (host.settings or host.reason)
     print(json.dumps(out, indent=1))
     return out
 

@@ -27,7 +27,7 @@ def test_vs_pytorch_same_model_same_losses():
     pytest.importorskip("torch")
     import vs_pytorch
     out = vs_pytorch.main(["--rounds", "1", "--steps-per-round", "1", "--check-steps", "3", "--warmup-steps", "0",
-                           "--batch", "4", "--seq", "16", "--no-compile", *TINY_GPT])
+                           "--batch", "4", "--seq", "16", "--no-compile", "--no-reuse-host-memory", *TINY_GPT])
     counts = out["param_counts"]
     assert counts["jaxpar"] == counts["torch_eager"] > 0
     jl, tl = (np.asarray(out["results"][k]["first_losses"]) for k in ("jaxpar", "torch_eager"))
@@ -48,7 +48,7 @@ def test_vs_pytorch_against_transformers_same_losses(family):
     out = vs_pytorch.main(["--model", family, "--kv-heads", "2", "--rounds", "1", "--steps-per-round", "1",
                            "--check-steps", "3", "--warmup-steps", "0", "--batch", "4", "--seq", "16", "--no-compile",
                            "--layers", "2", "--d-model", "32", "--heads", "4", "--head-dim", "16", "--window", "8",
-                           "--d-mlp", "64", "--lr", "1e-2"])
+                           "--d-mlp", "64", "--lr", "1e-2", "--no-reuse-host-memory"])
     counts = out["param_counts"]
     assert counts["jaxpar"] == counts["torch_eager"] > 0
     assert out["model"]["num_kv_heads"] == 2 and out["cpu_model"]

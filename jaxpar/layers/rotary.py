@@ -6,8 +6,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.layers import attention as cp
+
+STATIC_ANGLES = 1 << 22
+"""The most angles (positions x ``K // 2``) :func:`rope` computes at trace time, as constants, when the positions and
+frequencies are known then (4 Mi: 16 MiB each of float32 sines and cosines; more are computed in the program)."""
 
 
 def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any = None,
@@ -21,15 +26,39 @@ def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any 
     half = K // 2
     if positions_BL is None and isinstance(offset, int) and offset == 0 and cp.positions(L) is not None:
         positions_BL = cp.positions(L)[None]   # a sequence sharded over a context axis: the zigzag slots' positions
-    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
-    if positions_BL is None:
-        pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
-    else:
-        pos_BL = positions_BL.astype(jnp.float32)
-    angle = pos_BL[..., None] * freq          # [B or 1, L, K / 2]
-    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    sin_cos = _static_sin_cos(L, half, base, offset, freq, positions_BL)
+    if sin_cos is None:
+        freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half) if freq is None else jnp.asarray(freq, jnp.float32)
+        if positions_BL is None:
+            pos_BL = jnp.arange(L, dtype=jnp.float32)[None, :] + jnp.reshape(jnp.asarray(offset, jnp.float32), (-1, 1))
+        else:
+            pos_BL = positions_BL.astype(jnp.float32)
+        angle = pos_BL[..., None] * freq          # [B or 1, L, K / 2]
+        sin_cos = jnp.sin(angle), jnp.cos(angle)
+    sin, cos = (t[:, :, None, :] for t in sin_cos)
     x1, x2 = x_BLHK[..., :half].astype(jnp.float32), x_BLHK[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
 
 
-__all__ = ["rope"]
+def _static_sin_cos(L: int, half: int, base: float, offset: Any, freq: Any, positions_BL: Any):
+    """``(sin, cos)``, numpy float32 ``[B or 1, L, half]``, where the positions (``offset`` a Python int, or numpy
+    ``positions_BL``) and the frequencies (None or numpy) are known at trace time and there are at most
+    :data:`STATIC_ANGLES` angles; else None. The angles are rounded to float32 as the traced path rounds them, their
+    sines and cosines taken in float64. Why: computed in the program, XLA:CPU fuses sin and cos into the rotation's
+    loops and evaluates them once per element of ``x`` (every batch row and head): 7% of a Llama train step on CPU
+    (``benchmarks/README.md``)."""
+    if positions_BL is None and isinstance(offset, (int, np.integer)):
+        pos = np.arange(L, dtype=np.int64)[None] + int(offset)
+    elif isinstance(positions_BL, np.ndarray):
+        pos = positions_BL
+    else:
+        return None
+    if not (freq is None or isinstance(freq, (np.ndarray, list, tuple))) or pos.size * half > STATIC_ANGLES:
+        return None
+    if freq is None:
+        freq = np.float64(base) ** (-np.arange(half, dtype=np.float64) / half)
+    angle = pos.astype(np.float32)[..., None] * np.asarray(freq, np.float32)    # float32 products, as traced
+    return np.sin(angle.astype(np.float64)).astype(np.float32), np.cos(angle.astype(np.float64)).astype(np.float32)
+
+
+__all__ = ["rope", "STATIC_ANGLES"]

@@ -1,0 +1,69 @@
+"""jp.tools.cpu.reuse_host_memory: glibc keeps and reuses XLA:CPU's per-execution temporary buffer.
+
+The effect is measured in fresh processes (the settings must precede JAX's backends): a jitted function whose
+temporary buffer is larger than glibc's mmap limits faults in every page of it on every call without the
+settings, and none with them (slow). The fast test checks the refusals in this process, whose backends started.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import jaxpar as jp
+from jaxpar.tools import cpu
+
+CHILD = r"""
+import json, resource, sys
+import jaxpar as jp
+applied = jp.tools.cpu.reuse_host_memory("cpu").applied if sys.argv[1] == "reuse" else False
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x: (jnp.sin(x[:, None] * x[None, :]) @ x).sum())    # a [N, N] float32 temporary: 100 MiB
+x = jnp.linspace(0, 1, 5120, dtype=jnp.float32)
+faults = []
+for _ in range(16):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"applied": applied, "faults": faults}))
+"""
+
+
+def test_refuses_after_backends_started_on_gpus_and_without_glibc(monkeypatch):
+    with pytest.warns(RuntimeWarning, match="after JAX's backends started"):
+        got = cpu.reuse_host_memory("cpu")            # this process has run computations
+    assert (got.applied, got.settings, got.reason) == (False, {}, "JAX's backends had started")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gpu = cpu.reuse_host_memory("gpu")
+        assert not gpu.applied and gpu.platform == "gpu" and "GPU" in gpu.reason
+        monkeypatch.setattr(cpu, "_glibc", lambda: None)
+        assert "not glibc" in cpu.reuse_host_memory("cpu").reason
+    with pytest.raises(ValueError, match="platform"):
+        cpu.reuse_host_memory("")
+    assert cpu.ENVIRONMENT["MALLOC_ARENA_MAX"] == "1" and set(cpu.MALLOPT) == {"M_ARENA_MAX", "M_MMAP_MAX",
+                                                                                "M_TRIM_THRESHOLD"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_no_page_faults_per_call_with_the_settings():
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300,
+                             env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    pages = 5120 * 5120 * 4 // 4096
+    plain, reused = run("plain"), run("reuse")
+    assert not plain["applied"] and reused["applied"]
+    # without: glibc maps the buffer afresh for every call and every page faults; with: the heap grows over the first
+    # calls (small blocks allocated between two calls land in the freed buffer, so the next one does not fit there),
+    # then every call reuses what the heap holds
+    assert min(plain["faults"]) > 0.5 * pages, plain
+    assert max(reused["faults"][-6:]) < 0.02 * pages, reused
+    assert jp.tools.cpu.reuse_host_memory is cpu.reuse_host_memory
