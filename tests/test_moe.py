@@ -250,6 +250,22 @@ def test_router_update_steps_the_bias_towards_the_underloaded_experts():
     assert float(new["dropped"][0]) == 2.0 and float(new["rate"][0]) == 0.25
 
 
+def test_capacity_priority_follows_the_tokens_positions_not_the_zigzag_layout():
+    """Sequences of 16 in context parallelism's zigzag layout over 2 devices (positions from
+    ``jaxpar.layers.attention.zigzag_order``) keep the choices the loop reference keeps in token order; counted in
+    the layout's order they would not."""
+    cfg = MoEConfig(num_experts=4, experts_per_token=2, capacity_factor=0.5)
+    choice = np.argsort(np.random.default_rng(5).random((3, 16, 4)), axis=-1)[..., :2]   # distinct per token
+    kept = ref_kept(cfg, choice.reshape(-1, 2), 16).reshape(choice.shape)
+    order = jp.layers.attention.zigzag_order(16, 2)
+    slots = jax.jit(lambda e: tuple(jp.layers.moe.capacity_slots(cfg, e, positions=p)[0] for p in (None, order)))
+    by_layout, by_position = slots(choice[:, order])
+    capacity = cfg.capacity(16)
+    assert not np.array_equal(np.asarray(by_layout) < capacity, kept[:, order]), "the case tells the orders apart"
+    np.testing.assert_array_equal(np.asarray(by_position) < capacity, kept[:, order])
+    assert capacity == 4 and not kept.all()
+
+
 def test_ragged_dot_and_its_gradients_on_this_jax():
     """``jax.lax.ragged_dot`` on this jax's CPU backend: rows past the groups give 0; both gradients equal a
     per-row gather of the expert weights."""
