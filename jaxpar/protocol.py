@@ -65,6 +65,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from jaxpar import _compat
+
 SHAPE_LEGEND: dict[str, tuple[str, str | None]] = {
     "B": ("batch (rows of a batch)", "batch"),
     "L": ("sequence positions", "seq"),
@@ -335,7 +337,11 @@ def _overwrite_fwd(x, old, new):
 
 def _overwrite_bwd(res, g):
     old, new = res
-    cast = lambda o, n: jax.lax.stop_gradient(n).astype(o.dtype)
+
+    def cast(o, n):   # a cotangent varies over the manual axes its leaf varies over (a constant new value too)
+        n = jax.lax.stop_gradient(n).astype(o.dtype)
+        missing = tuple(sorted(_compat.varying_axes(o) - _compat.varying_axes(n)))
+        return jax.lax.pcast(n, missing, to="varying") if missing else n
     return g, jax.tree.map(cast, old, new), jax.tree.map(jax.numpy.zeros_like, new)
 
 

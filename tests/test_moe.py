@@ -14,19 +14,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from helpers import assert_scalar_close, assert_tree_close
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
-from helpers import assert_scalar_close, assert_tree_close
 from jaxpar import _hlo
 from jaxpar.layers import expert_parallel
 from jaxpar.layers.moe import MoEConfig, moe_mlp, param_axes, router_state
 from jaxpar.sharding.names import EXPERTS, Rules
 
 D, F, B, L = 16, 8, 8, 8
-ROUTING = {   # top-1, top-2 (Mixtral / Qwen3-MoE), DeepSeek-V3 (sigmoid, groups, bias, scaling, shared expert)
-    "top1": dict(num_experts=8, experts_per_token=1, load_balance_coef=0.01, z_loss_coef=0.001),
+ROUTING = {   # top-1 (Switch: the probability, not renormalised, which would make it 1 and leave the router only the
+              # aux losses' gradient), top-2 (Mixtral / Qwen3-MoE), DeepSeek-V3 (sigmoid, groups, bias, scaling, shared)
+    "top1": dict(num_experts=8, experts_per_token=1, norm_topk_prob=False, load_balance_coef=0.01, z_loss_coef=0.001),
     "top2": dict(num_experts=8, experts_per_token=2, load_balance_coef=0.01, z_loss_coef=0.001),
     "deepseek": dict(num_experts=8, experts_per_token=2, router="sigmoid", num_groups=4, topk_groups=2,
                      routed_scaling_factor=2.5, num_shared_experts=1, bias_update_rate=1e-3,
@@ -143,7 +145,7 @@ _REFERENCES: dict = {}
 
 def _reference(case: Case):
     cfg, w, x, proj, state = case
-    b, l, d = x.shape
+    _, l, d = x.shape
     x_TD = x.reshape(-1, d)
     choice = ref_choices(cfg, w, x_TD, np.asarray(state["bias"], np.float64))
     kept = ref_kept(cfg, choice, l)
@@ -159,7 +161,7 @@ def _reference(case: Case):
 
 def layer_loss(cfg, proj, three_d):
     def loss(w, x, state):
-        b, l, d = x.shape
+        _, l, d = x.shape
         h = x if three_d else x.reshape(-1, d)
         y, stats = moe_mlp(cfg, w, h, state, seq_len=None if three_d else l)
         value = jnp.mean(y.reshape(-1, d) @ proj)
@@ -227,12 +229,12 @@ def test_expert_parallel_layer_equals_the_loop_reference(dispatch):
 def test_the_bias_changes_the_selection_and_not_the_weights():
     cfg, w, x, _, state = make_case("deepseek", None, "ring")
     h = jnp.asarray(x.reshape(-1, D))
-    with_bias = jp.layers.moe.route(cfg, w["router_kernel"], h, state["bias"])
-    without = jp.layers.moe.route(cfg, w["router_kernel"], h, jnp.zeros_like(state["bias"]))
+    route = jax.jit(lambda bias: jp.layers.moe.route(cfg, w["router_kernel"], h, bias))
+    with_bias, without = route(state["bias"]), route(jnp.zeros_like(state["bias"]))
     assert np.any(np.asarray(with_bias.expert) != np.asarray(without.expert)), "the bias changes the selection"
     np.testing.assert_array_equal(with_bias.expert, ref_choices(cfg, w, np.asarray(h), np.asarray(state["bias"])))
-    scores = jax.nn.sigmoid(h @ w["router_kernel"])   # and the weights are the unbiased affinities of the choice
-    chosen = jnp.take_along_axis(scores, with_bias.expert, axis=-1)
+    scores = 1 / (1 + np.exp(-np.asarray(h, np.float64) @ w["router_kernel"]))   # the weights: the unbiased
+    chosen = np.take_along_axis(scores, np.asarray(with_bias.expert), axis=-1)     # affinities of the choice
     want = cfg.routed_scaling_factor * chosen / chosen.sum(-1, keepdims=True)
     np.testing.assert_allclose(with_bias.weights, want, rtol=1e-6)
 
@@ -242,10 +244,26 @@ def test_router_update_steps_the_bias_towards_the_underloaded_experts():
            "rate": jnp.array([0.25])}
     total = {"bias": jnp.array([[9.0, 1, 3, 3]]), "load": jnp.array([[9.0, 1, 3, 3]]), "dropped": jnp.array([2.0]),
              "rate": jnp.zeros(1)}
-    new = jp.layers.moe.update_router(old, total)   # mean load 4: 9 over, 1 and 3 under
+    new = jax.jit(jp.layers.moe.update_router)(old, total)   # mean load 4: 9 over, 1 and 3 under
     np.testing.assert_array_equal(new["bias"], [[0.25, 0.25, -0.25, 0.25]])
     np.testing.assert_array_equal(new["load"], total["load"])
     assert float(new["dropped"][0]) == 2.0 and float(new["rate"][0]) == 0.25
+
+
+def test_capacity_priority_follows_the_tokens_positions_not_the_zigzag_layout():
+    """Sequences of 16 in context parallelism's zigzag layout over 2 devices (positions from
+    ``jaxpar.layers.attention.zigzag_order``) keep the choices the loop reference keeps in token order; counted in
+    the layout's order they would not."""
+    cfg = MoEConfig(num_experts=4, experts_per_token=2, capacity_factor=0.5)
+    choice = np.argsort(np.random.default_rng(5).random((3, 16, 4)), axis=-1)[..., :2]   # distinct per token
+    kept = ref_kept(cfg, choice.reshape(-1, 2), 16).reshape(choice.shape)
+    order = jp.layers.attention.zigzag_order(16, 2)
+    slots = jax.jit(lambda e: tuple(jp.layers.moe.capacity_slots(cfg, e, positions=p)[0] for p in (None, order)))
+    by_layout, by_position = slots(choice[:, order])
+    capacity = cfg.capacity(16)
+    assert not np.array_equal(np.asarray(by_layout) < capacity, kept[:, order]), "the case tells the orders apart"
+    np.testing.assert_array_equal(np.asarray(by_position) < capacity, kept[:, order])
+    assert capacity == 4 and not kept.all()
 
 
 def test_ragged_dot_and_its_gradients_on_this_jax():
@@ -258,8 +276,9 @@ def test_ragged_dot_and_its_gradients_on_this_jax():
     loss = lambda x, w: jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, sizes)))
     ref = lambda x, w: jnp.sum(jnp.sin(jnp.where((group >= 0)[:, None], jnp.einsum(
         "td,tdf->tf", x, w[np.maximum(group, 0)], precision=jax.lax.Precision.HIGHEST), 0)))
-    assert_scalar_close(loss(x, w), ref(x, w), rtol=1e-6, what="ragged_dot")
-    assert_tree_close(jax.grad(loss, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w), rtol=1e-6, what="its gradients")
+    (value, grads), (ref_value, ref_grads) = (jax.jit(jax.value_and_grad(f, (0, 1)))(x, w) for f in (loss, ref))
+    assert_scalar_close(value, ref_value, rtol=1e-6, what="ragged_dot")
+    assert_tree_close(grads, ref_grads, rtol=1e-6, what="its gradients")
 
 
 BAD = [
@@ -295,6 +314,11 @@ def test_experts_not_divisible_by_the_expert_parallel_size_and_a_bias_without_it
     assert expert_parallel.check_expert_parallel(8, mesh, rules) == 8
     with pytest.raises(ValueError, match="a router bias without the aux-free mode"):
         jp.layers.moe.check_router_bias(MoEConfig(), np.array([0, 0.1] + [0] * 6))
+    case = make_case("top2", 1.0, "ring", num_experts=4, dims=(2, 4, 8, 4))   # capacity where a device holds
+    region = jax.shard_map(lambda x: moe_mlp(case.cfg, case.w, x, None)[0], mesh=jp.make_mesh(context=8),
+                           in_specs=P(None, "context"), out_specs=P(None, "context"))   # part of each sequence
+    with pytest.raises(ValueError, match=r"manual over the sequence's mesh axes .* use dropless routing"):
+        jax.eval_shape(region, jax.ShapeDtypeStruct((2, 8, 8), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------ the matrix
@@ -329,3 +353,137 @@ def test_expert_parallel_matrix_equals_the_loop_reference(routing, capacity, dis
     what = f"{routing}, {'dropless' if capacity is None else f'capacity {capacity}'}, {dispatch}, {layout}"
     errors, _ = check_against_reference(case, what, mesh=mesh, experts=experts, three_d=three_d)
     print(f"PARITY {what}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+
+
+# ------------------------------------------------------------------------- the layer in a model, trained
+
+class MoEStack:
+    """A model defined here: a linear embedding of float features, residual MoE MLP layers stacked under
+    ``blocks`` (each with its ``moe_router`` collection), a linear head with cross-entropy."""
+    stage_key = "blocks"
+
+    def __init__(self, cfg: MoEConfig, layers: int = 2, d: int = 8, f: int = 4, features: int = 5, classes: int = 7):
+        self.cfg, self.layers, self.d, self.f, self.features, self.classes = cfg, layers, d, f, features, classes
+
+    def init(self, key):
+        keys = jax.random.split(key, self.layers + 2)
+        blocks = [jp.layers.moe.init_params(self.cfg, self.d, self.f, k) for k in keys[:self.layers]]
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *blocks)
+        stacked["moe_router"] = jax.tree.map(lambda a: jnp.stack([a] * self.layers), router_state(self.cfg))
+        return {"embed": jax.random.normal(keys[-2], (self.features, self.d)), "blocks": stacked,
+                "head": jax.random.normal(keys[-1], (self.d, self.classes)) / np.sqrt(self.d)}
+
+    def embed(self, params, inputs):
+        return inputs @ params["embed"]
+
+    def stage(self, blocks, x):
+        def layer(x, block):
+            block = dict(block)
+            y, _ = moe_mlp(self.cfg, block, x, block.pop("moe_router"))
+            return x + y, None
+        return jax.lax.scan(layer, x, blocks)[0]
+
+    def head_loss(self, params, x, targets):
+        logits = x @ params["head"]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]), {}
+
+    def loss(self, params, batch, rng=None):
+        x = self.stage(params["blocks"], self.embed(params, batch["inputs"]))
+        return self.head_loss(params, x, batch["targets"])
+
+
+def stack_batches(model: MoEStack, seed: int, n: int, rows: int = 8, seq: int = 4) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"inputs": rng.normal(size=(rows, seq, model.features)).astype(np.float32),
+             "targets": rng.integers(0, model.classes, (rows, seq), dtype=np.int32)} for _ in range(n)]
+
+
+def train_stack(model, grad_fn, mesh, batches, **kwargs):
+    """``(state, losses, the carried router state after each step)``."""
+    tx = optax.sgd(0.1)
+    state = jp.train.init_state(model.init, tx, 0, mesh=mesh, report=False, **kwargs.pop("init", {}))
+    step = jp.train.make_train_step(grad_fn, tx, mesh=mesh, donate=False, **kwargs)
+    losses, routers = [], []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+        routers.append(jax.device_get(state.carried["blocks"]["moe_router"]))
+    return state, losses, routers
+
+
+def check_routers(model, routers, batches):
+    """The carried router state after each step against a hand computation: each step's global load adds up to
+    every token's k choices in each layer, nothing is dropped when dropless (some are, with capacity), the bias
+    is the previous one plus the rate times the sign of (mean load - load) of that step's load."""
+    bias = np.zeros((model.layers, model.cfg.num_experts), np.float32)
+    rate = np.float32(model.cfg.bias_update_rate)
+    for router, batch in zip(routers, batches):
+        load = router["load"]
+        choices = batch["targets"].size * model.cfg.experts_per_token
+        np.testing.assert_array_equal(load.sum(-1), [choices] * model.layers)
+        assert np.all(router["rate"] == rate)
+        assert np.all(router["dropped"] == 0) if model.cfg.capacity_factor is None else np.any(router["dropped"] > 0)
+        bias = bias + rate * np.sign(load.mean(-1, keepdims=True) - load)
+        np.testing.assert_array_equal(router["bias"], bias)
+    assert np.any(routers[0]["bias"] != 0), "the bias moved"
+
+
+@pytest.mark.slow   # ~10 s: the step with EP 2 and accumulation, and on one device
+def test_router_state_through_the_step_with_expert_parallelism_and_accumulation_equals_one_device():
+    model = MoEStack(MoEConfig(num_experts=4, experts_per_token=2, expert_d_mlp=4, bias_update_rate=0.1))
+    batches = stack_batches(model, 4, 3)
+    mesh = jp.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    rules = ((EXPERTS, "fsdp"), *jp.sharding.DEFAULT_RULES)
+    state, losses, routers = train_stack(model, model.loss, mesh, batches, rules=rules, grad_accum_steps=2,
+                                         init={"rules": rules})
+    one = jp.make_mesh(data=1, devices=jax.devices()[:1])
+    ref, ref_losses, ref_routers = train_stack(model, model.loss, one, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_tree_close(state.params, ref.params, rtol=1e-5, what="params after two steps")
+    check_routers(model, routers, batches)
+    assert_tree_close(routers, ref_routers, rtol=0.0, what="router state")
+
+
+@pytest.mark.slow   # ~15 s each: a 1F1B pipeline of 2 stages over data=2 x pipe=2, and one device
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_moe_layers_in_a_1f1b_pipeline_equal_one_device(capacity):
+    """Inside the stages (manual over pipe and data) each device runs every expert on its rows: the pipeline
+    gathers the expert weights as any stage weight; the routers' counts are summed over microbatches and rows."""
+    model = MoEStack(MoEConfig(num_experts=4, experts_per_token=2, expert_d_mlp=4, bias_update_rate=0.1,
+                               capacity_factor=capacity))
+    batches = stack_batches(model, 5, 3)
+    mesh = jp.make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
+    pipe = jp.pipeline.Pipeline.from_model(model, jp.pipeline.one_f_one_b(2, 4))
+    rules = ((EXPERTS, "data"), *jp.sharding.DEFAULT_RULES)   # the experts' weights split over data (EP 2)
+    state, losses, routers = train_stack(model, pipe, mesh, batches, rules=rules, init={"rules": rules})
+    one = jp.make_mesh(data=1, devices=jax.devices()[:1])
+    ref, ref_losses, ref_routers = train_stack(model, model.loss, one, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_tree_close(state.params, ref.params, rtol=1e-5, what="pipelined params after two steps")
+    check_routers(model, routers, batches)
+    assert_tree_close(routers, ref_routers, rtol=0.0, what="pipelined router state")
+
+
+@pytest.mark.slow   # one compile
+@pytest.mark.parametrize("dispatch", ["ring", "all_to_all"])
+def test_layer_inside_a_region_already_manual_over_its_axes_uses_them(dispatch):
+    """Called inside a user's ``shard_map`` manual over data and fsdp, with rules still splitting the experts
+    over fsdp: the layer opens no region of its own and dispatches over the manual fsdp axis, from the whole
+    weights it is given; the loss and gradients equal the reference's."""
+    case = make_case("top2", None, dispatch, seed=7)
+    mesh = jp.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    rules = ((EXPERTS, "fsdp"), *jp.sharding.DEFAULT_RULES)
+    rows = P(("data", "fsdp"))
+
+    def loss(w, x):
+        def local(w, x):
+            y, _ = moe_mlp(case.cfg, w, x.reshape(-1, D), None, seq_len=L)
+            return jax.lax.psum(jnp.sum(y @ case.proj), ("data", "fsdp"))
+        return jax.shard_map(local, in_specs=(P(), rows), out_specs=P())(w, x) / (B * L)
+
+    with jp.sharding.use(mesh, rules):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(case.w, case.x)
+    no_aux = Case(dataclasses.replace(case.cfg, load_balance_coef=0.0, z_loss_coef=0.0), *case[1:])
+    ref_value, ref_grads, *_ = reference(no_aux)
+    assert_scalar_close(value, ref_value, rtol=1e-5, what=f"{dispatch} inside a manual region: loss")
+    assert_tree_close(grads, ref_grads, rtol=1e-5, what=f"{dispatch} inside a manual region: gradients")

@@ -21,8 +21,10 @@ The config fields the base reads: ``architecture``, ``vocab_size``, ``padded_voc
 ``kv_heads``; with ``"rms"`` ``norm_eps``; optionally ``layer_kinds()`` (one
 :class:`jaxpar.models.blocks.LayerKind` per layer: sliding windows, per-layer rotary frequencies; absent: every
 layer alike) and ``query_pre_attn_scalar`` (the attention logits' ``q.k / sqrt(this)``; absent or None:
-``head_dim``). Compaction's ``replace`` (the smaller config) is the family class's: it knows its config's field
-names. The families of :mod:`jaxpar.models.families` (Qwen2, Qwen3, Mistral, Gemma 3) share one config class.
+``head_dim``), ``moe`` (absent or None: the dense MLP; a :class:`jaxpar.layers.moe.MoEConfig`: experts in every
+block, :mod:`jaxpar.models.moe_block`). Compaction's ``replace`` (the smaller config) is the family class's: it
+knows its config's field names. The families of :mod:`jaxpar.models.families` (Qwen2, Qwen3, Mistral, Gemma 3)
+share one config class.
 """
 
 from __future__ import annotations
@@ -517,7 +519,9 @@ class Decoder:
         tokens written at ``0 .. pos`` (float32 rounding). ``start`` (int32 ``[B]``, default 0): the slot where
         each row's sequence begins (left-padded prompts), its positions counted from there and the slots before
         it never attended to. Traceable; ``pos + L <= max_len`` of the cache. Layers with a sliding window keep
-        the ring buffers :meth:`init_cache` made (:meth:`jaxpar.models.blocks.Block.decode`)."""
+        the ring buffers :meth:`init_cache` made (:meth:`jaxpar.models.blocks.Block.decode`). Experts run dropless
+        here whatever ``moe.capacity_factor`` says (:func:`jaxpar.models.moe_block.mlp`): the logits are those
+        of :meth:`apply` of the dropless config."""
         self._check_layers(params)
         tokens_BL = jnp.asarray(tokens_B, jnp.int32)
         tokens_BL = tokens_BL[:, None] if tokens_BL.ndim == 1 else tokens_BL

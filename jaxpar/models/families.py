@@ -181,7 +181,9 @@ class FamilyModel(Decoder):
     """A :class:`FamilyConfig`'s model, as pure functions over ``{"embed", "blocks", "head"}``: every part of the
     model protocol (:mod:`jaxpar.protocol`), from :class:`jaxpar.models.decoder.Decoder`. Params as the Llama's
     (:mod:`jaxpar.models.llama`) plus the family's: ``q_bias``, ``k_bias``, ``v_bias`` (Qwen2), ``q_norm_scale``,
-    ``k_norm_scale`` (Qwen3, Gemma 3), ``attn_post_norm_scale``, ``mlp_post_norm_scale`` (Gemma 3)."""
+    ``k_norm_scale`` (Qwen3, Gemma 3), ``attn_post_norm_scale``, ``mlp_post_norm_scale`` (Gemma 3). With ``moe``
+    (Mixtral is ``"mistral"`` with it, Qwen3-MoE ``"qwen3"``): the router, the experts and the router's carried
+    state instead of ``gate``/``up``/``down`` (:mod:`jaxpar.models.moe_block`)."""
 
     def replace(self, sizes: dict[tuple, int]) -> FamilyConfig:
         """The config after compaction (:func:`jaxpar.models.decoder.compact_grouped`; ``q_bias`` is compacted with

@@ -117,7 +117,9 @@ class Llama(Decoder):
     """The Llama as pure functions over ``{"embed", "blocks", "head"}``: every part of the model protocol
     (:mod:`jaxpar.protocol`), from :class:`jaxpar.models.decoder.Decoder`. ``init_cache`` keeps the G key/value
     heads: ``[layers, batch, max_len, num_kv_heads, head_dim]``; ``embed`` warns (once per config and mesh) when
-    they are replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped)."""
+    they are replicated over a ``tensor`` axis of more than one device (the rules leave ``kv_heads`` unmapped).
+    ``LlamaConfig(moe=MoEConfig(...))``: a mixture of experts in every block instead of the SwiGLU MLP
+    (:mod:`jaxpar.models.moe_block`)."""
 
     def replace(self, sizes: dict[tuple, int]) -> LlamaConfig:
         """The config after compaction (:func:`jaxpar.models.decoder.compact_grouped`): ``sizes`` maps
