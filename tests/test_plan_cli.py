@@ -76,6 +76,17 @@ def test_sweep_for_a_gpu_target_compiles_with_xla_gpu_and_recommends_a_layout(tm
     assert saved["gpu"]["target"] == "h100" and all(r["is_async"] for r in saved["gpu"]["collectives"])
 
 
+@pytest.mark.slow  # a planner sweep of the tiny mixture of experts in a subprocess (~40 s)
+def test_sweep_plans_a_mixture_of_experts_with_expert_parallelism(tmp_path):
+    proc = _run(["--model", "moe-tiny", "--devices", "4", "--global-batch", "8", "--seq-len", "16", "--max-context",
+                 "1", "--expert-parallel", "4", "--max-layouts", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"skipped \d+ layout\(s\): expert_parallel=4 but the batch axes are", proc.stdout)
+    assert re.search(r"experts: [\d.]+M params, [\d.]+M active; EP 4: ", proc.stdout)
+    (saved,) = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["experts"]["expert_parallel"] == 4 and saved["experts"]["dispatch"]["total"] > 0
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--devices", "0"], "--devices must be >= 1, got 0"),
     (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),

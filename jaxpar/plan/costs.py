@@ -36,8 +36,8 @@ import numpy as np
 
 from jaxpar.tools import metrics as _metrics
 from jaxpar._hlo import HloStats
-from jaxpar.plan.experts import flop_params
-from jaxpar.sharding.names import CONTEXT, DATA, FSDP, PIPE, TENSOR
+from jaxpar.plan.experts import expert_rules, flop_params, moe_plan
+from jaxpar.sharding.names import CONTEXT, DATA, EXPERTS, FSDP, PIPE, TENSOR
 
 _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
          "reduce-scatter": lambda g: (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
@@ -89,7 +89,7 @@ def roofline(stats: HloStats, sizes: dict[str, int], spec: GPU, across: dict[str
 
 
 def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], global_batch: int, seq_len: int,
-                  schedule: Any, spec: GPU, grad_accum_steps: int = 1) -> dict:
+                  schedule: Any, spec: GPU, grad_accum_steps: int = 1, expert_parallel: int = 1) -> dict:
     """A step time from the model's sizes alone (seconds, per device; no compilation), to rank layouts.
 
     Compute: ``k N T / (devices * peak) / (1 - bubble)`` with ``T = B L`` the step's tokens, ``k = 8`` under
@@ -103,7 +103,9 @@ def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], globa
     their gradients, ``2 v T_d D c``; context (``C > 1``, ``T_d`` then ``T / (data fsdp C)``), each device's keys and
     values passed on ``C - 1`` times per layer in the forward and their gradients in the backward (ring; the
     all-gather and its reduce-scatter move the same bytes), ``4 (C - 1) T_d G K c / t`` per layer (``G K`` the
-    key/value width). ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
+    key/value width); experts (a mixture of experts at ``expert_parallel > 1``), the dispatch's bytes over the
+    expert axes (:func:`jaxpar.plan.experts.moe_plan`) with the ring factor of their size. ``N`` counts a mixture
+    of experts' active parameters. ``step_s`` is the sum (no overlap, as ``roofline``'s ``step_s``).
     """
     n, t, f, d, p = (math.prod(sizes.values()), sizes[TENSOR], sizes[FSDP], sizes[DATA], sizes[PIPE])
     c, b = (np.dtype(x or jnp.float32).itemsize for x in (cfg.dtype, cfg.param_dtype))
@@ -125,6 +127,11 @@ def analytic_time(cfg: Any, sizes: dict[str, int], across: dict[str, int], globa
         comm[CONTEXT] = 4 * (C - 1) * cfg.num_layers / p * t_d * kv * c / t / link(CONTEXT)
     if p > 1:
         comm[PIPE] = 2 * schedule.num_chunks * t_d * cfg.d_model * c / link(PIPE)
+    if expert_parallel > 1:
+        axes = expert_rules(sizes, expert_parallel).mesh_axes(EXPERTS)
+        dispatch = moe_plan(cfg, sizes, global_batch, seq_len, expert_parallel, grad_accum_steps=grad_accum_steps)
+        comm["experts"] = (dispatch["dispatch"]["total"] / p * ring(expert_parallel)
+                           / _link(tuple(axes), across, spec))
     step = compute + sum(comm.values())
     return {"compute_s": compute, "comm_s_by_axis": comm, "step_s": step,
             "mfu": 6 * N * tokens / (step * n * spec.peak_flops)}

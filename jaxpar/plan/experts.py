@@ -55,8 +55,6 @@ from jaxpar.sharding.experts import expert_parallel_rules
 from jaxpar.sharding.names import EXPERTS, FSDP, Rules
 from jaxpar.sharding.rules import DEFAULT_RULES
 
-RING_KINDS = ("all-gather", "reduce-scatter")
-"""The collectives of the ring dispatch (:func:`dispatch_bytes`)."""
 # op_name metadata of the experts' matmuls in a compiled program: jax.lax.ragged_dot (dropless) and the capacity
 # buffers' batched einsums (jaxpar.layers.expert_parallel.swiglu_buffers)
 _RAGGED = "ragged_dot"
@@ -228,8 +226,9 @@ def expert_dots(text: str) -> dict:
     ``kernel`` the fusion kind running it, e.g. ``__triton_nested_gemm_fusion`` on GPU); ``grouped_gemm_calls`` the
     custom calls whose target names a grouped or ragged GEMM (none: ``ragged_dot`` became dense dots).
 
-    On XLA:CPU jax decomposes ``ragged_dot`` before XLA sees it (its dots are named ``dot_general``), so only a GPU
-    program's ragged dots are found; the capacity buffers' einsums are found in both."""
+    Read GPU programs with it: XLA:GPU keeps every dot's ``op_name``. On XLA:CPU jax decomposes ``ragged_dot``
+    before XLA sees it (its dots are named ``dot_general``), and XLA:CPU's passes drop the metadata of many dots
+    of a whole train step (the capacity buffers' among them), so a CPU program's rows are incomplete."""
     comps, entry = _hlo.parse_module(text)
     runs = _hlo.runs_per_computation(comps, entry)
     kernels = fusion_kinds(comps)
@@ -293,16 +292,16 @@ def check_experts(cfg: Any, sizes: dict[str, int], expert_parallel: int) -> None
 
 
 def compiled_experts(cfg: Any, sizes: dict[str, int], global_batch: int, seq_len: int, expert_parallel: int,
-                     grad_accum_steps: int, text: str) -> dict | None:
+                     grad_accum_steps: int, text: str, gpu: bool) -> dict | None:
     """A plan's ``experts`` entry (None for a dense model): :func:`moe_plan` with ``compiled``, what the compiled
-    program ``text`` holds: ``dots`` (:func:`expert_dots`) and ``dispatch`` (:func:`dispatch_collectives` over
-    the expert axes)."""
+    program ``text`` holds: ``dispatch`` (:func:`dispatch_collectives` over the expert axes) and, for a ``gpu``
+    program, ``dots`` (:func:`expert_dots`; None for an XLA:CPU one, whose dots lose their names)."""
     if getattr(cfg, "moe", None) is None:
         return None
     out = moe_plan(cfg, sizes, global_batch, seq_len, expert_parallel, grad_accum_steps=grad_accum_steps)
     axes = expert_rules(sizes, expert_parallel).mesh_axes(EXPERTS)
     axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
-    out["compiled"] = {"dots": expert_dots(text),
+    out["compiled"] = {"dots": expert_dots(text) if gpu else None,
                        "dispatch": dispatch_collectives(text, sizes, axes) if axes else {}}
     return out
 
@@ -321,6 +320,6 @@ def report_line(experts: dict) -> str:
             f"{f['useful']:.3e}{lowered}")
 
 
-__all__ = ["RING_KINDS", "check_experts", "compiled_experts", "dispatch_bytes", "dispatch_collectives", "expert_dots",
+__all__ = ["check_experts", "compiled_experts", "dispatch_bytes", "dispatch_collectives", "expert_dots",
            "expert_flops", "expert_memory", "expert_rules", "flop_params", "moe_plan", "param_counts", "report_line",
            "tokens_per_device"]

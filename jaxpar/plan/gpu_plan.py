@@ -108,12 +108,12 @@ def plan_on_target(model_config: Any, sizes: dict[str, int], target: Any, global
         collectives=collectives, time=replay, fits=fits, needed_bytes=needed, available_bytes=available,
         advice=advice, compile_s=compile_s,
         analytic_time=analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, target.gpu,
-                                    grad_accum_steps),
+                                    grad_accum_steps, expert_parallel),
         gpu={"target": target.name, "topology": target.topology, "config_source": target.config_source,
              "collectives": gpu_program.collectives(text, shape), "dots": gpu_program.dots(text),
              "attention": gpu_program.attention_kernel(text)},
         experts=plan_experts.compiled_experts(cfg, sizes, global_batch, seq_len, expert_parallel, grad_accum_steps,
-                                              text))
+                                              text, gpu=True))
 
 
 __all__ = ["plan_on_target", "resolve_target"]

@@ -146,9 +146,9 @@ def _plan_here(model_config, sizes, global_batch, seq_len, schedule, spec, grad_
                 collectives=collectives, time=roofline(stats, sizes, spec, across, model_flops), fits=fits,
                 needed_bytes=needed, available_bytes=available, advice=advice, compile_s=compile_s,
                 analytic_time=analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec,
-                                            grad_accum_steps),
+                                            grad_accum_steps, expert_parallel),
                 experts=plan_experts.compiled_experts(cfg, sizes, global_batch, seq_len, expert_parallel,
-                                                      grad_accum_steps, text))
+                                                      grad_accum_steps, text, gpu=False))
 
 
 def _plan_in_subprocess(args: tuple, n: int, timeout: float) -> Plan:
@@ -221,7 +221,8 @@ def estimate(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: 
     fits, available, advice = _fit(cfg, sizes, parts, needed, spec, memory_fraction, global_batch, seq_len,
                                    schedule, grad_accum_steps, gpus_per_host)
     return {"memory": parts, "needed_bytes": needed, "available_bytes": available, "fits": fits, "advice": advice,
-            "time": analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec, grad_accum_steps)}
+            "time": analytic_time(cfg, sizes, across, global_batch, seq_len, schedule, spec, grad_accum_steps,
+                                  expert_parallel)}
 
 
 def plan(model_config: Any, mesh_shape: Any, *, global_batch: int, seq_len: int, schedule: Any = None,

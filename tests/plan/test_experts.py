@@ -130,3 +130,20 @@ def test_dispatch_bytes_match_the_compiled_layer(dispatch, capacity, ep):
     got, want = check_dispatch(moe, jp.make_mesh(data=2, fsdp=4), ep)
     assert want and all(got.get(k, 0) >= v > 0 for k, v in want.items())
 
+
+
+@pytest.mark.slow  # one XLA:CPU compile of a 2-layer MoE Llama step (~10 CPU-s)
+def test_plan_of_a_moe_llama_counts_active_flops_and_its_dispatch():
+    """jp.plan.plan(..., expert_parallel=8) on data=8: the step's ring dispatch over data equals the formula for
+    2 layers (GSPMD may add the router statistics' gather, experts being on every batch axis); the model FLOPs
+    count the active parameters; the analytic step time has the dispatch's term."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1.25))
+    plan = jp.plan.plan(cfg, dict(data=8), global_batch=16, seq_len=16, expert_parallel=8)
+    x = plan.experts
+    got = x["compiled"]["dispatch"]
+    for kind in ("all-gather", "reduce-scatter"):
+        want = x["dispatch"]["forward"][kind] + x["dispatch"]["backward"][kind]
+        assert 0 <= got[kind] - want <= 2 * 16 * 16 * MOE.num_experts * 4, (kind, got, x["dispatch"])
+    assert plan.flops["model"] == 6 * CFG.active_params() * 16 * 16 / 8 < 6 * CFG.num_params() * 16 * 16 / 8
+    assert plan.analytic_time["comm_s_by_axis"]["experts"] > 0
+    assert "experts: " in plan.report() and "EP 8" in plan.report()
