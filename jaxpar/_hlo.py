@@ -592,12 +592,7 @@ def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
 
 __all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "NO_TRAFFIC", "Walker", "analyze",
            "array_dims", "attribute", "callees", "collective_counts", "collective_payload", "collective_sites",
-<<<<<<< HEAD
            "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "op_name", "operand_bytes",
            "parse_module", "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes",
-           "shape_bytes", "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]
-=======
-           "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "operand_bytes", "parse_module",
-           "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes",
-           "sharding_constraints", "stablehlo_dots", "stablehlo_reductions", "trip_count", "upcast_copies"]
->>>>>>> s4-moe
+           "shape_bytes", "sharding_constraints", "stablehlo_dots", "stablehlo_reductions", "trip_count",
+           "upcast_copies"]
