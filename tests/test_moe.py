@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_scalar_close, assert_tree_close
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar import _hlo
@@ -250,6 +250,22 @@ def test_router_update_steps_the_bias_towards_the_underloaded_experts():
     assert float(new["dropped"][0]) == 2.0 and float(new["rate"][0]) == 0.25
 
 
+def test_capacity_priority_follows_the_tokens_positions_not_the_zigzag_layout():
+    """Sequences of 16 in context parallelism's zigzag layout over 2 devices (positions from
+    ``jaxpar.layers.attention.zigzag_order``) keep the choices the loop reference keeps in token order; counted in
+    the layout's order they would not."""
+    cfg = MoEConfig(num_experts=4, experts_per_token=2, capacity_factor=0.5)
+    choice = np.argsort(np.random.default_rng(5).random((3, 16, 4)), axis=-1)[..., :2]   # distinct per token
+    kept = ref_kept(cfg, choice.reshape(-1, 2), 16).reshape(choice.shape)
+    order = jp.layers.attention.zigzag_order(16, 2)
+    slots = jax.jit(lambda e: tuple(jp.layers.moe.capacity_slots(cfg, e, positions=p)[0] for p in (None, order)))
+    by_layout, by_position = slots(choice[:, order])
+    capacity = cfg.capacity(16)
+    assert not np.array_equal(np.asarray(by_layout) < capacity, kept[:, order]), "the case tells the orders apart"
+    np.testing.assert_array_equal(np.asarray(by_position) < capacity, kept[:, order])
+    assert capacity == 4 and not kept.all()
+
+
 def test_ragged_dot_and_its_gradients_on_this_jax():
     """``jax.lax.ragged_dot`` on this jax's CPU backend: rows past the groups give 0; both gradients equal a
     per-row gather of the expert weights."""
@@ -298,6 +314,11 @@ def test_experts_not_divisible_by_the_expert_parallel_size_and_a_bias_without_it
     assert expert_parallel.check_expert_parallel(8, mesh, rules) == 8
     with pytest.raises(ValueError, match="a router bias without the aux-free mode"):
         jp.layers.moe.check_router_bias(MoEConfig(), np.array([0, 0.1] + [0] * 6))
+    case = make_case("top2", 1.0, "ring", num_experts=4, dims=(2, 4, 8, 4))   # capacity where a device holds
+    region = jax.shard_map(lambda x: moe_mlp(case.cfg, case.w, x, None)[0], mesh=jp.make_mesh(context=8),
+                           in_specs=P(None, "context"), out_specs=P(None, "context"))   # part of each sequence
+    with pytest.raises(ValueError, match=r"manual over the sequence's mesh axes .* use dropless routing"):
+        jax.eval_shape(region, jax.ShapeDtypeStruct((2, 8, 8), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------ the matrix
@@ -441,3 +462,28 @@ def test_moe_layers_in_a_1f1b_pipeline_equal_one_device(capacity):
     assert_tree_close(state.params, ref.params, rtol=1e-5, what="pipelined params after two steps")
     check_routers(model, routers, batches)
     assert_tree_close(routers, ref_routers, rtol=0.0, what="pipelined router state")
+
+
+@pytest.mark.slow   # one compile
+@pytest.mark.parametrize("dispatch", ["ring", "all_to_all"])
+def test_layer_inside_a_region_already_manual_over_its_axes_uses_them(dispatch):
+    """Called inside a user's ``shard_map`` manual over data and fsdp, with rules still splitting the experts
+    over fsdp: the layer opens no region of its own and dispatches over the manual fsdp axis, from the whole
+    weights it is given; the loss and gradients equal the reference's."""
+    case = make_case("top2", None, dispatch, seed=7)
+    mesh = jp.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    rules = ((EXPERTS, "fsdp"), *jp.sharding.DEFAULT_RULES)
+    rows = P(("data", "fsdp"))
+
+    def loss(w, x):
+        def local(w, x):
+            y, _ = moe_mlp(case.cfg, w, x.reshape(-1, D), None, seq_len=L)
+            return jax.lax.psum(jnp.sum(y @ case.proj), ("data", "fsdp"))
+        return jax.shard_map(local, in_specs=(P(), rows), out_specs=P())(w, x) / (B * L)
+
+    with jp.sharding.use(mesh, rules):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(case.w, case.x)
+    no_aux = Case(dataclasses.replace(case.cfg, load_balance_coef=0.0, z_loss_coef=0.0), *case[1:])
+    ref_value, ref_grads, *_ = reference(no_aux)
+    assert_scalar_close(value, ref_value, rtol=1e-5, what=f"{dispatch} inside a manual region: loss")
+    assert_tree_close(grads, ref_grads, rtol=1e-5, what=f"{dispatch} inside a manual region: gradients")

@@ -48,7 +48,7 @@ DISPATCHES = ("ring", "all_to_all")
 
 # ------------------------------------------------------------------------------------------ local experts
 
-def swiglu_grouped(x_RD: jax.Array, sizes_E: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
+def _swiglu_grouped(x_RD: jax.Array, sizes_E: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
     """``[R, D]`` rows sorted by expert (``sizes_E`` rows for each, int32, total <= R) through their expert's
     SwiGLU ``(silu(x Wg) * (x Wu)) Wd`` with ``jax.lax.ragged_dot``; rows past the total give 0."""
     gate = jax.lax.ragged_dot(x_RD, wg_EDF, sizes_E)
@@ -56,21 +56,21 @@ def swiglu_grouped(x_RD: jax.Array, sizes_E: jax.Array, wg_EDF, wu_EDF, wd_EFD) 
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, wd_EFD, sizes_E)
 
 
-def dropless_rows(x_TD: jax.Array, token_R: jax.Array, expert_R: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
+def _dropless_rows(x_TD: jax.Array, token_R: jax.Array, expert_R: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
     """Row ``r`` of the result ``[R, D]``: expert ``expert_R[r]``'s SwiGLU of token ``x_TD[token_R[r]]``; a row whose
-    expert is outside ``[0, E)`` (another device's expert) gives 0. Sorts by expert, :func:`swiglu_grouped`,
+    expert is outside ``[0, E)`` (another device's expert) gives 0. Sorts by expert, :func:`_swiglu_grouped`,
     unsorts."""
     E = wg_EDF.shape[0]
     mine = (expert_R >= 0) & (expert_R < E)
     key = jnp.where(mine, expert_R, E)                      # other devices' choices sort last, outside every group
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=E + 1)[:E].astype(jnp.int32)
-    out = swiglu_grouped(x_TD[token_R[order]], sizes, wg_EDF, wu_EDF, wd_EFD)
+    out = _swiglu_grouped(x_TD[token_R[order]], sizes, wg_EDF, wu_EDF, wd_EFD)
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return jnp.where(mine[:, None], out[unsort], 0)
 
 
-def swiglu_buffers(x_GECD: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
+def _swiglu_buffers(x_GECD: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
     """Capacity buffers ``[..., E, C, D]`` through each expert's SwiGLU as batched matmuls (an empty slot, 0,
     gives 0: no biases)."""
     gate = jnp.einsum("...ecd,edf->...ecf", x_GECD, wg_EDF)
@@ -78,26 +78,26 @@ def swiglu_buffers(x_GECD: jax.Array, wg_EDF, wu_EDF, wd_EFD) -> jax.Array:
     return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(gate) * up, wd_EFD)
 
 
-def buffers_in(x_TD: jax.Array, token_R: jax.Array, slot_R: jax.Array, size: int) -> jax.Array:
+def _buffers_in(x_TD: jax.Array, token_R: jax.Array, slot_R: jax.Array, size: int) -> jax.Array:
     """``[size, D]`` flat capacity buffers: token ``x_TD[token_R[r]]`` at ``slot_R[r]`` (-1: nowhere), zeros
     elsewhere."""
     where = jnp.where(slot_R >= 0, slot_R, size)            # out of bounds: dropped by the scatter
     return jnp.zeros((size, x_TD.shape[-1]), x_TD.dtype).at[where].set(x_TD[token_R], mode="drop")
 
 
-def buffers_out(out_SD: jax.Array, slot_R: jax.Array) -> jax.Array:
+def _buffers_out(out_SD: jax.Array, slot_R: jax.Array) -> jax.Array:
     """Each row's output read back from its flat buffer slot (``-1``: 0)."""
     where = jnp.where(slot_R >= 0, slot_R, out_SD.shape[0])
     return out_SD.at[where].get(mode="fill", fill_value=0)
 
 
-def combine(rows_RD: jax.Array, weights_TK: jax.Array) -> jax.Array:
+def _combine(rows_RD: jax.Array, weights_TK: jax.Array) -> jax.Array:
     """The tokens' outputs ``[T, D]`` float32: each token's ``k`` choice rows (row ``t * k + j``) weighted."""
     T, k = weights_TK.shape
     return jnp.einsum("tk,tkd->td", weights_TK, rows_RD.reshape(T, k, -1).astype(jnp.float32))
 
 
-def capacity_slot(expert_TK: jax.Array, slot_TK: jax.Array, group_rows: int, experts: int, capacity: int):
+def _capacity_slot(expert_TK: jax.Array, slot_TK: jax.Array, group_rows: int, experts: int, capacity: int):
     """Flat buffer slots ``[T * k]`` of ``[T / group_rows, experts, capacity]`` buffers: ``(group, expert, slot)`` of
     each choice whose expert is in ``[0, experts)`` and whose slot is below ``capacity``, else -1."""
     group = (jnp.arange(expert_TK.shape[0], dtype=jnp.int32) // group_rows)[:, None]
@@ -127,13 +127,13 @@ def _ring(x_TD, expert_TK, weights_TK, slot_TK, w, *, ep_axes, n, capacity, grou
     T, k = expert_TK.shape
     token = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
     if slot_TK is None:
-        rows = dropless_rows(x_TD, token, local.reshape(-1), *w)
+        rows = _dropless_rows(x_TD, token, local.reshape(-1), *w)
     else:
-        flat = capacity_slot(local, slot_TK, group_rows, E_loc, capacity)
+        flat = _capacity_slot(local, slot_TK, group_rows, E_loc, capacity)
         size = T // group_rows * E_loc * capacity
-        out = swiglu_buffers(buffers_in(x_TD, token, flat, size).reshape(-1, E_loc, capacity, x_TD.shape[-1]), *w)
-        rows = buffers_out(out.reshape(size, -1), flat)
-    y = combine(rows, weights_TK)
+        out = _swiglu_buffers(_buffers_in(x_TD, token, flat, size).reshape(-1, E_loc, capacity, x_TD.shape[-1]), *w)
+        rows = _buffers_out(out.reshape(size, -1), flat)
+    y = _combine(rows, weights_TK)
     return jax.lax.psum_scatter(y, ep_axes, scatter_dimension=0, tiled=True) if ep_axes else y
 
 
@@ -144,11 +144,11 @@ def _all_to_all(x_TD, expert_TK, weights_TK, slot_TK, w, *, ep_axes, n, capacity
     swap = (lambda a: jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)) if ep_axes else (lambda a: a)
     token = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
     if slot_TK is not None:   # GShard: the [groups, E, C, D] buffers, split by expert to the experts' devices
-        flat = capacity_slot(expert_TK, slot_TK, group_rows, n * E_loc, capacity)
+        flat = _capacity_slot(expert_TK, slot_TK, group_rows, n * E_loc, capacity)
         G, size = T // group_rows, T // group_rows * n * E_loc * capacity
-        buf = buffers_in(x_TD, token, flat, size).reshape(G, n, E_loc, capacity, D).transpose(1, 0, 2, 3, 4)
-        out = swap(swiglu_buffers(swap(buf), *w)).transpose(1, 0, 2, 3, 4)
-        return combine(buffers_out(out.reshape(size, D), flat), weights_TK)
+        buf = _buffers_in(x_TD, token, flat, size).reshape(G, n, E_loc, capacity, D).transpose(1, 0, 2, 3, 4)
+        out = swap(_swiglu_buffers(swap(buf), *w)).transpose(1, 0, 2, 3, 4)
+        return _combine(_buffers_out(out.reshape(size, D), flat), weights_TK)
     # dropless: every choice to its expert's device, in a buffer per destination sized for all R of them
     R = T * k
     dest, local = jnp.divmod(expert_TK.reshape(-1), E_loc)
@@ -157,9 +157,9 @@ def _all_to_all(x_TD, expert_TK, weights_TK, slot_TK, w, *, ep_axes, n, capacity
     sent = jnp.zeros((n, R, D), x_TD.dtype).at[dest, slot].set(x_TD[token])
     sent_expert = jnp.full((n, R), E_loc, jnp.int32).at[dest, slot].set(local)   # E_loc: an empty row
     got, got_expert = swap(sent), swap(sent_expert)
-    rows = dropless_rows(got.reshape(n * R, D), jnp.arange(n * R, dtype=jnp.int32), got_expert.reshape(-1), *w)
+    rows = _dropless_rows(got.reshape(n * R, D), jnp.arange(n * R, dtype=jnp.int32), got_expert.reshape(-1), *w)
     back = swap(rows.reshape(n, R, D))
-    return combine(back[dest, slot], weights_TK)
+    return _combine(back[dest, slot], weights_TK)
 
 
 # --------------------------------------------------------------------------------------- the manual region
@@ -267,6 +267,4 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
     return f(x, expert, weights, slot, *w)
 
 
-__all__ = ["DISPATCHES", "buffers_in", "buffers_out", "capacity_slot", "check_expert_parallel", "combine",
-           "current_rules", "dispatch", "dropless_rows", "expert_axes", "manual_axes", "swiglu_buffers",
-           "swiglu_grouped"]
+__all__ = ["DISPATCHES", "check_expert_parallel", "current_rules", "dispatch", "expert_axes", "manual_axes"]

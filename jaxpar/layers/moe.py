@@ -8,7 +8,10 @@
 * **Routed experts** (SwiGLU, weights stacked ``[E, ...]``), dropless by default: the choices sorted by expert and
   ``jax.lax.ragged_dot``; or GShard's capacity mode (Lepikhin et al. 2020): ``ceil(capacity_factor * L * k / E)``
   slots per expert per sequence, first choices before second choices and earlier positions first, a choice past
-  its expert's capacity dropped (it adds 0). Expert parallelism and the dispatches: :mod:`expert_parallel`.
+  its expert's capacity dropped (it adds 0). The group is the batch row of L tokens (GShard's per-sequence
+  groups), fixed whatever the mesh: under context parallelism the priority follows the tokens' true positions
+  (``capacity_slots(positions=)``), so every layout drops the choices one device drops; packed documents share
+  their row's slots, earlier documents first. Expert parallelism and the dispatches: :mod:`expert_parallel`.
 * **Auxiliary losses**: the Switch/GShard load-balancing loss ``E * sum_i f_i P_i`` (Fedus et al. 2021, eq. 4:
   ``f_i`` the fraction of the choices routed to expert i, ``P_i`` its mean router probability) and the router
   z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al. 2022, eq. 5), returned for the model's loss.
@@ -52,7 +55,7 @@ class MoEConfig:
       num_shared_experts: dense SwiGLU experts every token passes through; shared_d_mlp: their total width (0:
         ``num_shared_experts * F_e``).
       capacity_factor: None: dropless; > 0: GShard capacity mode, ``ceil(capacity_factor * L * k / E)`` slots
-        per expert per sequence of L tokens.
+        per expert per batch row of L tokens (packed documents share their row's), whatever the mesh.
       load_balance_coef, z_loss_coef: the auxiliary losses' weights in the model's loss (>= 0).
       bias_update_rate: gamma of the aux-loss-free bias step (1e-3 in DeepSeek-V3; 0: the bias stays 0).
       dispatch: the expert-parallel dispatch, one of :data:`jaxpar.layers.expert_parallel.DISPATCHES`.
@@ -233,19 +236,37 @@ def route(cfg: MoEConfig, router_kernel_DE: jax.Array, h: jax.Array, bias_E: jax
     return Routing(expert, weights * cfg.routed_scaling_factor, probs, logits)
 
 
-def capacity_slots(cfg: MoEConfig, expert: jax.Array, seq_len: int | None = None) -> tuple[jax.Array, int]:
+def capacity_slots(cfg: MoEConfig, expert: jax.Array, seq_len: int | None = None,
+                   positions: Any = None) -> tuple[jax.Array, int]:
     """``(slot, capacity)``: each choice's position in its expert's buffer (GShard priority: within a sequence,
     every first choice before any second choice, earlier positions first) and the slots per expert per
     sequence; a choice with ``slot >= capacity`` is dropped.
 
     ``expert``: ``[B, L, k]`` (sequences of L) or ``[T, k]`` (sequences of ``seq_len`` rows; None: one of T).
+    ``positions``: int ``[L]``, the position in its sequence of the token each of a sequence's L rows holds (a
+    permutation of ``0 .. L-1``, the same for every sequence: the zigzag layout of context parallelism,
+    :func:`jaxpar.layers.attention.positions`); priority follows it, so the choices kept are those of the tokens
+    in order whatever the layout. None: the rows are in order.
+
+    Raises:
+      ValueError: ``positions`` not of shape ``[L]``.
     """
     shape, k, E = expert.shape, expert.shape[-1], cfg.num_experts
     L = shape[1] if expert.ndim == 3 else (seq_len or shape[0])
     grouped = expert.reshape(-1, L, k)
+    if positions is not None:
+        if np.shape(positions) != (L,):
+            raise ValueError(f"capacity_slots: positions of shape {np.shape(positions)}; give each of the {L} rows of "
+                             "a sequence its position in the sequence, int [L]")
+        # rows in sequence order for the running count; the inverse permutation of a host array stays static
+        order = np.argsort(positions) if isinstance(positions, np.ndarray) else jnp.argsort(positions)
+        grouped = jnp.take(grouped, order, axis=1)
     one = jax.nn.one_hot(grouped.transpose(0, 2, 1).reshape(grouped.shape[0], k * L), E, dtype=jnp.int32)
     slot = jnp.sum((jnp.cumsum(one, axis=1) - 1) * one, axis=-1)          # [G, k * L], rank-major order
-    return slot.reshape(-1, k, L).transpose(0, 2, 1).reshape(shape), cfg.capacity(L)
+    slot = slot.reshape(-1, k, L).transpose(0, 2, 1)
+    if positions is not None:   # back to the rows' layout: row s holds the token at positions[s]
+        slot = jnp.take(slot, positions, axis=1)
+    return slot.reshape(shape), cfg.capacity(L)
 
 
 # ----------------------------------------------------------------------------------------------- the layer
@@ -272,7 +293,7 @@ def _swiglu(h, gate_DF, up_DF, down_FD):
 
 
 def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, *, mesh: Any = None,
-            rules: Any = None, seq_len: int | None = None) -> tuple[jax.Array, MoEStats]:
+            rules: Any = None, seq_len: int | None = None, positions: Any = None) -> tuple[jax.Array, MoEStats]:
     """The mixture-of-experts MLP of tokens ``h`` (module docstring).
 
     Args:
@@ -283,6 +304,8 @@ def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, 
       mesh, rules: default the abstract mesh and the logical rules jaxpar traces under (expert parallelism where
         the rules split ``experts``: :mod:`expert_parallel`).
       seq_len: capacity mode with ``[T, D]`` tokens: the rows of one sequence (None: T is one sequence).
+      positions: capacity mode: int ``[L]``, the position in its sequence of each of a sequence's rows (the zigzag
+        layout of context parallelism; :func:`capacity_slots`); None: the rows are in order.
 
     Returns:
       ``(y, stats)``: ``y`` of ``h``'s shape and dtype; :class:`MoEStats`, global over the axes GSPMD or this
@@ -303,7 +326,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, 
             raise ValueError("MoE capacity mode counts slots per sequence, but this region is manual over the "
                              f"sequence's mesh axes {seq_axes} (a device holds part of each sequence): use dropless "
                              "routing (capacity_factor=None) here")
-        slot, capacity = capacity_slots(cfg, routing.expert, seq_len)
+        slot, capacity = capacity_slots(cfg, routing.expert, seq_len, positions)
         dropped = jnp.sum(slot >= capacity).astype(jnp.float32)
     experts = tuple(w[f"experts_{p}_kernel"].astype(h.dtype) for p in ("gate", "up", "down"))
     y = expert_parallel.dispatch(h, routing.expert, routing.weights, slot, experts, num_experts=cfg.num_experts,

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.layers import attention as cp
 from jaxpar.layers import moe as moe_layer
 from jaxpar.layers.moe import MoEConfig, MoEStats
 from jaxpar.sharding.names import EXPERTS
@@ -66,13 +67,23 @@ def declare(module: Any, param: Callable[..., Any], out_std: float) -> tuple[dic
     """In :class:`jaxpar.models.blocks.Block`'s ``setup``: ``(weights, carried)``, the MoE params
     (:func:`jaxpar.layers.moe.param_shapes` and ``param_axes``, declared by ``param(module, name, shape, names,
     std)``, the block's own; the down projections with the block's ``out_std``) and the ``moe_router`` collection
-    (:func:`jaxpar.layers.moe.router_state`; None when the params applied hold none: inference from params
-    without carried state, the bias taken as 0)."""
+    (:func:`jaxpar.layers.moe.router_state`; None when the params applied hold none and the config has no
+    aux-loss-free bias: inference from params without carried state, the bias 0 as it stays without updates).
+
+    Raises:
+      ValueError: params without the router state for a config with ``bias_update_rate > 0`` (their selection
+        bias, in ``TrainState.carried``, would be taken as 0: other experts than training chose).
+    """
     c = module.cfg
     axes = moe_layer.param_axes(c.moe)
     w = {name: param(module, name, shape, axes[name], out_std if name.endswith("down_kernel") else c.init_std)
          for name, shape in moe_layer.param_shapes(c.moe, c.d_model, c.mlp_dim).items()}
     if not module.is_initializing() and not module.has_variable("params", CARRIED):
+        if c.moe.bias_update_rate:
+            raise ValueError(f"the params hold no router state ({CARRIED!r}), but the config's MoE has "
+                             f"bias_update_rate={c.moe.bias_update_rate}: its selection bias lives in the train "
+                             "state's carried state; apply jp.train.carried.merge(params, state.carried) (the params "
+                             "jp.train.to_model_order(state).params with it put back)")
         return w, None
     return w, module.param(CARRIED, lambda _: moe_layer.router_state(c.moe))
 
@@ -83,6 +94,11 @@ def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, seq_len:
     sequences of ``seq_len``: ``(y_TD, stats)``. The experts' and shared kernels go in the compute ``dtype``, the
     router's as stored (its math is float32).
 
+    Capacity mode counts each row's slots in its tokens' order: with the sequence over a context axis the rows
+    arrive in the zigzag layout, so the layer is given each row's position (:func:`jaxpar.layers.attention.positions`)
+    and drops the choices one device drops. Packed documents share their row's capacity (the row is the group, as
+    GShard's sequence; their own ``positions`` restart per document and do not order the row).
+
     ``decode``: a cached generation step or prefill runs dropless whatever ``capacity_factor`` says: the capacity
     counts choices per sequence, so a step of one token per row would drop other tokens than the whole sequence
     did; dropless gives every token its ``k`` experts, as Mixtral and Qwen3-MoE compute (they never drop).
@@ -90,9 +106,11 @@ def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, seq_len:
     moe = cfg.moe
     if decode and moe.capacity_factor is not None:
         moe = dataclasses.replace(moe, capacity_factor=None)
+    order = cp.positions(seq_len) if moe.capacity_factor is not None else None   # None: no context axis
     w = {k: v if k == "router_kernel" else v.astype(dtype) for k, v in weights.items()}
     # plain dicts (a Linen module's attributes hand them back frozen), the structure of the layer's new values
-    return moe_layer.moe_mlp(moe, w, h_TD, None if carried is None else dict(carried), seq_len=seq_len)
+    return moe_layer.moe_mlp(moe, w, h_TD, None if carried is None else dict(carried), seq_len=seq_len,
+                             positions=order)
 
 
 def zero_stats(cfg: Any) -> MoEStats:

@@ -13,7 +13,8 @@ never reaches the optimizer. Each microbatch starts from the same old value; the
 declared rule (:data:`jaxpar.protocol.COMBINES`) over accumulation microbatches (:func:`start`, :func:`add`,
 :func:`finish`), over pipeline microbatches (:func:`reduce_microbatches`) and over the batch shards of a manual
 region (:func:`reduce_shards`); under GSPMD a reduction over the batch is already global. ``"sum"``'s value is an
-increment: the step adds it to the old value (:func:`apply`).
+increment: the step adds it to the old value (:func:`apply`); a collection declared with ``update`` gets
+``update(old, combined)`` instead (the MoE router's bias step).
 
 A ``"loss"`` collection (a Linen collection beside ``params``, NNX variables that are not ``nnx.Param``) is the
 state's ``model_state``: the loss takes and returns it, and microbatches read it in order (``"last"``).

@@ -22,9 +22,9 @@ from helpers import (SMALL_LLAMA, assert_hf_logits_and_save, assert_scalar_close
 
 import jaxpar as jp
 from jaxpar.layers.moe import MoEConfig
-from jaxpar.models import FamilyConfig, Llama, hf
+from jaxpar.models import FamilyConfig, FamilyModel, Llama, hf
 from jaxpar.models.hf.config import _arch
-from jaxpar.models.hf.moe import check_save_moe, moe_config
+from jaxpar.models.hf.moe import check_save_moe, moe_config, moe_hf_config
 
 V, SEQ = 97, 12
 BASE = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -113,8 +113,15 @@ def test_load_onto_a_mesh_with_experts_split_then_fine_tune_one_step(tmp_path, m
     batch = gpt_batch(np.random.default_rng(5), 8, model.cfg, seq_len=SEQ)
     want = model.loss(whole, batch)[0]
     state = jp.train.init_state(lambda rng: hf.with_names(model, sharded), optax.sgd(0.1), 0, mesh=mesh, rules=rules)
-    _, metrics = jp.train.make_train_step(model.loss, optax.sgd(0.1), mesh=mesh, rules=rules)(state, batch)
+    state, metrics = jp.train.make_train_step(model.loss, optax.sgd(0.1), mesh=mesh, rules=rules)(state, batch)
     assert_scalar_close(metrics["loss"], want, what="fine-tuning step loss")
+    tuned = jax.device_get(jp.train.to_model_order(state).params)   # the optimizer's params: no router state
+    hf.save(model, tuned, str(tmp_path / "tuned"))
+    back = type(ref).from_pretrained(tmp_path / "tuned").eval()
+    tokens = np.asarray(batch["inputs"][:2])
+    with torch.no_grad():
+        theirs = back(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.apply(tuned, jnp.asarray(tokens)))[..., :V], theirs, atol=1e-4)
 
 
 @pytest.mark.slow   # ~10 s
@@ -133,6 +140,39 @@ def test_cached_decoding_of_a_capacity_model_is_dropless():
     np.testing.assert_allclose(prefill, full[:, 7], atol=1e-5)
     np.testing.assert_allclose(step, full[:, 8], atol=1e-5)
     assert float(jnp.abs(capped - full).max()) > 1e-3, "capacity 0.5 drops choices in apply"
+
+
+def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path, mesh_factory):
+    """``save_pretrained(save_original_format=False)`` writes the experts fused as transformers' modules hold them
+    (``gate_up_proj [E, 2 F_e, D]``, ``down_proj [E, D, F_e]``); each device's block read from it (here the
+    ``embed`` dim over fsdp, ``expert_mlp`` over tensor) equals the per-expert checkpoint's load."""
+    ref = hf_model("mixtral")
+    ref.save_pretrained(tmp_path / "split")
+    ref.save_pretrained(tmp_path / "fused", save_original_format=False)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "fused" / "model.safetensors", "np") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    _, split = hf.load(str(tmp_path / "split"))
+    _, fused = hf.load(str(tmp_path / "fused"), mesh=mesh_factory(fsdp=2, tensor=2))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(fused), jax.device_get(split))
+
+
+def test_a_router_bias_is_never_dropped_silently(tmp_path):
+    """With the aux-loss-free bias (``bias_update_rate > 0``) the params must bring the router state (in
+    ``TrainState.carried``) to ``apply`` and ``hf.save``, and a nonzero bias has no place in the checkpoint."""
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "ckpt")
+    model, params = hf.load(str(tmp_path / "ckpt"))
+    biased = dataclasses.replace(model.cfg, moe=dataclasses.replace(model.cfg.moe, bias_update_rate=1e-3))
+    tuned = FamilyModel(biased)
+    bare = {**params, "blocks": {k: v for k, v in params["blocks"].items() if k != "moe_router"}}
+    with pytest.raises(ValueError, match="carried.merge"):
+        jax.eval_shape(tuned.apply, bare, jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="carried.merge"):
+        hf.save(tuned, bare, str(tmp_path / "bare"))
+    router = {**params["blocks"]["moe_router"], "bias": params["blocks"]["moe_router"]["bias"].at[0, 1].set(1e-3)}
+    with pytest.raises(ValueError, match="nonzero"):
+        hf.save(tuned, {**params, "blocks": {**params["blocks"], "moe_router": router}}, str(tmp_path / "biased"))
+    assert not (tmp_path / "bare").exists() and not (tmp_path / "biased").exists()
 
 
 def _config(name: str, **fields) -> dict:
@@ -162,12 +202,26 @@ def test_config_mapping_reads_the_routing_and_refuses_deepseek_v3(tmp_path):
     assert (qwen.family, qwen.moe.expert_d_mlp, qwen.moe.norm_topk_prob, qwen.moe.load_balance_coef) == (
         "qwen3", 16, False, 0.0)
     assert qwen.windows == (6, 6)   # Qwen3-MoE windows every layer
+    for cfg in (mixtral, qwen):   # what save writes reads back as the same config
+        assert moe_config(json.loads(json.dumps(moe_hf_config(cfg)))) == cfg
     deepseek = T.DeepseekV3Config(num_hidden_layers=2, hidden_size=32, vocab_size=V).to_dict()
     with pytest.raises(ValueError, match="MLA"):
         _arch(deepseek)
     (tmp_path / "config.json").write_text(json.dumps(deepseek))
     with pytest.raises(ValueError, match="multi-head latent attention"):
         hf.load(str(tmp_path))
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        _arch(T.Qwen2MoeConfig(num_hidden_layers=1).to_dict())
+
+
+def test_params_counted_are_the_params_built_shared_experts_included():
+    cfg = dataclasses.replace(SMALL_LLAMA, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_d_mlp=32,
+                                                         num_shared_experts=1))
+    shapes = jax.eval_shape(Llama(cfg).init, jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(shapes))
+    built = sum(int(np.prod(leaf.shape)) for path, leaf in leaves if "moe_router" not in jax.tree_util.keystr(path))
+    assert built == cfg.num_params()
+    assert cfg.num_params() - cfg.active_params() == cfg.num_layers * 2 * 3 * cfg.d_model * 32   # 2 idle experts
 
 
 def test_configs_with_no_checkpoint_form_are_refused_on_save(tmp_path):
@@ -192,40 +246,46 @@ def _trace(opt_state):
                 if isinstance(s, optax.TraceState)).trace
 
 
-def _step(cfg, mesh, batch, pipeline: bool = False):
+def _step(cfg, mesh, batch, pipeline: bool = False, rules=jp.sharding.DEFAULT_RULES):
     model, tx = Llama(cfg), optax.sgd(0.1, momentum=0.9)
     loss_fn = jp.pipeline.Pipeline(model.embed, model.stage, model.head_loss,
                                    jp.pipeline.one_f_one_b(2, 4)) if pipeline else model.loss
-    state = jp.train.init_state(model.init, tx, 5, mesh=mesh, pipeline=loss_fn if pipeline else None)
-    new, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False)(state, batch)
+    state = jp.train.init_state(model.init, tx, 5, mesh=mesh, pipeline=loss_fn if pipeline else None, rules=rules)
+    new, metrics = jp.train.make_train_step(loss_fn, tx, mesh=mesh, donate=False, rules=rules)(state, batch)
     new = jp.train.to_model_order(new) if pipeline else new
     return new, metrics
 
 
 @pytest.mark.slow   # two steps of a 4-layer Llama with experts: ~30 s
-@pytest.mark.parametrize("layout", ["2x2x2", "pipe2_bias"])
+@pytest.mark.parametrize("layout", ["2x2x2", "2x2x2_ep4", "context2", "pipe2_bias"])
 def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
     """data=2 x fsdp=2 x tensor=2 (auxiliary balance and z losses on; the experts' hidden dim split over tensor),
-    and a 1F1B pipeline of 2 stages with the aux-loss-free bias instead (coefficients 0): the loss, every
-    gradient (per leaf 1e-5 relative) and the router's carried load and bias equal the single-device step's."""
+    the same with the experts split over data x fsdp (expert parallelism 4, ring dispatch), data=2 x fsdp=2 x
+    context=2 (the ring attention's zigzag layout), and a 1F1B pipeline of 2 stages with the
+    aux-loss-free bias instead (coefficients 0): the loss, every gradient (per leaf 1e-5 relative) and the
+    router's carried load and bias equal the single-device step's."""
     cfg = MOE_LLAMA
     if layout == "pipe2_bias":
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_balance_coef=0.0, z_loss_coef=0.0,
                                                                bias_update_rate=1e-3))
     batch = gpt_batch(np.random.default_rng(4), 8, cfg)
     ref, ref_metrics = _step(cfg, mesh_factory(), batch)
-    mesh = mesh_factory(data=2, fsdp=2, tensor=2) if layout == "2x2x2" else mesh_factory(data=2, pipe=2, tensor=2)
-    new, metrics = _step(cfg, mesh, batch, pipeline=layout != "2x2x2")
+    mesh = {"context2": mesh_factory(data=2, fsdp=2, context=2),
+            "pipe2_bias": mesh_factory(data=2, pipe=2, tensor=2)}.get(layout, mesh_factory(data=2, fsdp=2, tensor=2))
+    rules = ((("experts", ("data", "fsdp")),) if layout.endswith("ep4") else ()) + jp.sharding.DEFAULT_RULES
+    new, metrics = _step(cfg, mesh, batch, pipeline=layout == "pipe2_bias", rules=rules)
+    if layout.endswith("ep4"):   # each device holds one of the 4 experts (and half its hidden dim)
+        assert new.params["blocks"]["experts_gate_kernel"].addressable_shards[0].data.shape == (4, 1, 64, 16)
     e_loss = assert_scalar_close(metrics["loss"], ref_metrics["loss"], what=f"{layout} loss")
     e_grads = assert_tree_close(_trace(new.opt_state), _trace(ref.opt_state), what=f"{layout} grads")
     e_carried = assert_tree_close(new.carried, ref.carried, what=f"{layout} router state")
     print(f"\n[{layout}] loss {e_loss:.2e}, grads {e_grads:.2e}, router state {e_carried:.2e} (relative)")
     load = np.asarray(jax.device_get(ref.carried["blocks"]["moe_router"]["load"]))
     assert np.all(load.sum(-1) == 8 * cfg.max_seq_len * 2), "every layer routes tokens x k choices (dropless)"
-    if layout == "2x2x2":
+    if layout != "pipe2_bias":
         for key in ("moe_load_balance_loss", "moe_z_loss", "moe_dropped_fraction"):
             assert_scalar_close(metrics[key], ref_metrics[key], what=key)
-        assert float(metrics["moe_load_balance_loss"]) > 0.9   # E * sum f P >= 1 at best balance
+        assert float(metrics["moe_load_balance_loss"]) > 0.5   # E * sum_i f_i P_i is 1 at uniform routing
     else:
         bias = np.asarray(jax.device_get(new.carried["blocks"]["moe_router"]["bias"]))
         # one update from zero: +gamma for an expert below the mean load, -gamma above it, 0 at it
@@ -234,7 +294,24 @@ def test_moe_llama_step_matches_the_single_device_step(layout, mesh_factory):
         assert np.any(bias != 0)
 
 
-def test_a_pipeline_stage_of_a_moe_with_auxiliary_losses_is_refused():
+def test_a_pipeline_stage_with_auxiliary_losses_and_compacting_the_mlp_of_a_moe_are_refused():
     model = Llama(dataclasses.replace(SMALL_LLAMA, moe=MoEConfig(num_experts=4, load_balance_coef=0.01)))
     with pytest.raises(ValueError, match="bias_update_rate"):
         model.stage({}, jnp.zeros((1, 2, SMALL_LLAMA.d_model)))
+    with pytest.raises(ValueError, match="shared experts"):
+        model.replace({("blocks", "mlp"): 64})
+
+
+@pytest.mark.slow   # ~15 s
+def test_scanned_and_rematerialised_layers_give_the_unrolled_loss_aux_and_grads():
+    """The router statistics ride the layer scan's carry (remat="full" recomputes them): loss, aux metrics and
+    gradients equal the unrolled layers'."""
+    batch = gpt_batch(np.random.default_rng(7), 4, MOE_LLAMA)
+    plain = Llama(MOE_LLAMA)
+    params = nn.meta.unbox(plain.init(jax.random.key(2)))
+    scanned = Llama(dataclasses.replace(MOE_LLAMA, scan_layers=True, remat="full"))
+    (loss, aux), grads = jax.jit(jax.value_and_grad(plain.loss, has_aux=True))(params, batch)
+    (s_loss, s_aux), s_grads = jax.jit(jax.value_and_grad(scanned.loss, has_aux=True))(params, batch)
+    assert_scalar_close(s_loss, loss, what="loss")
+    assert_tree_close(s_aux, aux, what="aux")
+    assert_tree_close(s_grads, grads, what="grads")

@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxpar import protocol
 from jaxpar.models.hf import files as hf_files
 from jaxpar.models.hf import families, gpt2, llama, moe
 from jaxpar.models.hf.config import _arch, _read_config
@@ -233,7 +234,10 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
     extra = _read_config(like) if like is not None else {}
     from safetensors.numpy import save_file
     params = nn.meta.unbox(params)   # model.init's Flax-boxed params are accepted as they are
-    _check_shapes(_abstract_init(model)[0], params)
+    want = _abstract_init(model)[0]
+    if protocol.split_carried(params)[1] is None:   # the optimizer's params (carried state apart) are accepted
+        want = protocol.split_carried(want)[0]
+    _check_shapes(want, params)
     tensors = adapter.export(cfg, params)
     shapes = adapter.hf_shapes(cfg, adapter.save_prefix)
     sizes = {k: 4 * math.prod(shapes[k]) for k in tensors}

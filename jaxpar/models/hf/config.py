@@ -61,7 +61,12 @@ _REFUSED = {"deepseek_v3": ("DeepseekV3ForCausalLM", "its attention is multi-hea
                             "kv_lora_rank, a compressed key/value cache), which jaxpar does not build; its routing "
                             "(sigmoid affinities, selection bias, group-limited top-k, shared experts) is "
                             "jaxpar.layers.moe.MoEConfig(router='sigmoid', ...), usable in a jaxpar model trained "
-                            "from scratch, but the checkpoint's attention weights have no place")}
+                            "from scratch, but the checkpoint's attention weights have no place"),
+            "deepseek_v2": ("DeepseekV2ForCausalLM", "its attention is multi-head latent attention (MLA), which jaxpar "
+                            "does not build"),
+            "qwen2_moe": ("Qwen2MoeForCausalLM", "its shared expert's output is scaled by a per-token sigmoid gate "
+                          "(shared_expert_gate), which jaxpar's shared experts (MoEConfig.num_shared_experts) do not "
+                          "compute; Qwen3MoeForCausalLM and MixtralForCausalLM load")}
 
 # Config fields that change what a model computes, in ways the models here do not: field -> (the values that
 # mean "off", what the field turns on). An absent field is off; a list is off when each of its items is (Gemma's

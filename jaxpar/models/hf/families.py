@@ -69,7 +69,7 @@ def _hf_shapes(cfg: FamilyConfig, prefix: str) -> dict[str, tuple[int, ...]]:
 
 def _export(cfg: FamilyConfig, params: dict) -> dict[str, Callable[[], np.ndarray]]:
     out = llama._export(cfg, params)
-    b, H, G, K = params["blocks"], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b = params["blocks"]
     for i in range(cfg.num_layers):
         p, L = f"model.layers.{i}.", (lambda k, i=i: host(b[k][i]))
         if cfg.qkv_bias:

@@ -136,10 +136,10 @@ class Reader:
                              f"{stored}; jaxpar.models.hf reads weights stored as float32, float16 or bfloat16 "
                              "(a quantized or integer checkpoint: dequantize it and save it again)")
 
-    def read(self, name: str, rows: slice, cols: slice | None = None) -> np.ndarray:
-        """``tensor[rows, cols]`` (1-D tensors: ``tensor[rows]``) read from disk; float32."""
+    def read(self, name: str, rows: slice, cols: slice | None = None, *inner: slice) -> np.ndarray:
+        """``tensor[rows, cols, *inner]`` (1-D tensors: ``tensor[rows]``) read from disk; float32."""
         sl = self._handle(name).get_slice(name)
-        out = sl[rows] if cols is None else sl[rows, cols]
+        out = sl[rows] if cols is None else sl[(rows, cols, *inner)]
         return np.asarray(out, np.float32)
 
 

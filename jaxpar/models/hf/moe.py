@@ -13,7 +13,10 @@ per expert and projection (its modules hold them fused as ``experts.gate_up_proj
   ``up_proj.weight [F_e, D]``, ``down_proj.weight [D, F_e]``;
 
 -> ``router_kernel [N, D, E]``, ``experts_gate_kernel`` / ``experts_up_kernel [N, E, D, F_e]``,
-``experts_down_kernel [N, E, F_e, D]``. The fused layout (as the modules name it) is not read here.
+``experts_down_kernel [N, E, F_e, D]``. Loading also reads the fused layout (``save_pretrained(...,
+save_original_format=False)`` writes it, for both families under ``model.layers.{i}.mlp.``: ``gate.weight``,
+``experts.gate_up_proj [E, 2 F_e, D]`` (gate rows first), ``experts.down_proj [E, D, F_e]``); saving writes the
+per-expert one.
 
 Routing: softmax over the ``E`` router logits, the top ``k`` (``num_experts_per_tok``), renormalised to sum 1
 (Mixtral always; Qwen3-MoE when ``norm_topk_prob``); both compute every chosen expert (dropless), which is what
@@ -145,6 +148,18 @@ def check_save_moe(cfg: FamilyConfig) -> None:
                          f"with {field}={want!r}, e.g. dataclasses.replace(cfg.moe, {field}={want!r})")
 
 
+class _Where(str):
+    """The prefix of a checkpoint's decoder tensors (a ``str``, as every adapter's), which also says whether its
+    experts are stored fused (``fused``: the layout of transformers' modules) or one tensor per expert."""
+    fused: bool = False
+
+
+def _prefix(names) -> _Where:
+    where = _Where("model.")
+    where.fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
+    return where
+
+
 def _experts(name: Callable[[int, int], str], layers: int, experts: int):
     """A leaf ``[N, E, A, B]`` from one HF ``[B, A]`` tensor per layer and expert (``name(layer, expert)``)."""
     def leaf(reader, index: tuple[slice, ...]) -> np.ndarray:
@@ -154,13 +169,31 @@ def _experts(name: Callable[[int, int], str], layers: int, experts: int):
     return leaf
 
 
+def _fused(name: Callable[[int], str], layers: int, width: int, offset: int = 0):
+    """A leaf ``[N, E, A, B]`` (``B = width``) from one fused HF ``[E, B', A]`` tensor per layer (``name(layer)``),
+    rows ``offset .. offset + width`` of its ``B'`` axis (the up projection's follow the gate's in
+    ``gate_up_proj``)."""
+    def leaf(reader, index: tuple[slice, ...]) -> np.ndarray:
+        (n0, n1), (b0, b1) = span(index[0], layers), span(index[3], width)
+        rows = slice(offset + b0, offset + b1)
+        return np.stack([reader.read(name(i), index[1], rows, index[2]).transpose(0, 2, 1) for i in range(n0, n1)])
+    return leaf
+
+
 def _constant(shape: tuple[int, ...], value: np.ndarray):
     """A leaf ``value`` broadcast to ``shape`` (the router's fresh carried state, which a checkpoint lacks)."""
     return lambda reader, index: np.broadcast_to(np.asarray(value, np.float32), shape)[index]
 
 
 def _moe_names(cfg: FamilyConfig, prefix: str) -> tuple[Callable, dict]:
-    """``(router name of layer i, {leaf: per-expert name of (layer i, expert j)})`` of a checkpoint."""
+    """``(router name of layer i, {leaf: per-expert name of (layer i, expert j)})`` of a checkpoint (fused: the
+    layer's one tensor ``name(i)`` of each leaf)."""
+    if getattr(prefix, "fused", False):
+        base = lambda i: f"{prefix}layers.{i}.mlp."
+        fused = lambda t: (lambda i: f"{base(i)}experts.{t}")
+        return (lambda i: f"{base(i)}gate.weight"), {"experts_gate_kernel": fused("gate_up_proj"),
+                                                       "experts_up_kernel": fused("gate_up_proj"),
+                                                       "experts_down_kernel": fused("down_proj")}
     module, gate, up, down = _NAMES[_kind(cfg)]
     base = lambda i: f"{prefix}layers.{i}.{module}."
     per = lambda proj: (lambda i, j: f"{base(i)}experts.{j}.{proj}.weight")
@@ -175,7 +208,12 @@ def _leaves(cfg: FamilyConfig, prefix: str) -> dict:
         del b[leaf]
     router, experts = _moe_names(cfg, prefix)
     b["router_kernel"] = linear_leaf(router, (E, D), 1, (1, 0), N)   # leaf [D, E] from HF [E, D]
-    b.update({leaf: _experts(name, N, E) for leaf, name in experts.items()})
+    if getattr(prefix, "fused", False):
+        F = cfg.moe.expert_width(cfg.d_mlp)
+        b.update({leaf: _fused(experts[leaf], N, width, offset) for leaf, width, offset in
+                  (("experts_gate_kernel", F, 0), ("experts_up_kernel", F, F), ("experts_down_kernel", D, 0))})
+    else:
+        b.update({leaf: _experts(name, N, E) for leaf, name in experts.items()})
     b[CARRIED] = {k: _constant((N,) + v.shape, v) for k, v in moe_layer.router_state(cfg.moe).items()}
     return tree
 
@@ -187,7 +225,11 @@ def _hf_shapes(cfg: FamilyConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     shape = {"experts_gate_kernel": (F, D), "experts_up_kernel": (F, D), "experts_down_kernel": (D, F)}
     for i in range(cfg.num_layers):
         want[router(i)] = (E, D)
-        want.update({name(i, j): shape[leaf] for leaf, name in experts.items() for j in range(E)})
+        if getattr(prefix, "fused", False):
+            want.update({experts["experts_gate_kernel"](i): (E, 2 * F, D),
+                         experts["experts_down_kernel"](i): (E, D, F)})
+        else:
+            want.update({name(i, j): shape[leaf] for leaf, name in experts.items() for j in range(E)})
     return want
 
 
@@ -196,9 +238,14 @@ def _export(cfg: FamilyConfig, params: dict) -> dict[str, Callable[[], np.ndarra
 
     Raises:
       ValueError: a nonzero ``moe_router`` bias (the checkpoint's router has none: its model would choose other
-        experts).
+        experts); params without the router state of a config with ``bias_update_rate > 0`` (its bias unknown).
     """
     b = params["blocks"]
+    if CARRIED not in b and cfg.moe.bias_update_rate:
+        raise ValueError(f"the params hold no router state ({CARRIED!r}) and the config's MoE has bias_update_rate="
+                         f"{cfg.moe.bias_update_rate}: its selection bias (in the train state's carried state) "
+                         "decides whether a checkpoint can hold this model; pass jp.train.carried.merge(params, "
+                         "state.carried)")
     bias = b.get(CARRIED, {}).get("bias")
     if bias is not None and np.any(host(bias) != 0):
         raise ValueError(f"the params' router selection bias (blocks/moe_router/bias, max |bias| "
@@ -218,7 +265,7 @@ def _export(cfg: FamilyConfig, params: dict) -> dict[str, Callable[[], np.ndarra
 def _adapter(model_type: str) -> Adapter:
     family = FAMILY[model_type]
     return Adapter(model_type=model_type, config_type=FamilyConfig, model=FamilyModel, from_hf=moe_config,
-                   to_hf=moe_hf_config, prefix=lambda names: "model.", save_prefix="model.", hf_shapes=_hf_shapes,
+                   to_hf=moe_hf_config, prefix=_prefix, save_prefix="model.", hf_shapes=_hf_shapes,
                    leaves=_leaves, export=_export, check_save=check_save_moe,
                    accepts=lambda cfg: cfg.family == family and cfg.moe is not None)
 
