@@ -90,8 +90,9 @@ class ExpertsConfig:
     load_balance_coef: float = 0.0  # weight of the Switch/GShard auxiliary load-balancing loss
     z_loss_coef: float = 0.0       # weight of the router z-loss (ST-MoE)
     bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free selection bias step gamma (1e-3); 0: no bias
-    dispatch: Literal["ring", "all_to_all"] = "ring"  # expert-parallel dispatch: all-gather + psum_scatter, or
-                                                      # all-to-all (both give the same result)
+    dispatch: Literal["ring", "all_to_all"] = "ring"
+    """how tokens reach experts on other devices (--expert-parallel > 1): ring (all-gather, then psum_scatter) or
+    all_to_all; both give the same result"""
 
     def flags(self) -> str:
         """These settings as the command line gives them, e.g. ``--experts 8 --experts-per-token 2 ...``."""
