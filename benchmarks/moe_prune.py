@@ -146,6 +146,7 @@ def main(argv=None) -> dict:
                         "after_recovery": round(recovered, 4), "unpruned_same_steps": round(unpruned, 4)},
            "compacted_equals_masked": abs(pruned - masked) <= 1e-5 * abs(masked),
            "gap_after_recovery": round((recovered - unpruned) / unpruned, 4), "stated_gap": args.gap,
+           "recovered_vs_before_pruning": round((recovered - before) / before, 4),
            "within_gap": bool((recovered - unpruned) / unpruned <= args.gap),
            "step_ms_1_device": times,
            "speedup": {k: round(a[k] / b[k], 3) for k in a}, "wall_s": round(wall, 1)}
