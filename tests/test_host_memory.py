@@ -8,11 +8,13 @@ settings, and none with them (slow). The fast test checks the refusals in this p
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
 import warnings
 
+import jax
 import pytest
 
 import jaxpar as jp
@@ -35,6 +37,7 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def test_refuses_after_backends_started_on_gpus_and_without_glibc(monkeypatch):
+    jax.devices()   # started (the suite's conftest has already): the settings would no longer reach XLA's threads
     with pytest.warns(RuntimeWarning, match="after JAX's backends started"):
         got = cpu.reuse_host_memory("cpu")            # this process has run computations
     assert (got.applied, got.settings, got.reason) == (False, {}, "JAX's backends had started")
@@ -55,7 +58,7 @@ def test_refuses_after_backends_started_on_gpus_and_without_glibc(monkeypatch):
 def test_no_page_faults_per_call_with_the_settings():
     def run(mode):
         out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300,
-                             env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
     pages = 5120 * 5120 * 4 // 4096
