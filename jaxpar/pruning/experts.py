@@ -18,9 +18,9 @@ Selection (:func:`select_experts`) keeps, in every stacked layer, the ``keep`` e
 
 * ``by="load"``: the router load, the tokens routed to each expert: the carried ``moe_router/load`` (the last
   step's global counts, ``TrainState.carried``) or counts measured on batches (:func:`measure_expert_load`). An
-  expert the router rarely picks contributes to few tokens (the criterion of expert pruning by routing frequency,
-  Lu et al. 2024, "Not All Experts are Equal", arXiv 2402.14800, sec. 3, compare the loss of removing each expert;
-  the usage count is their cheap proxy, and what the aux-free bias equalises);
+  expert the router rarely picks contributes to few tokens. (Lu et al. 2024, "Not All Experts are Equal", arXiv
+  2402.14800, search on calibration data for the kept set whose layer output is closest to the full layer's;
+  counting the router's choices is the cheaper criterion, one pass with no search);
 * ``by="norm"``: the expert's L2 norm over its gate, up and down weights (the group magnitude
   :func:`jaxpar.pruning.structured_pruning` uses for neurons and heads; it needs no data).
 

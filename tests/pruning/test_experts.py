@@ -235,3 +235,51 @@ def test_compact_state_of_moe_llama_trains_on_expert_parallel_mesh(mesh_factory,
     assert losses[1] < losses[0]
     np.testing.assert_array_equal(np.asarray(new.carried["blocks"]["moe_router"]["load"]).sum(-1),
                                   batches[0]["inputs"].size * 2)
+
+
+@pytest.mark.slow   # transformers' Mixtral built, saved, loaded, compacted and saved again: ~20 s
+def test_compacted_mixtral_equals_transformers_mixtral_of_the_kept_experts(tmp_path):
+    """A transformers ``MixtralForCausalLM`` of 8 experts, read by ``hf.load``, pruned to 6 experts per layer by
+    weight norm (the ranking recomputed from the torch weights) and compacted: its logits equal those of a
+    ``MixtralForCausalLM`` of 6 experts built in torch from the kept experts' weights and router rows, and
+    ``hf.save`` of the compacted model reads back in transformers as that model."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from jaxpar.models import hf
+    fields = dict(vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                  intermediate_size=24, max_position_embeddings=64, num_experts_per_tok=2, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(5)
+    ref = T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=E, **fields)).eval()
+    with torch.no_grad():   # transformers' 0.02 init leaves the router near uniform: pruning would barely show
+        for name, p in ref.named_parameters():
+            if ".mlp." in name:
+                p.normal_(0.0, 0.3)
+    ref.save_pretrained(tmp_path / "eight")
+    model, params = hf.load(str(tmp_path / "eight"))
+    names = jax.eval_shape(model.init, jax.random.key(0))
+    masks = jp.pruning.select_experts(params, names, KEEP, by="norm")
+    state = ref.state_dict()
+    keep = []
+    for layer in range(2):
+        experts = f"model.layers.{layer}.mlp.experts."
+        norms = sum(state[experts + k].double().square().sum((1, 2)).numpy() for k in ("gate_up_proj", "down_proj"))
+        keep.append(np.sort(np.argsort(-norms, kind="stable")[:KEEP]))
+    assert np.array_equal(masks["blocks"]["experts"], np.stack([np.isin(np.arange(E), k) for k in keep]))
+    small_params, small_cfg = jp.pruning.compact(params, masks, model.cfg)
+    small = type(model)(small_cfg)
+
+    six = T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=KEEP, **fields)).eval()
+    cut = {k: v[torch.as_tensor(keep[int(k.split(".")[2])])] if ".mlp." in k else v for k, v in state.items()}
+    six.load_state_dict(cut)
+    tokens = np.random.default_rng(6).integers(0, 61, (2, 12))
+    with torch.no_grad():
+        want = six(torch.as_tensor(tokens)).logits.numpy()
+        before = ref(torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(jax.jit(small.apply)(small_params, jnp.asarray(tokens, jnp.int32)))[..., :61]
+    assert max_rel_err(got, want) < 1e-5 and max_rel_err(before, want) > 1e-3
+    hf.save(small, small_params, str(tmp_path / "six"))
+    reread = T.AutoModelForCausalLM.from_pretrained(tmp_path / "six").eval()
+    assert reread.config.num_local_experts == KEEP
+    with torch.no_grad():
+        assert max_rel_err(reread(torch.as_tensor(tokens)).logits.numpy(), want) < 1e-5
