@@ -11,18 +11,20 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_scalar_close, assert_tree_close, run_isolated
+from helpers import SMALL_LLAMA, assert_scalar_close, assert_tree_close, run_isolated
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar import _hlo
 from jaxpar.layers import expert_parallel
 from jaxpar.layers.moe import MoEConfig, moe_mlp, param_axes, router_state
+from jaxpar.models import Llama
 from jaxpar.sharding.names import EXPERTS, Rules
 
 D, F, B, L = 16, 8, 8, 8
@@ -380,6 +382,32 @@ def test_experts_not_divisible_by_the_expert_parallel_size_and_a_bias_without_it
                            in_specs=P(None, "context"), out_specs=P(None, "context"))   # part of each sequence
     with pytest.raises(ValueError, match=r"manual over the sequence's mesh axes .* use dropless routing"):
         jax.eval_shape(region, jax.ShapeDtypeStruct((2, 8, 8), jnp.float32))
+
+
+def test_a_stored_router_bias_without_the_aux_free_mode_is_refused_before_tracing():
+    """A train state whose router bias is non-zero where its rate is 0 (``bias_update_rate=0``: a bias that would
+    select experts and never move): the step refuses it on its first call, naming the layer, before the loss is
+    traced; the same bias with a rate passes. A Llama with experts applied outside ``jit`` to params holding such a
+    bias refuses them at its config."""
+    model, tx = MoEStack(MoEConfig(num_experts=4, experts_per_token=2)), optax.sgd(0.1)
+    state = jp.train.init_state(model.init, tx, 0, mesh=jp.make_mesh(devices=jax.devices()[:1]), report=False)
+    router = state.carried["blocks"]["moe_router"]
+    bad = {**router, "bias": router["bias"].at[1, 2].set(0.1)}
+    traced = []
+    step = jp.train.make_train_step(lambda p, b, rng=None: traced.append(1) or model.loss(p, b), tx,
+                                    mesh=jp.make_mesh(devices=jax.devices()[:1]), donate=False)
+    with pytest.raises(ValueError, match=r"a router bias without the aux-free mode: .*non-zero \(layers \[1\]\)"):
+        step(state.replace(carried={"blocks": {"moe_router": bad}}), stack_batches(model, 0, 1)[0])
+    assert not traced, "the step traced the loss before refusing the state"
+    jp.train.carried.check_values({"blocks": {"moe_router": {**bad, "rate": router["rate"] + 1e-3}}})
+
+    cfg = dataclasses.replace(SMALL_LLAMA, num_layers=1, moe=MoEConfig(num_experts=4))
+    llama = Llama(cfg)
+    shapes = nn.meta.unbox(jax.eval_shape(llama.init, jax.random.key(0)))
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    params["blocks"]["moe_router"]["bias"][0, 3] = -0.2
+    with pytest.raises(ValueError, match="a router bias without the aux-free mode.*bias_update_rate is 0"):
+        llama.apply(params, np.zeros((1, 4), np.int32))
 
 
 # ------------------------------------------------------------------------------------------ the matrix
