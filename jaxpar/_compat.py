@@ -43,6 +43,10 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def _is_16bit_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+
+
 def psum_16bit_safe(x: jax.Array, axis_name: str) -> jax.Array:
     """``jax.lax.psum(x, axis_name)`` inside ``shard_map``, taken in float32 for 16-bit floats.
 
@@ -53,9 +57,60 @@ def psum_16bit_safe(x: jax.Array, axis_name: str) -> jax.Array:
 
     When jax 0.10 is dropped (and a 16-bit ``psum`` runs on XLA:CPU): use ``jax.lax.psum`` directly.
     """
-    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+    if _is_16bit_float(x):
         return jax.lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
     return jax.lax.psum(x, axis_name)
+
+
+def vary_16bit_safe(x: jax.Array, axes: Any) -> jax.Array:
+    """``x`` made varying over the manual mesh ``axes`` it does not vary over yet (``jax.lax.pcast(...,
+    to='varying')``), so that its gradient's sum over them (pcast's transpose, a ``psum``) runs in float32 when
+    ``x`` is a 16-bit float; other dtypes, and ``x`` already varying over ``axes``, pass unchanged.
+
+    Inside a ``jax.shard_map`` manual over some mesh axes and automatic over others, jax (0.10.2) lowers every
+    reduction's reducer with a sharding constraint around its ``add`` (``lower_with_sharding_in_types``: the
+    mesh is neither all manual nor all automatic), which XLA turns into a ``copy``; XLA:CPU's all-reduce
+    promotion of 16-bit floats rebuilds the reducer as a binary op and aborts the process on that ``copy``
+    ("Invalid binary instruction opcode copy"). The implicit ``pvary`` jax inserts where a replicated 16-bit
+    value meets a varying one transposes to exactly such a ``psum``; this one is float32 (the value round-trips
+    through float32 exactly, the sum rounds once).
+
+    When jax 0.10 is dropped (and a 16-bit ``psum`` inside a partial-manual ``shard_map`` runs on XLA:CPU):
+    return ``x`` (jax inserts the cast where it is needed) and delete this function.
+    """
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    if not missing or not _is_16bit_float(x):
+        return x
+    return jax.lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_with_f32_transpose(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.all_gather(x, axes, tiled=True)
+
+
+def _gather_fwd(x, axes):
+    return jax.lax.all_gather(x, axes, tiled=True), None
+
+
+def _gather_bwd(axes, _, ct):
+    summed = jax.lax.psum_scatter(ct.astype(jnp.float32), axes, scatter_dimension=0, tiled=True)
+    return (summed.astype(ct.dtype),)
+
+
+_gather_with_f32_transpose.defvjp(_gather_fwd, _gather_bwd)
+
+
+def all_gather_16bit_safe(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``jax.lax.all_gather(x, axes, tiled=True)`` inside ``jax.shard_map`` whose transpose (the gradient's
+    ``psum_scatter``) sums in float32 when ``x`` is a 16-bit float; the gather itself moves ``x``'s dtype.
+
+    The reason and the retirement are :func:`vary_16bit_safe`'s (a 16-bit reduce-scatter's reducer there aborts
+    XLA:CPU the same way). When jax 0.10 is dropped: call ``jax.lax.all_gather`` and delete this function.
+    """
+    if not _is_16bit_float(x):
+        return jax.lax.all_gather(x, axes, tiled=True)
+    return _gather_with_f32_transpose(x, tuple(axes))
 
 
 def gathers_fsdp_weights() -> bool:

@@ -529,6 +529,7 @@ _METADATA = re.compile(r", metadata=\{[^}]*\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # StableHLO (``lowered.as_text()``): one op a line, its operand types after the last " : ".
 _STABLE_DOT = re.compile(r"stablehlo\.dot_general\b.*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
+_STABLE_REDUCTION = re.compile(r'"stablehlo\.(all_reduce|reduce_scatter)"[^\n]*\n\s*\^bb0\(%\w+: tensor<(\w+)>')
 _STABLE_CONSTRAINT = re.compile(r"sharding_constraint %[\w#.]+ (<@[^>]*>) : tensor<(?:([\dx]*)x)?([a-z]\w*)>")
 
 
@@ -571,6 +572,12 @@ def stablehlo_dots(text: str) -> list[tuple[str, str]]:
     return [(_element_type(a), _element_type(b)) for a, b in _STABLE_DOT.findall(text)]
 
 
+def stablehlo_reductions(text: str) -> list[tuple[str, str]]:
+    """``(kind, element type)`` of every ``all_reduce`` / ``reduce_scatter`` of a lowered program's text, in
+    program order, e.g. ``("all_reduce", "f32")``: the type its reducer sums in."""
+    return _STABLE_REDUCTION.findall(text)
+
+
 def sharding_constraints(text: str) -> list[tuple[str, str, str]]:
     """``(sharding, dims, element type)`` of every ``sharding_constraint`` of a lowered program's text, e.g.
     ``('<@mesh, [{}, {"tensor"}]>', "64x256", "bf16")`` (dims ``""`` for a scalar)."""
@@ -581,4 +588,4 @@ __all__ = ["COLLECTIVES", "Collective", "CollectiveSite", "HloStats", "Instr", "
            "array_dims", "attribute", "callees", "collective_counts", "collective_payload", "collective_sites",
            "dot_flops", "fused_call", "group_axes", "is_gemm_call", "loop_depths", "operand_bytes", "parse_module",
            "permute_pairs", "program_text", "replica_groups", "runs_per_computation", "scopes", "shape_bytes",
-           "sharding_constraints", "stablehlo_dots", "trip_count", "upcast_copies"]
+           "sharding_constraints", "stablehlo_dots", "stablehlo_reductions", "trip_count", "upcast_copies"]

@@ -215,6 +215,9 @@ class Carried:
         optimizer step as ``update(old_subtree, combined_subtree) -> new_subtree`` on the collection's subtree at
         its key (any leading stacked dims included); None: the combine rule's (``"sum"``: old + combined, else
         the combined value). A module-level function, so declaring the key again finds the same declaration.
+      check: ``check(subtree)`` raises ValueError for a value of the collection (host numpy leaves, the subtree at
+        its key) the step must not carry; the step runs it on a concrete state's first call, before tracing. A
+        module-level function, or None.
     """
     key: str
     combine: str
@@ -223,6 +226,7 @@ class Carried:
     attribute: str | None = None
     fix: str = ""
     update: Callable[[Any, Any], Any] | None = None
+    check: Callable[[Any], None] | None = None
 
 
 _CARRIED: dict[str, Carried] = {}
@@ -230,7 +234,8 @@ _CARRIED: dict[str, Carried] = {}
 
 def declare_carried(key: str, combine: str, *, what: str | None = None, through: str = "gradient",
                     attribute: str | None = None, fix: str = "",
-                    update: Callable[[Any, Any], Any] | None = None) -> Carried:
+                    update: Callable[[Any, Any], Any] | None = None,
+                    check: Callable[[Any], None] | None = None) -> Carried:
     """Declares the collection under ``key`` as carried state (see :class:`Carried` for the arguments).
 
     A ``"gradient"`` collection's leaves are float arrays in the params tree; ``jp.train.init_state`` takes them
@@ -242,7 +247,7 @@ def declare_carried(key: str, combine: str, *, what: str | None = None, through:
 
     Raises:
       TypeError: ``key`` is not a non-empty str, ``attribute`` neither None nor a Python identifier, or
-        ``update`` neither None nor callable.
+        ``update`` or ``check`` neither None nor callable.
       ValueError: an unknown ``combine`` or ``through``; ``through="loss"`` with a combine other than ``"last"``
         or with an ``update``;
         ``key`` declared already with another declaration; ``attribute`` declared already by another key.
@@ -258,13 +263,15 @@ def declare_carried(key: str, combine: str, *, what: str | None = None, through:
     if update is not None and not callable(update):
         raise TypeError(f"update={update!r} for the carried collection {key!r}; use None or a function "
                         "update(old_subtree, combined_subtree) -> new_subtree")
+    if check is not None and not callable(check):
+        raise TypeError(f"check={check!r} for the carried collection {key!r}; use None or a function check(subtree)")
     if through == "loss" and update is not None:
         raise ValueError(f"the carried collection {key!r} comes back from the loss (through='loss'), which returns "
                          "its next value itself: declare it without update")
     if through == "loss" and combine != "last":
         raise ValueError(f"the carried collection {key!r} comes back from the loss (through='loss'), which "
                          f"microbatches read in order: its combine is 'last', not {combine!r}")
-    new = Carried(key, combine, what or f"carried state {key!r}", through, attribute, fix, update)
+    new = Carried(key, combine, what or f"carried state {key!r}", through, attribute, fix, update, check)
     owner = next((d for d in _CARRIED.values() if attribute is not None and d.attribute == attribute), None)
     if owner is not None and owner.key != key:
         raise ValueError(f"attribute={attribute!r} for the carried collection {key!r} reads {owner.key!r} already; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -124,6 +125,26 @@ def launch(args: list[str], timeout: float = LAUNCH_TIMEOUT) -> subprocess.Compl
         out = proc.communicate()[0]
         pytest.fail(f"the two-process job did not finish in {timeout} s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+def run_isolated(code: str, timeout: float = 600) -> dict:
+    """Runs ``code`` in a fresh Python process (this one's environment: the simulated devices; the repository
+    and ``tests/`` importable) so a crash of XLA aborts it, not pytest. ``code`` prints one line
+    ``RESULT <json>``; returns that JSON. Fails the test on a timeout or a non-zero exit, with the output's tail.
+    """
+    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the isolated process did not finish in {timeout} s:\n{proc.communicate()[0][-4000:]}")
+    assert proc.returncode == 0, f"the isolated process exited with {proc.returncode}:\n{out[-4000:]}"
+    results = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    assert results, f"the isolated process printed no RESULT line:\n{out[-4000:]}"
+    return json.loads(results[-1])
 
 
 def load_script(relpath: str, name: str):

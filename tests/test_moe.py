@@ -11,18 +11,20 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_scalar_close, assert_tree_close
+from helpers import SMALL_LLAMA, assert_scalar_close, assert_tree_close, run_isolated
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar as jp
 from jaxpar import _hlo
 from jaxpar.layers import expert_parallel
 from jaxpar.layers.moe import MoEConfig, moe_mlp, param_axes, router_state
+from jaxpar.models import Llama
 from jaxpar.sharding.names import EXPERTS, Rules
 
 D, F, B, L = 16, 8, 8, 8
@@ -281,6 +283,67 @@ def test_ragged_dot_and_its_gradients_on_this_jax():
     assert_tree_close(grads, ref_grads, rtol=1e-6, what="its gradients")
 
 
+def bf16_layer_grad(case: Case):
+    """The bfloat16 layer's gradient of :func:`layer_loss` (no router state) with respect to ``(w, x)``."""
+    loss = layer_loss(case.cfg, case.proj, False)
+    return jax.jit(jax.grad(lambda w, x: loss(w, x, None)[0], argnums=(0, 1)))
+
+
+def test_bf16_gradients_are_summed_in_float32_inside_the_dispatch_region():
+    """A bfloat16 layer on data=2 x fsdp=2 x tensor=2, experts over fsdp (the dispatch's region is manual over
+    data, fsdp and tensor, automatic over the rest): every reduction of its gradient in the region (the weights'
+    sum over data, the tokens' over tensor, the gathered tokens' reduce-scatter over fsdp) sums in float32. A
+    16-bit one there aborts XLA:CPU (``_compat.vary_16bit_safe``); the run itself: the slow test below. Lowered
+    only."""
+    case = make_case("top2", None, "ring", num_experts=4, dims=(4, 4, 8, 4))
+    mesh = jp.make_mesh(data=2, fsdp=2, tensor=2)
+    rules = ((EXPERTS, "fsdp"), *jp.sharding.DEFAULT_RULES)
+    bf16 = lambda tree: jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), tree)
+    with jp.sharding.use(mesh, rules):
+        text = bf16_layer_grad(case).lower(bf16(case.w), bf16(case.x)).as_text()
+    reductions = _hlo.stablehlo_reductions(text)
+    assert {"all_reduce", "reduce_scatter"} <= {kind for kind, _ in reductions}, reductions
+    assert all(dtype == "f32" for _, dtype in reductions), reductions
+
+
+BF16_LAYER_DRIVER = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+import jaxpar as jp
+from helpers import max_rel_err
+from test_moe import Case, make_case, run_layer
+LAYOUTS = {"data2, ring": (dict(data=2), (), "ring", None),
+           "dp2-fsdp2-tp2, EP2 fsdp, all_to_all": (dict(data=2, fsdp=2, tensor=2), ("fsdp",), "all_to_all", None),
+           "dp2-fsdp2-tp2, EP4, ring, capacity": (dict(data=2, fsdp=2, tensor=2), ("data", "fsdp"), "ring", 1.0)}
+out = {}
+for name, (sizes, experts, how, capacity) in LAYOUTS.items():
+    case = make_case("top2", capacity, how, seed=3, num_experts=4)
+    cast = lambda tree, dtype: jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16).astype(dtype), tree)
+    mesh = jp.make_mesh(**sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
+    runs = {}
+    for dtype in (jnp.float32, jnp.bfloat16):   # the same bf16-rounded values: the router chooses alike
+        runs[dtype.__name__] = run_layer(case._replace(w=cast(case.w, dtype), x=cast(case.x, dtype)), mesh=mesh,
+                                         experts=experts)[0]
+    ((v32, s32), (gw32, gx32, _)), ((v16, s16), (gw16, gx16, _)) = runs["float32"], runs["bfloat16"]
+    grads = max(map(max_rel_err, jax.tree.leaves((gw16, gx16)), jax.tree.leaves((gw32, gx32))))
+    out[name] = {"loss": abs(float(v16) - float(v32)) / abs(float(v32)), "grads": grads, "dtype": str(gx16.dtype),
+                 "same counts": bool(np.array_equal(s32.counts, s16.counts))}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow   # a subprocess of 6 compiles: ~40 s
+def test_bf16_layer_runs_and_equals_float32_under_data_fsdp_tensor_and_expert_parallelism():
+    """The bfloat16 layer's loss and gradients (in a subprocess: a 16-bit reduction in the dispatch's region aborted
+    XLA:CPU) on data=2 (ring), data=2 x fsdp=2 x tensor=2 with EP 2 (all-to-all) and EP 4 (ring, capacity mode),
+    from bf16-rounded weights and tokens, equal the float32 layer's on the same values within bf16 rounding."""
+    result = run_isolated(BF16_LAYER_DRIVER)
+    for name, r in result.items():
+        print(f"BF16 {name}: loss {r['loss']:.2e}, grads {r['grads']:.2e}")
+        assert r["same counts"] and r["dtype"] == "bfloat16", (name, r)
+        assert r["loss"] <= 2e-2 and r["grads"] <= 3e-2, (name, r)   # bf16: 8 mantissa bits, sums rounded
+
+
 BAD = [
     (dict(num_experts=4, experts_per_token=5), "experts_per_token=5 > num_experts=4"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0 must be None"),
@@ -319,6 +382,32 @@ def test_experts_not_divisible_by_the_expert_parallel_size_and_a_bias_without_it
                            in_specs=P(None, "context"), out_specs=P(None, "context"))   # part of each sequence
     with pytest.raises(ValueError, match=r"manual over the sequence's mesh axes .* use dropless routing"):
         jax.eval_shape(region, jax.ShapeDtypeStruct((2, 8, 8), jnp.float32))
+
+
+def test_a_stored_router_bias_without_the_aux_free_mode_is_refused_before_tracing():
+    """A train state whose router bias is non-zero where its rate is 0 (``bias_update_rate=0``: a bias that would
+    select experts and never move): the step refuses it on its first call, naming the layer, before the loss is
+    traced; the same bias with a rate passes. A Llama with experts applied outside ``jit`` to params holding such a
+    bias refuses them at its config."""
+    model, tx = MoEStack(MoEConfig(num_experts=4, experts_per_token=2)), optax.sgd(0.1)
+    state = jp.train.init_state(model.init, tx, 0, mesh=jp.make_mesh(devices=jax.devices()[:1]), report=False)
+    router = state.carried["blocks"]["moe_router"]
+    bad = {**router, "bias": router["bias"].at[1, 2].set(0.1)}
+    traced = []
+    step = jp.train.make_train_step(lambda p, b, rng=None: traced.append(1) or model.loss(p, b), tx,
+                                    mesh=jp.make_mesh(devices=jax.devices()[:1]), donate=False)
+    with pytest.raises(ValueError, match=r"a router bias without the aux-free mode: .*non-zero \(layers \[1\]\)"):
+        step(state.replace(carried={"blocks": {"moe_router": bad}}), stack_batches(model, 0, 1)[0])
+    assert not traced, "the step traced the loss before refusing the state"
+    jp.train.carried.check_values({"blocks": {"moe_router": {**bad, "rate": router["rate"] + 1e-3}}})
+
+    cfg = dataclasses.replace(SMALL_LLAMA, num_layers=1, moe=MoEConfig(num_experts=4))
+    llama = Llama(cfg)
+    shapes = nn.meta.unbox(jax.eval_shape(llama.init, jax.random.key(0)))
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    params["blocks"]["moe_router"]["bias"][0, 3] = -0.2
+    with pytest.raises(ValueError, match="a router bias without the aux-free mode.*bias_update_rate is 0"):
+        llama.apply(params, np.zeros((1, 4), np.int32))
 
 
 # ------------------------------------------------------------------------------------------ the matrix

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import _compat
 from jaxpar.sharding.names import BATCH, EXPERT_MLP, EXPERTS, SEQ, Rules, axes_entry
 from jaxpar.sharding.rules import DEFAULT_RULES
 
@@ -119,7 +120,7 @@ def _ring(x_TD, expert_TK, weights_TK, slot_TK, w, *, ep_axes, n, capacity, grou
     """Ring dispatch (module docstring); ``n`` devices over ``ep_axes``. Returns this device's tokens' outputs
     ``[T, D]`` float32 (partial over an expert-tensor axis)."""
     if ep_axes:
-        gather = lambda a: jax.lax.all_gather(a, ep_axes, tiled=True)
+        gather = lambda a: _compat.all_gather_16bit_safe(a, ep_axes)
         x_TD, expert_TK, weights_TK = gather(x_TD), gather(expert_TK), gather(weights_TK)
         slot_TK = None if slot_TK is None else gather(slot_TK)
     E_loc = w[0].shape[0]
@@ -168,6 +169,11 @@ def manual_axes(mesh: Any) -> set[str]:
     """The mesh axes of size > 1 the trace is manual over (inside ``jax.shard_map``: a pipeline's stages)."""
     return set() if mesh is None or mesh.empty else {
         a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual and mesh.shape[a] > 1}
+
+
+def _manual_axis_names(mesh: Any) -> tuple[str, ...]:
+    """Every mesh axis the trace is manual over, whatever its size."""
+    return () if mesh.empty else tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
 
 
 def _split(rules: Rules, name: str | tuple, mesh: Any) -> tuple[str, ...]:
@@ -244,6 +250,10 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
     summed = tuple(a for a in etp if a in opened or a in manual)   # expert-tensor axes holding partial outputs
 
     def body(x, expert, weights, slot, *w):
+        # a 16-bit input the devices share over a manual axis: its gradient summed in float32 (XLA:CPU aborts on
+        # a 16-bit reduction inside a partial-manual region; _compat.vary_16bit_safe)
+        every = _manual_axis_names(jax.sharding.get_abstract_mesh())
+        x, *w = (_compat.vary_16bit_safe(a, every) for a in (x, *w))
         shape = x.shape
         rows = shape[1] if three_d else (group_rows or math.prod(shape[:-1]))
         kw = dict(ep_axes=ep, n=n, capacity=capacity, group_rows=rows)

@@ -170,8 +170,32 @@ def update_router(old: dict, total: dict) -> dict:
     return {**old, "load": load, "dropped": total["dropped"], "bias": old["bias"] + old["rate"][..., None] * step}
 
 
+def check_router_bias(cfg: MoEConfig, bias: Any) -> None:
+    """Raises ValueError for a stored non-zero router bias (host values, any leading stacked dims) when
+    ``cfg.bias_update_rate`` is 0: a bias that selects experts but never moves (a router bias without the
+    aux-free mode)."""
+    _refuse_bias_without_rate(np.asarray(bias), np.full(np.shape(bias)[:-1], cfg.bias_update_rate),
+                              "MoEConfig.bias_update_rate is 0")
+
+
+def check_router_state(state: dict) -> None:
+    """:data:`ROUTER`'s check (host values of a state's ``moe_router`` subtree, leading stacked dims allowed):
+    raises ValueError for a layer whose bias is non-zero while its stored ``rate`` is 0."""
+    _refuse_bias_without_rate(np.asarray(state["bias"]), np.asarray(state["rate"]), "its stored rate is 0")
+
+
+def _refuse_bias_without_rate(bias: np.ndarray, rate: np.ndarray, why: str) -> None:
+    bad = np.any(bias != 0, axis=-1) & (rate == 0)
+    if np.any(bad):
+        where = f" (layers {np.flatnonzero(bad).tolist()})" if bad.ndim else ""
+        raise ValueError(f"a router bias without the aux-free mode: the stored moe_router bias is non-zero{where}, max "
+                         f"|bias| {np.abs(bias).max():.3g}, but {why}: it would select experts and never move; set "
+                         "MoEConfig.bias_update_rate > 0 (1e-3 in DeepSeek-V3) for a state built from it, or zero "
+                         "the bias")
+
+
 ROUTER = declare_carried("moe_router", "sum", what="the MoE router's load and selection bias",
-                         update=update_router)
+                         update=update_router, check=check_router_state)
 """The carried collection of each MoE layer: ``{"bias": [E], "load": [E], "dropped": [], "rate": []}`` float32."""
 
 
@@ -180,15 +204,6 @@ def router_state(cfg: MoEConfig) -> dict:
     zeros = jnp.zeros((cfg.num_experts,), jnp.float32)
     return {"bias": zeros, "load": zeros, "dropped": jnp.zeros((), jnp.float32),
             "rate": jnp.full((), cfg.bias_update_rate, jnp.float32)}
-
-
-def check_router_bias(cfg: MoEConfig, bias: Any) -> None:
-    """Raises ValueError for a stored non-zero router bias (host values) when ``cfg.bias_update_rate`` is 0: a
-    bias that selects experts but never moves (a router bias without the aux-free mode)."""
-    if cfg.bias_update_rate == 0 and np.any(np.asarray(bias) != 0):
-        raise ValueError("a router bias without the aux-free mode: the stored moe_router bias is non-zero but "
-                         "MoEConfig.bias_update_rate is 0; set bias_update_rate > 0 (1e-3 in DeepSeek-V3) or zero "
-                         "the bias")
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -341,6 +356,6 @@ def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, 
     return y, MoEStats(counts, dropped, *aux_losses(cfg, routing, counts))
 
 
-__all__ = ["MoEConfig", "MoEStats", "ROUTER", "ROUTERS", "Routing", "aux_losses", "capacity_slots",
-           "check_router_bias", "init_params", "moe_mlp", "param_axes", "param_shapes", "route", "router_state",
+__all__ = ["MoEConfig", "MoEStats", "ROUTER", "ROUTERS", "Routing", "aux_losses", "capacity_slots", "check_router_bias",
+           "check_router_state", "init_params", "moe_mlp", "param_axes", "param_shapes", "route", "router_state",
            "update_router"]

@@ -72,7 +72,9 @@ def declare(module: Any, param: Callable[..., Any], out_std: float) -> tuple[dic
 
     Raises:
       ValueError: params without the router state for a config with ``bias_update_rate > 0`` (their selection
-        bias, in ``TrainState.carried``, would be taken as 0: other experts than training chose).
+        bias, in ``TrainState.carried``, would be taken as 0: other experts than training chose); params applied
+        outside ``jit`` whose stored bias is non-zero under a config with ``bias_update_rate == 0``
+        (:func:`jaxpar.layers.moe.check_router_bias`).
     """
     c = module.cfg
     axes = moe_layer.param_axes(c.moe)
@@ -85,7 +87,10 @@ def declare(module: Any, param: Callable[..., Any], out_std: float) -> tuple[dic
                              "state's carried state; apply jp.train.carried.merge(params, state.carried) (the params "
                              "jp.train.to_model_order(state).params with it put back)")
         return w, None
-    return w, module.param(CARRIED, lambda _: moe_layer.router_state(c.moe))
+    router = module.param(CARRIED, lambda _: moe_layer.router_state(c.moe))
+    if not module.is_initializing() and not isinstance(router["bias"], jax.core.Tracer):   # applied eagerly
+        moe_layer.check_router_bias(c.moe, router["bias"])   # (the train step checks a state's before tracing)
+    return w, router
 
 
 def mlp(cfg: Any, weights: dict, carried: dict | None, h_TD: jax.Array, seq_len: int, dtype: Any,

@@ -197,6 +197,25 @@ def check_state(held: Any, fields: frozenset[str]) -> None:
                             "arrives as its cotangent, so it is a float array (e.g. a count as float32)")
 
 
+def check_values(held: Any) -> None:
+    """Runs each declared ``check`` (:class:`jaxpar.protocol.Carried`) on the host values of every subtree of
+    ``held`` (a concrete carried tree) under its key, before anything is traced.
+
+    Raises:
+      ValueError: what a declaration's ``check`` raises.
+    """
+    def visit(tree: Any) -> None:
+        if not isinstance(tree, Mapping):
+            return
+        for k, v in tree.items():
+            d = protocol.carried_of((jax.tree_util.DictKey(k),))
+            if d is not None and d.check is not None:
+                d.check(jax.device_get(v))
+            else:
+                visit(v)
+    visit(held)
+
+
 __all__ = ["BATCH_STATS", "COMBINES", "Carried", "add", "apply", "attribute_updates", "by_attribute", "check_checkpoint",
-           "check_state", "declarations_in", "declare_carried", "finish", "is_carried", "merge", "overwrite", "part",
-           "read_attribute", "reduce_microbatches", "reduce_shards", "split", "start", "with_part"]
+           "check_state", "check_values", "declarations_in", "declare_carried", "finish", "is_carried", "merge",
+           "overwrite", "part", "read_attribute", "reduce_microbatches", "reduce_shards", "split", "start", "with_part"]

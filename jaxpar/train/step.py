@@ -390,6 +390,8 @@ class Step:
                                  "(tx.init(params)): build the state with the same tx as the step "
                                  f"(state: {jax.tree.structure(state.opt_state)}; tx: {jax.tree.structure(expected)})")
         gr.check_parts(state, self._grad_fn, self._batches.mesh)
+        if concrete:
+            carry.check_values(state.carried)
 
     def _prepare(self, state: TrainState, batch: Any, concrete: bool) -> Any:
         b = self._batches

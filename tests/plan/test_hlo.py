@@ -101,6 +101,13 @@ def test_stablehlo_dots_and_constraints_of_hand_written_text():
     assert plan_hlo.stablehlo_dots(_LOWERED) == [("bf16", "bf16"), ("f8E4M3FN", "f8E5M2")]
     assert plan_hlo.sharding_constraints(_LOWERED) == [('<@mesh, [{}, {"tensor"}]>', "16x32", "f32"),
                                                        ("<@mesh, []>", "", "f32")]
+    reductions = """
+      %8 = "stablehlo.all_reduce"(%7) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>}> ({
+      ^bb0(%arg1: tensor<bf16>, %arg2: tensor<bf16>):
+      %9 = "stablehlo.reduce_scatter"(%8) <{scatter_dimension = 0 : i64, use_global_device_ids}> ({
+      ^bb0(%arg3: tensor<f32>, %arg4: tensor<f32>):
+    """
+    assert plan_hlo.stablehlo_reductions(_LOWERED + reductions) == [("all_reduce", "bf16"), ("reduce_scatter", "f32")]
 
 
 # XLA:GPU's forms, written by hand: an fp8 GEMM fusion, a cuBLAS GEMM call, and async collectives whose
