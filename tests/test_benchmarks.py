@@ -253,7 +253,8 @@ def test_moe_load_script_tiny(tmp_path):
     MoE's, and the plot."""
     import moe_load
     out = moe_load.main(["--steps", "5", "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--seq-len", "16",
-                         "--batch-size", "8", "--expert-d-mlp", "16", "--eval-batches", "1", "--out-dir", str(tmp_path)])
+                         "--batch-size", "8", "--expert-d-mlp", "16", "--eval-batches", "1",
+                         "--out-dir", str(tmp_path)])
     rows = out["rows"]
     assert set(rows) == {"none", "aux_loss", "aux_free_bias", "capacity", "dense"}
     for name in ("none", "aux_loss", "aux_free_bias"):
