@@ -65,11 +65,12 @@ def train(step, state, corpus, cfg, start: int, stop: int, label: str):
 
 
 def masked_state(state, masks):
-    """The unpruned state whose router never selects the removed experts (their selection bias at -inf)."""
+    """The unpruned state whose router never selects the removed experts: their selection bias at -inf, in the
+    aux-free mode (a stored rate > 0: a bias with rate 0 is refused; an evaluation never updates it)."""
     router = state.carried["blocks"]["moe_router"]
     bias = jnp.where(masks["blocks"]["experts"], router["bias"], -jnp.inf)
-    return state.replace(carried={**state.carried, "blocks": {**state.carried["blocks"],
-                                                              "moe_router": {**router, "bias": bias}}})
+    router = {**router, "bias": bias, "rate": jnp.full_like(router["rate"], 1e-3)}
+    return state.replace(carried={**state.carried, "blocks": {**state.carried["blocks"], "moe_router": router}})
 
 
 def main(argv=None) -> dict:
