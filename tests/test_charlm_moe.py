@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import load_script
+from helpers import load_script, run_isolated
 
 import jaxpar as jp
 
@@ -95,3 +95,33 @@ def test_expert_parallel_4_trains_as_1(charlm, tmp_path, capsys):
     assert "split 4 ways over data" in capsys.readouterr().out
     with capsys.disabled():   # the losses, for the record (pytest -s)
         print("ep1", loss1.tolist(), "\nep4", loss4.tolist(), "\nmax rel", float(np.max(np.abs(loss4 / loss1 - 1))))
+
+
+PIPELINED_EVAL = """
+import json, sys, tempfile
+sys.path.append("experiments")
+from helpers import load_script
+charlm = load_script("experiments/charlm.py", "experiments_charlm_moe")
+losses = {}
+for ep, how in ((1, "ring"), (4, "ring"), (4, "all_to_all")):
+    out = tempfile.mkdtemp()
+    charlm.main(charlm.Config(model="moe", pipe=2, mesh=charlm.experiment.MeshConfig(fsdp=1, tensor=1),
+                              moe=charlm.ExpertsConfig(expert_parallel=ep, dispatch=how), steps=1, eval_interval=1,
+                              eval_batches=1, num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=16,
+                              out_dir=out, checkpoint_interval=0, sample_chars=1))
+    rows = [json.loads(line) for line in open(out + "/metrics.jsonl")]
+    losses[f"{ep} {how}"] = [r["loss"] for r in rows if r["split"] == "val"]
+print("RESULT " + json.dumps(losses))
+"""
+
+
+@pytest.mark.slow   # three pipelined runs (compiles of a train and an eval step each), in a subprocess: it hung
+def test_pipelined_evaluation_with_expert_parallelism():
+    """--pipe 2 --expert-parallel 4 (data=4): the pipelined evaluation runs (its interpreter is manual over the batch
+    axes as training's is, so the experts' collectives stay among one stage's devices; it deadlocked in XLA's
+    collective-permute rendezvous before) and gives --expert-parallel 1's validation loss, for both dispatches."""
+    losses = run_isolated(PIPELINED_EVAL, timeout=900)
+    ref = losses.pop("1 ring")
+    assert len(ref) == 1   # the evaluation after step 1
+    for name, got in losses.items():
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=0, err_msg=name)

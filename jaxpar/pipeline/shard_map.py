@@ -171,7 +171,11 @@ def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: t
                takes_rng: bool = False) -> Callable:
     """The traceable body of :func:`jaxpar.pipeline.apply`: ``f(stage_params, x, rng=None) -> y`` (with
     ``takes_rng``, the stage function gets the keys :func:`value_and_grad_core` gives the same F)."""
-    manual = context_axes(schedule, mesh, takes_rng)   # the sequence's context axis, as in training
+    # manual over the axes training is manual over: a stage's collectives over them (expert parallelism's) then
+    # run inside its own action, among the devices of its stage; left automatic, GSPMD's resharding collectives
+    # inside the per-stage action switch span every stage, and the idle stages never join them (a deadlock)
+    rows_over = manual_batch_axes(schedule, mesh, batch_axes, takes_rng)
+    manual = rows_over + context_axes(schedule, mesh, takes_rng)
     interp = Interpreter(stage_fn, None, schedule.forward_only() if schedule.has_backward else schedule,
                          takes_rng=takes_rng, batch=manual)
 
@@ -182,7 +186,7 @@ def apply_core(stage_fn: Callable, schedule: Schedule, mesh: Mesh, batch_axes: t
         def inner(stage_params, x_micro, data):
             with _local_rules(manual):
                 return interp.apply(stage_params, x_micro, unwrap(data))
-        rows = P(None, None, CONTEXT) if manual and x_micro.ndim >= 3 else P()
+        rows = P(rows_over or None, *((None, CONTEXT) if CONTEXT in manual and x_micro.ndim >= 3 else ()))
         body = _over_pipe(inner, schedule, mesh, in_specs=(P(AXIS), rows, P()), out_specs=rows, batch=manual)
         return merge_microbatches(body(stage_params, x_micro, data), batch_axes)
     return run
