@@ -420,7 +420,10 @@ def with_expert_load(train_step):
 def report(cfg: Config, model, corpus, mesh, state, val: float, active: bool) -> None:
     """A generated sample (every process: SPMD), the loss plot and the final line (process 0)."""
     prompt = "The" if cfg.data_dir else "The "   # a subword vocabulary starts words with their space
-    sample = model.generate(state.params, corpus.encode(prompt), cfg.sample_chars, jax.random.key(cfg.seed + 1))
+    params = state.params
+    if cfg.model == "moe" and state.carried is not None:   # the routers' selection bias, which the step carries
+        params = jp.train.carried.merge(params, jp.train.carried.part(state.carried, jp.layers.moe.ROUTER))
+    sample = model.generate(params, corpus.encode(prompt), cfg.sample_chars, jax.random.key(cfg.seed + 1))
     if active:
         out = Path(cfg.out_dir)
         rows = jp.metrics.read_jsonl(out / "metrics.jsonl")

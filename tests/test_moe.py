@@ -357,7 +357,14 @@ BAD = [
     (dict(bias_update_rate=-1e-3), "bias_update_rate=-0.001"),
     (dict(num_experts=8, experts_per_token=4, num_groups=8, topk_groups=2), "raise topk_groups"),
     (dict(routed_scaling_factor=0), "routed_scaling_factor=0"),
+    (dict(shared_d_mlp=8), "shared_d_mlp=8 without shared experts"),
+    (dict(capacity_factor=float("nan")), "capacity_factor=nan"),
 ]
+
+
+def test_numpy_scalars_are_numbers_too():
+    cfg = MoEConfig(capacity_factor=np.float32(1.25), load_balance_coef=np.float64(1e-2), experts_per_token=np.int64(2))
+    assert cfg.capacity(16) == 5   # ceil(1.25 * 16 * 2 / 8)
 
 
 @pytest.mark.parametrize("kwargs, message", BAD)

@@ -24,8 +24,8 @@ splits the MLP: its partial outputs are summed over it after the down projection
 
 Axes already manual when the layer is traced (a pipeline's stages) are used as they are: their arrays are local.
 Inside such a region the layer opens no nested ``shard_map`` (Shardy rejects a nested partial-manual one's
-backward): where the token or expert axes it would need are not all manual there, every device computes every
-expert for its tokens (the pipeline gathers FSDP-sharded expert weights as it gathers any stage weight).
+backward), and where the token or expert axes it would need are not all manual there it refuses (GSPMD's
+collectives inside a pipeline's per-stage branches deadlock the idle stages).
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
       ``x``'s shape, float32.
 
     Raises:
-      ValueError: an unknown ``how``; :func:`check_expert_parallel`'s errors.
+      ValueError: an unknown ``how``; :func:`check_expert_parallel`'s errors; inside a manual region (a pipeline's
+        stages) whose manual axes leave some of the token or expert axes automatic.
     """
     if how not in DISPATCHES:
         raise ValueError(f"dispatch={how!r}; use one of {DISPATCHES}")
@@ -244,8 +245,15 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
     lead = (lambda a: _split(rules, a, mesh)) if not mesh.empty else (lambda a: ())
     batch, seq, etp = lead(BATCH), lead(SEQ), lead(EXPERT_MLP)
     new = [a for a in (*batch, *seq, *ep) if a not in manual]
-    if new and manual:   # inside another region (a pipeline's stages), where a nested partial-manual shard_map
-        ep, n, new = (), 1, []   # fails Shardy's verifier in the backward: every expert here, GSPMD splits the rest
+    if new and manual:
+        # Inside another manual region (a pipeline's stages) a nested partial-manual shard_map fails Shardy's
+        # verifier in the backward, and leaving these axes to GSPMD puts its collectives inside the region's
+        # per-stage branches, where idle stages never join them (a rendezvous that times out and aborts).
+        raise ValueError(f"the MoE layer runs inside a region manual over {sorted(manual)} (a pipeline's stages) "
+                         f"but its token or expert axes {new} are not manual there: the pipeline must be manual over "
+                         "the batch axes too (jp.pipeline.Pipeline is, unless its stage function takes an rng or "
+                         "grad_reduce='action'); use a stage function without rng, or no expert parallelism and no "
+                         "batch split inside the pipeline")
     opened = sorted(set(new) | ({*etp} - manual), key=mesh.axis_names.index) if new else []
     summed = tuple(a for a in etp if a in opened or a in manual)   # expert-tensor axes holding partial outputs
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -87,6 +88,9 @@ class MoEConfig:
                              "every expert; choose experts_per_token <= num_experts")
         for name in ("expert_d_mlp", "num_shared_experts", "shared_d_mlp"):
             _validate.nonnegative_int(f"MoEConfig.{name}", getattr(self, name), " (0: the default)")
+        if self.shared_d_mlp and not self.num_shared_experts:
+            raise ValueError(f"MoEConfig.shared_d_mlp={self.shared_d_mlp} without shared experts (num_shared_experts=0) "
+                             "would be ignored: set num_shared_experts >= 1, or shared_d_mlp=0")
         if self.router not in ROUTERS:
             raise ValueError(f"MoEConfig.router={self.router!r}; use one of {ROUTERS}")
         if self.dispatch not in expert_parallel.DISPATCHES:
@@ -102,15 +106,16 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.experts_per_token={k} > the {top * (E // G)} experts of topk_groups={top} "
                              f"groups of {E // G}: raise topk_groups or lower experts_per_token")
         cf = self.capacity_factor
-        if cf is not None and not (isinstance(cf, (int, float)) and not isinstance(cf, bool) and 0 < cf < math.inf):
+        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))   # numpy scalars too
+        if cf is not None and not (real(cf) and 0 < cf < math.inf):
             raise ValueError(f"MoEConfig.capacity_factor={cf!r} must be None (dropless) or a finite number > 0 "
                              "(e.g. 1.25)")
         for name in ("load_balance_coef", "z_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf):
+            if not (real(value) and 0 <= value < math.inf):
                 raise ValueError(f"MoEConfig.{name}={value!r} must be a finite number >= 0 (0: off)")
         scale = self.routed_scaling_factor
-        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf):
+        if not (real(scale) and 0 < scale < math.inf):
             raise ValueError(f"MoEConfig.routed_scaling_factor={scale!r} must be a finite number > 0 (1: none)")
         if not isinstance(self.norm_topk_prob, bool):
             raise ValueError(f"MoEConfig.norm_topk_prob={self.norm_topk_prob!r} must be a bool")
