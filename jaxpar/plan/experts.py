@@ -14,7 +14,8 @@ all-gather's output, a reduce-scatter's or all-to-all's input (the full buffer),
 tokens and their routing, ``n T (D c + 4 k + 4 k [+ 4 k slots in capacity mode])`` (activations, float32
 weights, int32 experts), and one reduce-scatter of the float32 outputs ``4 n T D``; backward, their transposes:
 an all-gather of the outputs' cotangent ``n T D c`` and a reduce-scatter of the tokens' and weights' cotangents
-``n T (D c + 4 k)``. (The cotangent arrives in the compute dtype and jax gathers it as float32; XLA moves the
+``n T (4 D + 4 k)``, float32 whatever the compute dtype (``jaxpar._compat.all_gather_16bit_safe``: a 16-bit
+reduction inside the partial-manual region aborts XLA:CPU). (The cotangent arrives in the compute dtype and jax gathers it as float32; XLA moves the
 conversion after the gather, so the wire carries ``c`` bytes an element, as counted; with ``c = 4`` the same.)
 **All-to-all dispatch**, dropless: each destination's buffer holds every local choice (the worst case), so each
 all-to-all moves ``n T k D c``; forward two (out and back) plus the int32 experts ``4 n T k``, backward two; in
@@ -165,7 +166,7 @@ def dispatch_bytes(moe: Any, d_model: int, tokens: float, expert_parallel: int, 
     if moe.dispatch == "ring":
         gathered = n * T * (D * c + 8 * k + (4 * k if capacity else 0))
         return {"forward": {"all-gather": gathered, "reduce-scatter": 4 * n * T * D},
-                "backward": {"all-gather": n * T * D * c, "reduce-scatter": n * T * (D * c + 4 * k)}}
+                "backward": {"all-gather": n * T * D * c, "reduce-scatter": n * T * (D * 4 + 4 * k)}}
     if not capacity:
         rows = n * T * k * D * c
         return {"forward": {"all-to-all": 2 * rows + 4 * n * T * k}, "backward": {"all-to-all": 2 * rows}}
