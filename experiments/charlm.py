@@ -301,6 +301,7 @@ def main(cfg: Config) -> float | None:
     jp.gpu.apply_gpu_defaults(matmul_precision=cfg.precision.matmul_precision,  # GPU only; before any device use
                               collective_matmul=cfg.mesh.tensor > 1)
     experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    experiment.reuse_cpu_host_memory()
     jp.initialize_distributed()  # a no-op unless started by `python -m jaxpar.cli.launch` or on a cluster
     corpus = jp.data.TokenCorpus(cfg.data_dir) if cfg.data_dir else jp.data.CharCorpus.load(cfg.text)
     mesh = cfg.mesh.make(pipe=cfg.pipe)

@@ -64,6 +64,7 @@ def run(cfg: Config) -> dict[str, float]:
     """Trains; returns the test metrics (``accuracy``, ``loss``, ``weight``) and the kernels' ``sparsity``."""
     jp.gpu.apply_gpu_defaults(collective_matmul=cfg.mesh.tensor > 1)  # XLA flags on GPU only; before any device use
     experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    experiment.reuse_cpu_host_memory()
     digits = jp.data.Digits.load(seed=cfg.seed)
     mesh = cfg.mesh.make()
     experiment.log_devices(mesh)

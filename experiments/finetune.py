@@ -104,6 +104,7 @@ def main(cfg: Config) -> dict:
     """Fine-tunes; returns ``{"first_loss", "last_loss", "saved"}`` (the losses of this run's first and last steps),
     or None when preempted (a checkpoint was saved)."""
     experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    experiment.reuse_cpu_host_memory()
     mesh = cfg.mesh.make()
     experiment.log_devices(mesh)
     model, params = hf.load(cfg.hf, mesh=mesh)

@@ -108,6 +108,7 @@ def row(name: str, run: digits.Config, test: dict[str, float]) -> dict:
 
 def main(cfg: Config) -> dict[str, dict]:
     experiment.simulate_cpu_devices(cfg.mesh.simulate_devices)
+    experiment.reuse_cpu_host_memory()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [row(name, run, digits.run(run)) for name, run in cfg.runs()]

@@ -70,3 +70,19 @@ def test_no_page_faults_per_call_with_the_settings():
     assert min(plain["faults"]) > 0.5 * pages, plain
     assert max(reused["faults"][-6:]) < 0.02 * pages, reused
     assert jp.tools.cpu.reuse_host_memory is cpu.reuse_host_memory
+
+
+def test_entry_points_apply_it_before_the_backends_start_and_never_after(monkeypatch):
+    """experiments/*.py call ``experiment.reuse_cpu_host_memory()`` at start-up: the settings in a fresh process,
+    nothing (and no warning) in one whose backends started, as a notebook calling ``main`` twice."""
+    from jaxpar import _compat
+    from jaxpar.cli import experiment
+    calls = []
+    monkeypatch.setattr(experiment, "reuse_host_memory", lambda: calls.append(1))
+    for started in (True, False):
+        monkeypatch.setattr(_compat, "backends_initialized", lambda: started)
+        experiment.reuse_cpu_host_memory()
+    assert calls == [1]
+    for script in ("charlm", "finetune", "digits", "prune_sweep"):
+        text = open(os.path.join(os.path.dirname(__file__), "..", "experiments", f"{script}.py")).read()
+        assert "experiment.reuse_cpu_host_memory()" in text, script
