@@ -76,7 +76,7 @@ def masked_state(state, masks):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps before pruning")
-    ap.add_argument("--finetune-steps", type=int, default=60, help="steps after pruning (recovery)")
+    ap.add_argument("--finetune-steps", type=int, default=150, help="steps after pruning (recovery)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--keep", type=int, default=6, help="experts each layer keeps")
     ap.add_argument("--experts-per-token", type=int, default=2)
