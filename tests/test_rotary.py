@@ -44,3 +44,14 @@ def test_static_positions_are_constants_equal_to_the_traced_path_and_the_referen
     offset_traced = jax.jit(lambda x, o: rope(x, 1e4, o))
     np.testing.assert_allclose(offset_traced(x8, jnp.int32(3)), reference(x8, 1e4, np.arange(8)[None] + 3),
                                rtol=0, atol=2e-6)
+
+
+def test_positions_of_the_wrong_shape_and_an_odd_head_size_are_named():
+    import pytest
+    x = jnp.zeros((2, 8, 3, 4), jnp.float32)
+    for bad in (np.arange(7)[None], np.arange(8), np.zeros((3, 8), np.int32)):
+        with pytest.raises(ValueError, match=r"positions_BL has shape .* \[B, L\] = \[2, 8\]"):
+            rope(x, 1e4, positions_BL=bad)
+    with pytest.raises(ValueError, match="must be even"):
+        rope(jnp.zeros((1, 8, 1, 5)), 1e4)
+    np.testing.assert_allclose(rope(x + 1, 1e4, positions_BL=np.arange(8)[None]), rope(x + 1, 1e4), atol=2e-6)

@@ -20,10 +20,19 @@ def rope(x_BLHK: jax.Array, base: float, offset: jax.Array | int = 0, freq: Any 
     """Rotary position embedding (Su et al. 2021, eq. 34), rotating halves of the head dim; float32 angles.
     Row ``l`` of ``x_BLHK`` is position ``offset + l`` (``offset``: an int, an int32 scalar, e.g. a decode step's,
     or an int32 ``[B]`` of per-row offsets, e.g. left-padded prompts'), or ``positions_BL[:, l]`` when given
-    (int ``[B, L]``: packed documents, each counting from 0).
-    ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones)."""
-    L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
+    (int ``[B, L]`` or ``[1, L]``: packed documents, each counting from 0).
+    ``freq``: the ``K // 2`` inverse frequencies (default ``base ** (-i / (K // 2))``; e.g. Llama 3's scaled ones).
+
+    Raises:
+      ValueError: an odd head size ``K``, or ``positions_BL`` not ``[B, L]`` / ``[1, L]`` for ``x_BLHK``'s B and L."""
+    B, L, K = x_BLHK.shape[0], x_BLHK.shape[1], x_BLHK.shape[-1]
     half = K // 2
+    if K % 2:
+        raise ValueError(f"rope rotates halves of the head dim, so it must be even: x_BLHK has shape {x_BLHK.shape}")
+    if positions_BL is not None and (jnp.ndim(positions_BL) != 2 or jnp.shape(positions_BL)[1] != L
+                                     or jnp.shape(positions_BL)[0] not in (1, B)):
+        raise ValueError(f"positions_BL has shape {jnp.shape(positions_BL)}; rope needs one position per token of "
+                         f"x_BLHK {x_BLHK.shape}: [B, L] = [{B}, {L}] (or [1, {L}] shared by the rows)")
     if positions_BL is None and isinstance(offset, int) and offset == 0 and cp.positions(L) is not None:
         positions_BL = cp.positions(L)[None]   # a sequence sharded over a context axis: the zigzag slots' positions
     sin_cos = _static_sin_cos(L, half, base, offset, freq, positions_BL)
