@@ -243,10 +243,12 @@ class Config:
 
     def rules(self, mesh: jax.sharding.Mesh) -> jp.sharding.Rules:
         """The logical rules: ``jp.sharding.DEFAULT_RULES`` with the experts split --expert-parallel ways over the
-        batch axes (--model moe). ValueError in flags when that size folds onto no batch axes."""
+        batch axes (--model moe), and the Llama's key/value heads over --tensor when it divides them. ValueError in
+        flags when the expert-parallel size folds onto no batch axes."""
         size = self.moe.expert_parallel if self.model == "moe" else 1
+        kv_heads = (self.num_kv_heads or self.num_heads) if self.model != "gpt" else 0
         try:
-            return jp.sharding.expert_parallel_rules(mesh, size)
+            return experiment.split_kv_heads(jp.sharding.expert_parallel_rules(mesh, size), mesh, kv_heads)
         except ValueError as e:
             data, fsdp = mesh.shape.get("data", 1), mesh.shape.get("fsdp", 1)
             works = [s for s in jp.sharding.expert_fold_choices(mesh) if self.moe.experts % s == 0]

@@ -56,6 +56,8 @@ class Config:
     """a tokenizer.json or a directory holding one; None: the checkpoint's own tokenizer.json, else bytes"""
     out_dir: str = "runs/finetune"
     checkpoint_interval: int = 50  # orbax checkpoint every this many steps (and at the end); 0: only at the end
+    expert_parallel: int = 1       # a mixture of experts (Mixtral, Qwen3-MoE): its experts split this many ways over
+                                   # the batch axes (--fsdp, --data or their product); 1: every device holds them all
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):
@@ -70,7 +72,7 @@ class Config:
 
 
 RESUMABLE_CHANGES = frozenset({"data", "fsdp", "tensor", "pipe", "simulate_devices", "devices_per_host", "steps",
-                               "out_dir", "checkpoint_interval"})
+                               "out_dir", "checkpoint_interval", "expert_parallel"})
 
 
 def token_stream(text: str, tokenizer) -> np.ndarray:
@@ -107,7 +109,14 @@ def main(cfg: Config) -> dict:
     experiment.reuse_cpu_host_memory()
     mesh = cfg.mesh.make()
     experiment.log_devices(mesh)
-    model, params = hf.load(cfg.hf, mesh=mesh)
+    experts = jp.sharding.expert_parallel_rules(mesh, cfg.expert_parallel)   # ValueError: folds onto no batch axes
+    model, params = hf.load(cfg.hf, mesh=mesh, rules=experts)
+    moe = getattr(model.cfg, "moe", None)
+    if cfg.expert_parallel > 1 and (moe is None or moe.num_experts % cfg.expert_parallel):
+        raise ValueError(f"--expert-parallel {cfg.expert_parallel} splits a mixture of experts' experts; {cfg.hf} is "
+                         + ("a dense model: drop the flag" if moe is None else
+                            f"a mixture of {moe.num_experts} experts, which it does not divide"))
+    rules = experiment.split_kv_heads(experts, mesh, getattr(model.cfg, "kv_heads", 0))
     tokenizer, tokenizer_path = checkpoint_tokenizer(cfg, model.cfg.vocab_size)
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the checkpoint's max_position_embeddings "
@@ -124,15 +133,15 @@ def main(cfg: Config) -> dict:
     experiment.check_resumed_config(out, cfg, RESUMABLE_CHANGES)
     ckpt = jp.checkpoint.CheckpointManager(out / "checkpoints", save_interval_steps=cfg.checkpoint_interval)
     state, step0 = jp.checkpoint.restore_or_init(  # a rerun in the same --out-dir resumes
-        ckpt, lambda: jp.train.init_state(init_fn, tx, cfg.seed, mesh=mesh, report=False),
-        lambda: jp.train.abstract_state(init_fn, tx, mesh=mesh))
+        ckpt, lambda: jp.train.init_state(init_fn, tx, cfg.seed, mesh=mesh, rules=rules, report=False),
+        lambda: jp.train.abstract_state(init_fn, tx, mesh=mesh, rules=rules))
     writer = jp.metrics.MetricsWriter(out, resume_step=step0)
     if writer.active:
         (out / "config.json").write_text(json.dumps(experiment.flat_config(cfg), indent=2))
     print(f"{type(model).__name__} from {cfg.hf}: {model.cfg.num_params():,} params, {data.size:,} {unit} of text"
           + (f" ({tokenizer_path})" if tokenizer_path else "")
           + (f"; resumed from step {step0}" if step0 else ""), flush=True)
-    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, check_batch=model.check_batch)
+    step = jp.train.make_train_step(model.loss, tx, mesh=mesh, rules=rules, check_batch=model.check_batch)
     losses = {}
     hooks = [experiment.write_metrics(writer), experiment.progress_bar(cfg.steps, step0),
              jp.loop.Hook(lambda t, _, m: losses.__setitem__(t, float(m["loss"])), every=1, needs_state=False),

@@ -323,10 +323,16 @@ def main(argv=None) -> list:
         except ImportError as e:   # matplotlib is optional
             print(f"wrote {out / 'plan.json'}; plan.png skipped ({e})")
         best = plans[0]
-        print(f"recommended: {' x '.join(f'{a}={s}' for a, s in best.mesh.items() if s > 1) or 'one device'}, "
-              f"remat={best.model['remat']}" + (f", schedule {best.schedule}" if best.schedule else "")
-              + f": step {best.time['step_s'] * 1e3:.4g} ms, MFU {best.time['mfu']:.1%}, "
-              f"{best.needed_bytes / 2**30:.3g} GiB/device" + ("" if best.fits else " (does not fit)"))
+        name = lambda p: (f"{' x '.join(f'{a}={s}' for a, s in p.mesh.items() if s > 1) or 'one device'}, "
+                          f"remat={p.model['remat']}" + (f", schedule {p.schedule}" if p.schedule else ""))
+        if best.fits:
+            print(f"recommended: {name(best)}: step {best.time['step_s'] * 1e3:.4g} ms, MFU {best.time['mfu']:.1%}, "
+                  f"{best.needed_bytes / 2**30:.3g} GiB/device")
+        else:   # ranked fitting first: none fits, so no layout is recommended
+            least = min(plans, key=lambda p: p.needed_bytes)
+            print(f"no layout compiled fits on {args.devices} devices: the least memory is "
+                  f"{least.needed_bytes / 2**30:.3g} GiB/device ({name(least)}); add devices (--devices), or shorten "
+                  "--seq-len / --global-batch")
     return plans
 
 

@@ -214,6 +214,8 @@ def test_finetune_a_hf_llama_end_to_end(tmp_path):
     for out_dir in (tmp_path / "run", tmp_path / "run" / "hf"):   # its own output as its input
         with pytest.raises(ValueError, match="overwrites"):
             finetune.Config(hf=out["saved"] if out_dir.name == "run" else str(out_dir), out_dir=str(out_dir))
+    with pytest.raises(ValueError, match=r"--expert-parallel 2 splits a mixture of experts' experts; .* a dense model"):
+        finetune.main(dataclasses.replace(cfg, expert_parallel=2, out_dir=str(tmp_path / "ep")))
 
 
 def tiny_hf_model(family: str, vocab_size: int):
@@ -404,3 +406,16 @@ def test_charlm_context_2_follows_context_1(tmp_path):
         losses[c] = np.array([r["loss"] for r in rows if r["split"] == "train"])
     np.testing.assert_allclose(losses[2][0], losses[1][0], rtol=1e-5)
     np.testing.assert_allclose(losses[2], losses[1], rtol=1e-4)
+
+
+def test_entry_points_split_key_value_heads_over_tensor_when_it_divides_them(mesh_factory):
+    """charlm and finetune split a Llama-like model's key/value heads over --tensor when it divides them (the
+    library's defaults keep them whole for any head count, and the model warns of the duplicated work)."""
+    from jaxpar.cli import experiment
+    mesh = mesh_factory(data=2, fsdp=2, tensor=2)
+    split = experiment.split_kv_heads(jp.sharding.DEFAULT_RULES, mesh, 4)
+    assert split.mesh_axes("kv_heads") == ("tensor",) and split.mesh_axes("heads") == \
+        jp.sharding.DEFAULT_RULES.mesh_axes("heads")
+    assert experiment.split_kv_heads(split, mesh, 4) == split                      # once, first
+    for kv, m in ((3, mesh), (0, mesh), (4, mesh_factory(data=8))):
+        assert experiment.split_kv_heads(jp.sharding.DEFAULT_RULES, m, kv).mesh_axes("kv_heads") == ()

@@ -29,6 +29,7 @@ import optax
 from jaxpar import _compat, pruning
 from jaxpar.train.loop import Hook
 from jaxpar.sharding.mesh import describe, make_mesh
+from jaxpar.sharding.names import KV_HEADS, TENSOR, Rules
 from jaxpar.tools.cpu import reuse_host_memory
 from jaxpar.tools.metrics import MetricsWriter, Throughput
 from jaxpar.precision.scaling import DynamicLossScale, loss_scaling
@@ -62,6 +63,17 @@ def reuse_cpu_host_memory() -> None:
     keeps its settings. Nothing changes on a GPU run."""
     if not _compat.backends_initialized():
         reuse_host_memory()
+
+
+def split_kv_heads(rules: Any, mesh: jax.sharding.Mesh, kv_heads: int) -> Rules:
+    """``rules`` with grouped-query key/value heads split over ``tensor`` (a first ``("kv_heads", "tensor")`` rule)
+    when the mesh's tensor size divides ``kv_heads``, as Megatron's tensor-parallel attention splits them; else the
+    rules unchanged (the heads stay whole on every tensor shard, which the model warns of). The library's
+    ``DEFAULT_RULES`` leave them whole, so that any head count runs; an entry point knows its model's."""
+    tensor = dict(zip(mesh.axis_names, mesh.axis_sizes)).get(TENSOR, 1)
+    if tensor > 1 and kv_heads > 0 and kv_heads % tensor == 0:
+        return Rules(((KV_HEADS, TENSOR), *(r for r in Rules(rules) if r[0] != KV_HEADS)))
+    return Rules(rules)
 
 
 def log_devices(mesh: jax.sharding.Mesh) -> None:
@@ -270,4 +282,4 @@ def say(text: str) -> None:
 
 __all__ = ["MeshConfig", "PrecisionConfig", "PruningConfig", "check_resumed_config", "flat_config",
            "log_devices", "progress_bar", "require_extra", "reuse_cpu_host_memory", "say", "simulate_cpu_devices",
-           "throughput", "write_metrics"]
+           "split_kv_heads", "throughput", "write_metrics"]

@@ -180,6 +180,7 @@ def expert_load(runs: list[dict[str, Any]] | dict[str, list[dict[str, Any]]], pa
         ax.axhline(1.0 / load.shape[1], color="k", ls="--", lw=1)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)   # steps are whole numbers
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share of routed choices")
     axes[-1].legend(fontsize=7, ncol=2)

@@ -73,9 +73,10 @@ def _fix_index(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
 def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_RULES, dtype: Any = None,
          **config_overrides: Any) -> tuple[Any, dict]:
     """``(model, params)`` of a Hugging Face ``LlamaForCausalLM`` (a :class:`Llama`), ``GPT2LMHeadModel`` (a
-    :class:`GPT`), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM`` or ``Gemma3ForCausalLM`` (a
-    :class:`jaxpar.models.FamilyModel`) checkpoint directory; a ``Gemma3ForConditionalGeneration``'s text decoder
-    with ``text_only=True`` (its vision tower is refused without it).
+    :class:`GPT`), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``, or
+    the mixtures of experts ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` (a :class:`jaxpar.models.FamilyModel`
+    whose config has ``moe``) checkpoint directory; a ``Gemma3ForConditionalGeneration``'s text decoder with
+    ``text_only=True`` (its vision tower is refused without it).
 
     Args:
       path_or_dir: the directory (``config.json`` and ``model.safetensors`` or sharded files with their index).
@@ -84,6 +85,8 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
         that was killed is first finished or undone (:func:`save`).
       mesh: place each param by the model's logical names and ``rules`` on this mesh (each device's block read
         from disk by itself: the whole model is never on one device or in host memory); None: the default device.
+      rules: the logical-name rules that placement reads (default ``jp.sharding.DEFAULT_RULES``; for a mixture of
+        experts split over the batch axes, ``jp.sharding.expert_parallel_rules(mesh, E)``).
       dtype: the params' dtype (default: an overridden ``param_dtype``, else float32; converted on read). The
         compute dtype is the config's ``dtype`` (an override, e.g. ``dtype=jnp.bfloat16`` here sets the params'
         dtype, ``config_overrides`` cannot: pass a policy to the train step instead).
@@ -198,7 +201,8 @@ def _check_tied_copy(reader: Reader, head: str, embed: str, rows: int = 8192) ->
 def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30, like: str | None = None) -> None:
     """Writes ``params`` of ``model`` (a :class:`Llama`, a :class:`GPT` with learned positions, a
     :class:`jaxpar.models.FamilyModel`) as a Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` /
-    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` checkpoint in ``dir``:
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``, ``MixtralForCausalLM``,
+    ``Qwen3MoeForCausalLM`` (experts written one by one) checkpoint in ``dir``:
     ``config.json`` and float32 safetensors
     (sharded into ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json`` when larger), read by ``from_pretrained(dir)``. The vocabulary padding is
