@@ -9,10 +9,15 @@ callback, which bounds the steps whether jaxpar does or not. A second test check
 steps reach the bound with their metrics as the outputs it waits for.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxpar as jp
 
@@ -93,3 +98,54 @@ def test_only_multi_device_cpu_meshes_are_bounded(mesh_factory):
     """A single device has no rendezvous; dispatch there (and on accelerators) is left unbounded."""
     assert jp.dispatch.needs_bound(mesh_factory(data=2))
     assert not jp.dispatch.needs_bound(mesh_factory())
+
+
+LATE_PARTICIPANT = """
+import os, sys, time
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jaxpar  # noqa: F401  (its rendezvous limit, unless XLA_FLAGS sets one)
+import jax, jax.numpy as jnp
+from jax.experimental import io_callback
+from jax.sharding import PartitionSpec as P
+late = float(sys.argv[1])
+def slow(i):   # device 1's thread reaches the all-reduce `late` seconds after device 0's
+    if int(i) == 1:
+        time.sleep(late)
+    return i
+def body(x):
+    i = io_callback(slow, jax.ShapeDtypeStruct((), jnp.int32), jax.lax.axis_index("data"))
+    return jax.lax.psum(x + i.astype(x.dtype), "data")
+mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+print("RESULT", f(jnp.arange(2.0)).tolist())
+"""
+
+
+def test_import_lengthens_xla_cpus_rendezvous_limit_unless_set(monkeypatch):
+    """``import jaxpar`` adds XLA:CPU's rendezvous termination flag (900 s) while the backends have not started;
+    a value the user set, or started backends, leave ``XLA_FLAGS`` alone."""
+    from jaxpar import _compat
+    from jaxpar.train import _dispatch
+    monkeypatch.setattr(_compat, "backends_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert _dispatch.lengthen_cpu_rendezvous_timeout()
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2",
+                                               "--xla_cpu_collective_call_terminate_timeout_seconds=900"]
+    assert not _dispatch.lengthen_cpu_rendezvous_timeout()                       # once
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=5")
+    assert not _dispatch.lengthen_cpu_rendezvous_timeout()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_collective_call_terminate_timeout_seconds=5"
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(_compat, "backends_initialized", lambda: True)
+    assert not _dispatch.lengthen_cpu_rendezvous_timeout() and "XLA_FLAGS" not in os.environ
+
+
+@pytest.mark.slow   # a device thread 65 s late (sleeping: no CPU)
+def test_a_participant_late_past_xlas_default_limit_is_waited_for():
+    """XLA:CPU aborts a collective whose last thread arrives over 60 s after the first (20 s before its warning plus
+    the 40 s termination limit; measured: 30 s late with the limit at 2 s aborts). After ``import jaxpar`` a thread
+    65 s late is waited for, as a starved thread on a loaded machine must be, and the result is right."""
+    out = subprocess.run([sys.executable, "-c", LATE_PARTICIPANT, "65"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT [2.0]" in out.stdout and "unstuck" in out.stderr

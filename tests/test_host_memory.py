@@ -83,6 +83,9 @@ def test_entry_points_apply_it_before_the_backends_start_and_never_after(monkeyp
         monkeypatch.setattr(_compat, "backends_initialized", lambda: started)
         experiment.reuse_cpu_host_memory()
     assert calls == [1]
+    monkeypatch.setenv("JAXPAR_REUSE_HOST_MEMORY", "0")       # the opt-out
+    experiment.reuse_cpu_host_memory()
+    assert calls == [1]
     for script in ("charlm", "finetune", "digits", "prune_sweep"):
         text = open(os.path.join(os.path.dirname(__file__), "..", "experiments", f"{script}.py")).read()
         assert "experiment.reuse_cpu_host_memory()" in text, script

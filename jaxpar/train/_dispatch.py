@@ -16,14 +16,20 @@ and Python overhead overlaps), but nothing queues further. The bound is shared b
 process (train, eval, pipeline), whoever writes the loop. On GPU and TPU, and on one CPU device, dispatch
 is left unbounded.
 
-jaxlib 0.10's XLA:CPU also reads ``--xla_cpu_collective_call_terminate_timeout_seconds`` (the 40 s limit), but
-raising it only delays the abort, and an XLA flag that another jaxlib does not know aborts the process at
-start-up, so jaxpar sets no flag: bounding what is queued removes the cause.
+Bounding what is queued removes the cause within one process, but not all starvation: a machine loaded by other
+processes (a 1-minute load of 15 on 2 cores, memory reclaim stalling threads) kept two of an all-gather's four
+device threads from arriving within 40 s in one of a fresh user's runs (``charlm --model moe --expert-parallel
+4``, step 3; the same command passed at a load of 9). The 40 s is XLA:CPU's
+``--xla_cpu_collective_call_terminate_timeout_seconds`` (jaxlib 0.10.2 and later know the flag; jaxpar needs
+0.10.2). ``import jaxpar`` raises it to :data:`RENDEZVOUS_TERMINATE_S` (:func:`lengthen_cpu_rendezvous_timeout`)
+when the backends have not started and the user set no value: a late thread is then waited for, and a real
+deadlock still ends the process, after 15 minutes instead of 40 s. XLA's "may be stuck" log after 20 s stays.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +37,22 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxpar import _compat
+
 MAX_IN_FLIGHT = 2
+RENDEZVOUS_TERMINATE_S = 900
+_TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+
+
+def lengthen_cpu_rendezvous_timeout() -> bool:
+    """Adds ``--xla_cpu_collective_call_terminate_timeout_seconds=900`` to ``XLA_FLAGS`` (module docstring) unless
+    JAX's backends have started (the flags were read) or ``XLA_FLAGS`` already sets it (the user's value wins).
+    Returns whether it added the flag. XLA:GPU and TPU do not read it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _TERMINATE_FLAG in flags or _compat.backends_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {_TERMINATE_FLAG}={RENDEZVOUS_TERMINATE_S}".strip()
+    return True
 _pending: collections.deque[list[jax.Array]] = collections.deque()
 _lock = threading.Lock()
 
