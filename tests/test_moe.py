@@ -583,3 +583,30 @@ def test_layer_inside_a_region_already_manual_over_its_axes_uses_them(dispatch):
     ref_value, ref_grads, *_ = reference(no_aux)
     assert_scalar_close(value, ref_value, rtol=1e-5, what=f"{dispatch} inside a manual region: loss")
     assert_tree_close(grads, ref_grads, rtol=1e-5, what=f"{dispatch} inside a manual region: gradients")
+
+
+def test_layer_inputs_checked_whole_sequences_per_device_in_capacity_mode_and_capacity_capped(mesh_factory):
+    """Found by an adversary: capacity mode over [T, D] tokens whose device shares are not whole sequences gave
+    wrong outputs silently (ring, EP 4), a ZeroDivisionError or a gather TypeError; weights of another expert count
+    ran; capacity_factor=1e308 overflowed while tracing. Now: named errors before compiling, and at most L slots
+    per expert per sequence (an expert cannot receive more)."""
+    from jaxpar.layers.moe import param_shapes
+    rng = np.random.default_rng(0)
+    cfg = MoEConfig(num_experts=8, experts_per_token=2, expert_d_mlp=6, capacity_factor=2.0)
+    w = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in param_shapes(cfg, 8, 6).items()}
+    x = jnp.asarray(rng.normal(size=(24, 8)), jnp.float32)
+    mesh = mesh_factory(data=2, fsdp=4)
+    rules = jp.sharding.expert_parallel_rules(mesh, 4)
+    xs = jax.device_put(x, NamedSharding(mesh, rules.spec(("batch", None))))
+    with jp.sharding.use(mesh, rules), pytest.raises(ValueError, match=r"sequence of 8 rows, but the 24 \[T, D\] "
+                                                                         r"tokens are split 8 ways .*\(3 rows a device\)"):
+        jax.jit(lambda w, x: moe_mlp(cfg, w, x, None, seq_len=8)[0]).lower(w, xs)
+    for bad in (0, 5, True):
+        with pytest.raises(ValueError, match=f"seq_len={bad!r} must be an int >= 1 dividing the 24 rows"):
+            moe_mlp(cfg, w, x, None, seq_len=bad)
+    six = {k: (v[:6] if k.startswith("experts_") else v) for k, v in w.items()}
+    with pytest.raises(ValueError, match=r"experts_gate_kernel has shape \(6, 8, 6\): .*num_experts=8"):
+        moe_mlp(cfg, six, x)
+    with pytest.raises(ValueError, match=r"router_kernel has shape \(8, 6\)"):
+        moe_mlp(cfg, {**w, "router_kernel": w["router_kernel"][:, :6]}, x)
+    assert [MoEConfig(capacity_factor=f).capacity(16) for f in (1.0, 4.0, 1000.0, 1e308)] == [4, 16, 16, 16]

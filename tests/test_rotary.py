@@ -55,3 +55,26 @@ def test_positions_of_the_wrong_shape_and_an_odd_head_size_are_named():
     with pytest.raises(ValueError, match="must be even"):
         rope(jnp.zeros((1, 8, 1, 5)), 1e4)
     np.testing.assert_allclose(rope(x + 1, 1e4, positions_BL=np.arange(8)[None]), rope(x + 1, 1e4), atol=2e-6)
+
+
+def test_prefill_and_decode_rotate_alike_for_any_head_size_and_bad_arguments_are_named():
+    """The static path (positions known at trace time) and the traced one (a decode step's offset) use the same
+    default frequencies, so they agree for a head size whose half is not a power of two (K = 96: they differed by
+    3.4e-3 at position 32,000 when the traced path took a float32 power) and far positions."""
+    import pytest
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 64, 2, 96)), jnp.float32)
+    for start in (0, 4000, 32000):
+        static = rope(x, 1e4, start)
+        traced = jax.jit(lambda x, o: rope(x, 1e4, o))(x, jnp.int32(start))
+        np.testing.assert_allclose(traced, static, rtol=0, atol=5e-6)
+    # both round the angles to float32 as transformers does: near position 0 that is the float64 reference's
+    np.testing.assert_allclose(rope(x, 1e4), reference(x, 1e4, np.arange(64)[None]), rtol=0, atol=1e-5)
+    x = jnp.zeros((2, 8, 3, 4), jnp.float32)
+    for kwargs, match in ((dict(offset=jnp.zeros(3, jnp.int32)), r"offset has shape \(3,\)"),
+                          (dict(offset=jnp.zeros((2, 8), jnp.int32)), "offset has shape"),
+                          (dict(freq=np.ones(3, np.float32)), r"K // 2 = 2"),
+                          (dict(base=0.0), "finite number > 0"), (dict(base=float("nan")), "finite number > 0")):
+        with pytest.raises(ValueError, match=match):
+            rope(x, **{"base": 1e4, **kwargs})
+    with pytest.raises(ValueError, match=r"\[B, L, H, K\]"):
+        rope(jnp.zeros((8, 3, 4)), 1e4)

@@ -212,6 +212,19 @@ def check_expert_parallel(num_experts: int, mesh: Any, rules: Any = None, token_
     return n
 
 
+def _check_whole_groups(T: int, group_rows: int | None, axes: list, mesh: Any) -> None:
+    """Capacity mode over ``[T, D]`` tokens split over mesh ``axes``: every device's rows must be whole groups (its
+    buffers are per group), else ValueError naming the sizes and the fixes."""
+    shards = math.prod(mesh.shape[a] for a in axes)
+    rows = group_rows or T
+    if shards > 1 and (T % shards or (T // shards) % rows):
+        raise ValueError(f"MoE capacity mode counts slots per sequence of {rows} rows, but the {T} [T, D] tokens are "
+                         f"split {shards} ways over mesh axes {axes} ({T / shards:g} rows a device): every device "
+                         "must hold whole sequences; pass the tokens as [B, L, D], or a seq_len dividing "
+                         f"{T // shards if T % shards == 0 else 'T / devices'}, or use dropless routing "
+                         "(capacity_factor=None)")
+
+
 def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Array | None, w: tuple, *,
              num_experts: int, capacity: int = 0, group_rows: int | None = None, how: str = "ring",
              mesh: Any = None, rules: Any = None) -> jax.Array:
@@ -255,6 +268,8 @@ def dispatch(x: jax.Array, expert: jax.Array, weights: jax.Array, slot: jax.Arra
                          "grad_reduce='action'); use a stage function without rng, or no expert parallelism and no "
                          "batch split inside the pipeline")
     opened = sorted(set(new) | ({*etp} - manual), key=mesh.axis_names.index) if new else []
+    if slot is not None and not three_d:
+        _check_whole_groups(x.shape[0], group_rows, [a for a in opened if a in (*batch, *seq)], mesh)
     summed = tuple(a for a in etp if a in opened or a in manual)   # expert-tensor axes holding partial outputs
 
     def body(x, expert, weights, slot, *w):

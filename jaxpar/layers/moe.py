@@ -130,10 +130,13 @@ class MoEConfig:
             else 0
 
     def capacity(self, group_len: int) -> int:
-        """Slots per expert per group of ``group_len`` tokens: ``ceil(capacity_factor * L * k / E)`` (0: dropless)."""
+        """Slots per expert per group of ``group_len`` tokens: ``ceil(capacity_factor * L * k / E)``, at most ``L`` (a
+        token chooses an expert once, so an expert never receives more: larger buffers would only be empty; 0:
+        dropless)."""
         if self.capacity_factor is None:
             return 0
-        return math.ceil(self.capacity_factor * group_len * self.experts_per_token / self.num_experts)
+        slots = self.capacity_factor * group_len * self.experts_per_token / self.num_experts
+        return group_len if slots >= group_len else math.ceil(slots)
 
 
 # ------------------------------------------------------------------------------------- params and state
@@ -312,6 +315,30 @@ def _swiglu(h, gate_DF, up_DF, down_FD):
     return (jax.nn.silu(h @ gate_DF) * (h @ up_DF)) @ down_FD
 
 
+def _check_layer_inputs(cfg: MoEConfig, w: dict, h: jax.Array, seq_len: Any, mesh: Any, rules: Any) -> None:
+    """The layer's tokens, ``seq_len`` and weights' expert counts against ``cfg`` (static shapes: checked while
+    tracing, before any compile). Inside a region manual over the expert axes (a pipeline's stages) the expert
+    weights arrive as this device's share, ``E / n``."""
+    E = cfg.num_experts
+    if h.ndim not in (2, 3) or h.size == 0:
+        raise ValueError(f"the MoE layer takes [T, D] tokens or [B, L, D] sequences, at least one; got {h.shape}")
+    if seq_len is not None and h.ndim == 2 and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
+                                                 or seq_len < 1 or h.shape[0] % seq_len):
+        raise ValueError(f"seq_len={seq_len!r} must be an int >= 1 dividing the {h.shape[0]} rows of the [T, D] "
+                         "tokens (the rows of one sequence), or None (T is one sequence)")
+    abstract = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    manual = expert_parallel.manual_axes(abstract)
+    split = math.prod(abstract.shape[a] for a in expert_parallel.expert_axes(abstract, rules) if a in manual)
+    counts = {"router_kernel": (jnp.shape(w.get("router_kernel", ()))[-1:], (E,))}
+    for p in ("gate", "up", "down"):
+        counts[f"experts_{p}_kernel"] = (jnp.shape(w.get(f"experts_{p}_kernel", ()))[:1], (E, E // split))
+    for name, (got, allowed) in counts.items():
+        if not got or got[0] not in allowed:
+            raise ValueError(f"MoE weight {name} has shape {jnp.shape(w[name]) if name in w else 'missing'}: its "
+                             f"experts dim must be MoEConfig.num_experts={E} (weights of another expert count: "
+                             "compact the config with them, jp.pruning.compact_state, or set num_experts to theirs)")
+
+
 def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, *, mesh: Any = None,
             rules: Any = None, seq_len: int | None = None, positions: Any = None) -> tuple[jax.Array, MoEStats]:
     """The mixture-of-experts MLP of tokens ``h`` (module docstring).
@@ -333,8 +360,11 @@ def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, 
 
     Raises:
       ValueError: capacity mode inside a region manual over the sequence's axis (a device holds part of each
-        sequence there: use dropless routing); :func:`expert_parallel.check_expert_parallel`'s errors.
+        sequence there: use dropless routing), or over ``[T, D]`` tokens whose device shares are not whole
+        sequences; weights whose expert count or width disagrees with ``cfg`` and ``h``; a ``seq_len`` that does
+        not divide T; :func:`expert_parallel.check_expert_parallel`'s errors.
     """
+    _check_layer_inputs(cfg, w, h, seq_len, mesh, rules)
     bias = None if carried is None else jax.lax.stop_gradient(carried["bias"]).astype(jnp.float32)
     routing = route(cfg, w["router_kernel"], h, bias)
     counts = jnp.sum(jax.nn.one_hot(routing.expert.reshape(-1), cfg.num_experts, dtype=jnp.float32), axis=0)
