@@ -12,10 +12,6 @@ import sys as _sys
 from jaxpar import data, layers, models, pipeline, plan, precision, pruning, sharding, tools, train
 from jaxpar.precision.policy import Policy   # jp.Policy.from_string("mixed_bf16"): the policy is a top-level name
 from jaxpar.sharding.mesh import AXES, describe, initialize_distributed, make_mesh
-from jaxpar.train import _dispatch as _dispatch_bound
-
-# XLA:CPU's 40 s rendezvous limit aborts simulated-device runs on a loaded machine: a longer one, before jax starts
-_dispatch_bound.lengthen_cpu_rendezvous_timeout()
 
 __version__ = "0.1.0"
 __all__ = ["AXES", "Policy", "data", "describe", "initialize_distributed", "layers", "make_mesh", "models",

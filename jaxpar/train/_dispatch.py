@@ -57,6 +57,10 @@ _pending: collections.deque[list[jax.Array]] = collections.deque()
 _lock = threading.Lock()
 
 
+# at import (``import jaxpar`` imports this module through the train step), before anything starts jax's backends
+lengthen_cpu_rendezvous_timeout()
+
+
 def needs_bound(mesh: Mesh) -> bool:
     """Whether computations on ``mesh`` rendezvous over CPU threads (several CPU devices)."""
     return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
