@@ -58,12 +58,15 @@ def simulate_cpu_devices(n: int) -> None:
 
 def reuse_cpu_host_memory() -> None:
     """A CPU run's malloc settings (:func:`jaxpar.tools.cpu.reuse_host_memory`: XLA:CPU's per-step working memory
-    kept instead of faulted in afresh, 1.3x the Llama's CPU step in ``benchmarks/README.md``), applied when this
-    process has not started JAX's backends yet; a process that has (a notebook or a test calling ``main`` again)
-    keeps its settings. Nothing changes on a GPU run, or with ``JAXPAR_REUSE_HOST_MEMORY=0`` in the environment.
-    The cost is peak memory: the heap keeps what it held (charlm ``--model moe --expert-parallel 4``, 20 steps on 8
-    simulated devices: 4.3 GB peak resident against 2.9 GB)."""
-    if os.environ.get("JAXPAR_REUSE_HOST_MEMORY", "1") != "0" and not _compat.backends_initialized():
+    kept instead of faulted in afresh), when ``JAXPAR_REUSE_HOST_MEMORY=1`` is in the environment and this process
+    has not started JAX's backends yet (a notebook or a test calling ``main`` again keeps its settings).
+
+    Opt-in because of its memory cost with several simulated devices: one arena that is never trimmed holds every
+    device's working memory and fragments (charlm ``--model moe --expert-parallel 4 --fsdp 2``, 20 steps on 8
+    simulated devices: 12.3 GB peak resident at ``--tensor 2`` against 3.4 GB without, 4.3 against 2.9 GB at
+    ``--tensor 1``), against its gain on one device (1.3x the Llama's CPU step, ``benchmarks/README.md``).
+    Nothing changes on a GPU run."""
+    if os.environ.get("JAXPAR_REUSE_HOST_MEMORY", "0") == "1" and not _compat.backends_initialized():
         reuse_host_memory()
 
 
