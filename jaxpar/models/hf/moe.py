@@ -69,8 +69,10 @@ def _refuse_unhonoured(hf: dict, kind: str) -> None:
     head = HEADS[kind]
     noise = _num(hf, "router_jitter_noise", 0.0)
     if noise != 0.0:
-        raise ValueError(f"config.json has router_jitter_noise={noise}: {head} multiplies the router's input by "
-                         "uniform noise in [1 - noise, 1 + noise] while training, which jaxpar's router does not "
+        what = (f"{head} multiplies the router's input by uniform noise in [1 - noise, 1 + noise] while training"
+                if kind == "mixtral" else f"router jitter (Mixtral's training noise on the router's input; the "
+                                          f"{head} itself ignores the field)")
+        raise ValueError(f"config.json has router_jitter_noise={noise}: {what}, which jaxpar's router does not "
                          "do; set it to 0.0 to load the model (its inference outputs are the same)")
     layers = hf.get("mlp_only_layers") or []
     if layers:
