@@ -329,14 +329,14 @@ def _check_layer_inputs(cfg: MoEConfig, w: dict, h: jax.Array, seq_len: Any, mes
     abstract = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     manual = expert_parallel.manual_axes(abstract)
     split = math.prod(abstract.shape[a] for a in expert_parallel.expert_axes(abstract, rules) if a in manual)
-    counts = {"router_kernel": (jnp.shape(w.get("router_kernel", ()))[-1:], (E,))}
-    for p in ("gate", "up", "down"):
-        counts[f"experts_{p}_kernel"] = (jnp.shape(w.get(f"experts_{p}_kernel", ()))[:1], (E, E // split))
-    for name, (got, allowed) in counts.items():
-        if not got or got[0] not in allowed:
-            raise ValueError(f"MoE weight {name} has shape {jnp.shape(w[name]) if name in w else 'missing'}: its "
-                             f"experts dim must be MoEConfig.num_experts={E} (weights of another expert count: "
-                             "compact the config with them, jp.pruning.compact_state, or set num_experts to theirs)")
+    # (param, its experts dim, the sizes allowed there): the router's columns, the stacked experts' leading dim
+    for name, axis, allowed in (("router_kernel", -1, (E,)),
+                                *((f"experts_{p}_kernel", 0, (E, E // split)) for p in ("gate", "up", "down"))):
+        shape = jnp.shape(w[name]) if name in w else ()
+        if not shape or shape[axis] not in allowed:
+            raise ValueError(f"MoE weight {name} has shape {shape if name in w else 'missing'}: its experts dim must "
+                             f"be MoEConfig.num_experts={E} (weights of another expert count: compact the config "
+                             "with them, jp.pruning.compact_state, or set num_experts to theirs)")
 
 
 def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, *, mesh: Any = None,
@@ -361,8 +361,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, h: jax.Array, carried: dict | None = None, 
     Raises:
       ValueError: capacity mode inside a region manual over the sequence's axis (a device holds part of each
         sequence there: use dropless routing), or over ``[T, D]`` tokens whose device shares are not whole
-        sequences; weights whose expert count or width disagrees with ``cfg`` and ``h``; a ``seq_len`` that does
-        not divide T; :func:`expert_parallel.check_expert_parallel`'s errors.
+        sequences; weights whose expert count disagrees with ``cfg``; a ``seq_len`` that does not divide T; :func:`expert_parallel.check_expert_parallel`'s errors.
     """
     _check_layer_inputs(cfg, w, h, seq_len, mesh, rules)
     bias = None if carried is None else jax.lax.stop_gradient(carried["bias"]).astype(jnp.float32)

@@ -18,12 +18,12 @@ is left unbounded.
 
 Bounding what is queued removes the cause within one process, but not all starvation: a machine loaded by other
 processes (a 1-minute load of 15 on 2 cores, memory reclaim stalling threads) kept two of an all-gather's four
-device threads from arriving within 40 s in one of a fresh user's runs (``charlm --model moe --expert-parallel
-4``, step 3; the same command passed at a load of 9). The 40 s is XLA:CPU's
-``--xla_cpu_collective_call_terminate_timeout_seconds`` (jaxlib 0.10.2 and later know the flag; jaxpar needs
-0.10.2). ``import jaxpar`` raises it to :data:`RENDEZVOUS_TERMINATE_S` (:func:`lengthen_cpu_rendezvous_timeout`)
+device threads from arriving in time in one of a fresh user's runs (``charlm --model moe --expert-parallel
+4``, step 3; the same command passed at a load of 9). XLA:CPU aborts when the last thread is more than 60 s late:
+its 20 s "may be stuck" warning, then ``--xla_cpu_collective_call_terminate_timeout_seconds`` (40 s; measured:
+at 2 s a thread 30 s late aborts; jaxlib 0.10.2 and later know the flag, and jaxpar needs 0.10.2). ``import jaxpar`` raises it to :data:`RENDEZVOUS_TERMINATE_S` (:func:`lengthen_cpu_rendezvous_timeout`)
 when the backends have not started and the user set no value: a late thread is then waited for, and a real
-deadlock still ends the process, after 15 minutes instead of 40 s. XLA's "may be stuck" log after 20 s stays.
+deadlock still ends the process, after 15 minutes instead of one. XLA's "may be stuck" log after 20 s stays.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def lengthen_cpu_rendezvous_timeout() -> bool:
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {_TERMINATE_FLAG}={RENDEZVOUS_TERMINATE_S}".strip()
     return True
+
+
 _pending: collections.deque[list[jax.Array]] = collections.deque()
 _lock = threading.Lock()
 

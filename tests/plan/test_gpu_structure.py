@@ -37,13 +37,7 @@ NO_CUDNN = importlib.util.find_spec("nvidia") is None or importlib.util.find_spe
 BF16 = "mixed_bf16"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_persistent_cache():
-    """Compile-only programs cannot be read back from jax's persistent cache (it warns and compiles again)."""
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")   # compile-only programs (tests/plan/conftest.py)
 
 
 @pytest.fixture(scope="module")

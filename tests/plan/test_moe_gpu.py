@@ -34,13 +34,7 @@ CASES = {   # name: (dispatch, capacity_factor, mesh sizes, expert-parallel size
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_persistent_cache():
-    """Compile-only programs cannot be read back from jax's persistent cache (it warns and compiles again)."""
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")   # compile-only programs (tests/plan/conftest.py)
 
 
 def config(dispatch: str, capacity: float | None) -> LlamaConfig:
