@@ -142,11 +142,26 @@ def test_ring_steps_outside_every_window_are_skipped(C):
 def test_blocked_kernel_skips_the_keys_outside_the_window():
     """The compiled forward's dot FLOPs (HLO reader) are those of the scores the kernel claims to compute
     (:func:`~jaxpar.layers.sliding_window.keys_computed`: two products of ``K`` multiply-adds per score and head),
-    a quarter of full causal attention's or less with window 8 on 128 tokens."""
-    B, L, H, K = 1, 128, 2, 4
+    a quarter of full causal attention's or less with window 8 on 1,024 tokens."""
+    B, L, H, K = 1, 1024, 2, 4
     q = jnp.zeros((B, L, H, K), jnp.float32)
     flops = {w: jp.plan.hlo.analyze(jax.jit(lambda q, w=w: cp.causal_attention(q, q, q, window=w)).lower(q).compile()
                                     .as_text(), {}).flops for w in (None, 8)}
     for w, got in flops.items():
         assert got == 2 * 2 * K * B * H * sw.keys_computed(L, 2, w), (w, got)
     assert flops[8] < flops[None] / 4
+
+
+def test_window_blocks_keep_at_least_the_minimum_rows_on_one_device():
+    """One device's sequence: a block about a quarter window long, at most 32 blocks, none under 32 rows (below it
+    the blocks' own work outweighs the skipped scores); over a context axis (``min_rows=1``) the quarter-window rule
+    alone."""
+    assert sw.MIN_WINDOW_BLOCK_ROWS == 32
+    assert sw.window_blocks(128, 2, 64) == 4          # a quarter window would be 16 rows
+    assert sw.window_blocks(128, 2, 8) == 4
+    assert sw.window_blocks(4096, 2, 1024) == 16      # a quarter window, 256 rows
+    assert sw.window_blocks(4096, 2, 64) == 32        # the cap, 128 rows each
+    assert sw.window_blocks(48, 3, 8) == 3            # never fewer than asked for
+    assert sw.window_blocks(128, 2, None) == 2 and sw.window_blocks(128, 2, 128) == 2
+    assert sw.window_blocks(16, 1, 4, min_rows=1) == 16
+    assert all(e - s >= 32 for s, e in sw.query_blocks(1000, sw.window_blocks(1000, 2, 16)))

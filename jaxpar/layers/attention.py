@@ -339,7 +339,7 @@ def _kernel(q_BnHK, k_BnGK, v_BnGK, seg_Bn, *, axis: str | None = None, context:
     # them, then their diagonal): each chunk's query blocks (one, or about a window each) over the local keys,
     # their partials joined per chunk.
     chunk = n // 2 if zig else n
-    per = query_blocks(chunk, window_blocks(chunk, 1, window))
+    per = query_blocks(chunk, window_blocks(chunk, 1, window, min_rows=1))   # one block a row at most, as ever
     own = _own_keys(q, k_BnGK, v_BnGK, seg_Bn, [(o + s, o + e) for o in range(0, n, chunk) for s, e in per], False,
                     window, pos)
     accs = [tuple(_join(list(x)) for x in zip(*own[i:i + len(per)])) for i in range(0, len(own), len(per))]

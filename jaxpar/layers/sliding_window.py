@@ -22,6 +22,11 @@ import numpy as np
 #: program, so the count bounds compile time; beyond it a block's rows exceed the window and some masked scores
 #: are computed)
 MAX_WINDOW_BLOCKS = 32
+#: the fewest query rows a window block is cut to (fewer blocks where the quarter-window rule would cut smaller ones):
+#: each block is two products and a softmax of its own, and below this the per-block work costs more than the
+#: skipped scores save (measured on XLA:CPU, ``benchmarks/README.md``: Gemma 3's step at sequence 128 and window
+#: 64 took 3-5% less time in 4 blocks of 32 rows than in 8 of 16)
+MIN_WINDOW_BLOCK_ROWS = 32
 
 
 def check_window(window) -> int | None:
@@ -37,14 +42,14 @@ def check_window(window) -> int | None:
                      "attention")
 
 
-def window_blocks(seq_len: int, num_blocks: int, window: int | None) -> int:
+def window_blocks(seq_len: int, num_blocks: int, window: int | None, min_rows: int = MIN_WINDOW_BLOCK_ROWS) -> int:
     """How many query blocks the kernel cuts ``seq_len`` rows into: ``num_blocks``, raised with a window so that a
-    block spans about a quarter of the window (at most :data:`MAX_WINDOW_BLOCKS` blocks): a block of ``b`` rows
-    meets ``b + window - 1`` keys, so attention costs about ``L * 1.25 * window`` scores instead of ``L^2 / 2``
-    (the visible ones: about ``L * window``)."""
+    block spans about a quarter of the window (at most :data:`MAX_WINDOW_BLOCKS` blocks, and none of fewer than
+    ``min_rows`` rows, :data:`MIN_WINDOW_BLOCK_ROWS` on one device's sequence): a block of ``b`` rows meets ``b + window - 1`` keys, so attention costs
+    about ``L * 1.25 * window`` scores instead of ``L^2 / 2`` (the visible ones: about ``L * window``)."""
     if window is None or window >= seq_len:
         return num_blocks
-    return max(num_blocks, min(math.ceil(4 * seq_len / window), MAX_WINDOW_BLOCKS))
+    return max(num_blocks, min(math.ceil(4 * seq_len / window), MAX_WINDOW_BLOCKS, seq_len // min_rows))
 
 
 def first_key(start: int, window: int | None) -> int:
