@@ -4,7 +4,6 @@ YNNPACK for dots only (reductions in XLA's loops), unless ``XLA_FLAGS`` says oth
 
 from __future__ import annotations
 
-import re
 import types
 
 import jax
@@ -15,6 +14,7 @@ import pytest
 from helpers import mlp_batch, mlp_parts
 
 import jaxpar as jp
+from jaxpar import _hlo
 from jaxpar.train import _jit
 
 
@@ -43,17 +43,12 @@ def test_a_state_in_another_layout_is_accepted_by_the_same_step(mesh_factory):
 
 
 def _ynn_fused_ops(hlo: str) -> set[str]:
-    """The ops inside the fused computations that YNNPACK fusions call, in an optimized CPU module's text."""
-    called = {c for line in hlo.splitlines() if '"__ynn_fusion"' in line
-              for c in re.findall(r"calls=%([\w.\-]+)", line)}
-    ops, body = set(), None
-    for line in hlo.splitlines():
-        m = re.match(r"%([\w.\-]+) ", line)
-        if m:
-            body = m.group(1) if m.group(1) in called else None
-        elif body and "=" in line:
-            ops.update(re.findall(r"= \S+ ([a-z][\w\-]*)\(", line))
-    return ops
+    """The opcodes inside the computations that YNNPACK fusions call, in an optimized CPU module's text (read with
+    jaxpar's one HLO reader)."""
+    comps, _ = _hlo.parse_module(hlo)
+    called = {c for instrs in comps.values() for i in instrs if '"__ynn_fusion"' in i.attrs
+              for _, c in _hlo.callees(i)}
+    return {i.opcode for c in called for i in comps.get(c, [])}
 
 
 def test_cpu_steps_run_reductions_in_xla_loops_and_dots_in_ynnpack():
