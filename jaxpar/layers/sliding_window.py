@@ -45,8 +45,9 @@ def check_window(window) -> int | None:
 def window_blocks(seq_len: int, num_blocks: int, window: int | None, min_rows: int = MIN_WINDOW_BLOCK_ROWS) -> int:
     """How many query blocks the kernel cuts ``seq_len`` rows into: ``num_blocks``, raised with a window so that a
     block spans about a quarter of the window (at most :data:`MAX_WINDOW_BLOCKS` blocks, and none of fewer than
-    ``min_rows`` rows, :data:`MIN_WINDOW_BLOCK_ROWS` on one device's sequence): a block of ``b`` rows meets ``b + window - 1`` keys, so attention costs
-    about ``L * 1.25 * window`` scores instead of ``L^2 / 2`` (the visible ones: about ``L * window``)."""
+    ``min_rows`` rows, :data:`MIN_WINDOW_BLOCK_ROWS` on one device's sequence): a block of ``b`` rows meets
+    ``b + window - 1`` keys, so attention costs about ``L * 1.25 * window`` scores instead of ``L^2 / 2`` (the
+    visible ones: about ``L * window``)."""
     if window is None or window >= seq_len:
         return num_blocks
     return max(num_blocks, min(math.ceil(4 * seq_len / window), MAX_WINDOW_BLOCKS, seq_len // min_rows))

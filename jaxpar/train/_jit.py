@@ -3,8 +3,9 @@
 :class:`MeshJit` traces inside ``jax.set_mesh(mesh)`` and the logical axis rules (Flax's constraints need
 both), compiles once per input structure and sharding, checks that inputs live on the devices (and were
 not donated to an earlier call), dispatches through :func:`jaxpar.train._dispatch.bounded` (so no loop can queue
-enough steps to abort XLA:CPU's collectives), compiles for CPU devices with :data:`CPU_COMPILER_OPTIONS`, and lowers from abstract inputs: ``jax.ShapeDtypeStruct``
-leaves with shardings, as ``jax.jit(...).lower`` does, for planning and structure tests.
+enough steps to abort XLA:CPU's collectives), compiles for CPU devices with :data:`CPU_COMPILER_OPTIONS`, and
+lowers from abstract inputs: ``jax.ShapeDtypeStruct`` leaves with shardings, as ``jax.jit(...).lower`` does, for
+planning and structure tests.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def compiler_options(mesh: Mesh) -> dict[str, str] | None:
     """The compile options of a jaxpar step on ``mesh``: :data:`CPU_COMPILER_OPTIONS` on CPU devices, unless
     ``XLA_FLAGS`` sets the option itself (the user's choice stands) or this jaxlib refuses it; None (XLA's
     defaults) elsewhere."""
-    if mesh.devices.flat[0].platform != "cpu" or "xla_cpu_experimental_ynn_fusion_type" in os.environ.get(
-            "XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "")
+    if mesh.devices.flat[0].platform != "cpu" or any(name in flags for name in CPU_COMPILER_OPTIONS):
         return None
     return dict(CPU_COMPILER_OPTIONS) if _cpu_options_accepted() else None
 
