@@ -253,8 +253,8 @@ def _version(package: str) -> str:
     return importlib.metadata.version(package)
 
 
-def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model, data and size options (shared with ``ab.py``)."""
     ap.add_argument("--model", choices=["gpt", *HF_FAMILIES], default="gpt",
                     help="gpt: against the PyTorch GPT (torch_gpt.py); llama, qwen3, gemma3: against transformers' "
                          "own LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM (torch_hf.py)")
@@ -267,16 +267,21 @@ def parse(argv=None):
                     help="transformers families: directory for the random checkpoint (default: a temporary one)")
     ap.add_argument("--attention-blocks", type=int, default=None,
                     help="transformers families: jaxpar's attention_blocks (default: the config's)")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps-per-round", type=int, default=5)
-    ap.add_argument("--check-steps", type=int, default=3, help="warm-up steps whose losses are compared")
-    ap.add_argument("--warmup-steps", type=int, default=5, help="untimed steps after the checked ones")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(ap)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps-per-round", type=int, default=5)
+    ap.add_argument("--check-steps", type=int, default=3, help="warm-up steps whose losses are compared")
+    ap.add_argument("--warmup-steps", type=int, default=5, help="untimed steps after the checked ones")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--model-module", default=None,
@@ -289,14 +294,19 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse(argv)
+def run_and_print(measure_fn, args) -> dict:
+    """``measure_fn(args)`` after ``reuse_host_memory()`` (unless ``args.reuse_host_memory`` is false), its JSON
+    printed and returned (shared with ``ab.py``)."""
     # before any device use: XLA:CPU's worker threads take their malloc arena at their first allocation
     host = jp.tools.cpu.reuse_host_memory() if args.reuse_host_memory else None
-    out = measure(args)
+    out = measure_fn(args)
     out["reuse_host_memory"] = None if host is None else (host.settings or host.reason)
     print(json.dumps(out, indent=1))
     return out
+
+
+def main(argv=None) -> dict:
+    return run_and_print(measure, parse(argv))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,42 @@ def test_one_device_kernel_and_backends_match_numpy(num_blocks, packed):
     assert set(cp.BACKENDS) == set(cp.ONE_DEVICE) | set(cp.STRATEGIES)
 
 
+def windowed_dense_attention(q, k, v, segment_ids=None, window=None):
+    """:func:`dense_attention` with keys ``j > i - window`` only (``window`` None: all of them), any dtype (float32
+    inside): the reference for gradients."""
+    B, L, H, K = q.shape
+    q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    s = jnp.einsum("bqhk,bshk->bhqs", q, k, precision="highest") / np.sqrt(K)
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    visible = jnp.asarray((j <= i) & ((i - j < window) if window else True))[None, None]
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqs,bshk->bqhk", p, v, precision="highest")
+
+
+@pytest.mark.parametrize("num_blocks,window,packed,dtype", [(1, None, False, "float32"), (2, None, True, "float32"),
+                                                            (3, 5, False, "float32"), (2, 4, True, "float32"),
+                                                            (2, None, False, "bfloat16")])
+def test_one_device_kernel_gradients_match_dense_attention(num_blocks, window, packed, dtype):
+    """The one-device kernel's written-out backward pass (``_whole``'s custom VJP): gradients of q, k and v
+    against automatic differentiation of :func:`windowed_dense_attention`, with query blocks, a sliding window,
+    packed segments, and bfloat16 inputs (gradients in bfloat16, as the inputs)."""
+    rng = np.random.default_rng(SEED + num_blocks)
+    dt = jnp.dtype(dtype)
+    q, k, v, g = (jnp.asarray(rng.normal(size=(2, 12, 3, 8)), dt) for _ in range(4))
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (2, 12)), axis=1), jnp.int32) if packed else None
+
+    def grads(f):
+        return jax.grad(lambda q, k, v: jnp.vdot(f(q, k, v).astype(jnp.float32), g.astype(jnp.float32)),
+                        argnums=(0, 1, 2))(q, k, v)
+    got = grads(lambda q, k, v: cp.causal_attention(q, k, v, num_blocks, seg, window))
+    ref = grads(lambda q, k, v: windowed_dense_attention(q, k, v, seg, window))
+    assert all(x.dtype == dt for x in got)
+    assert_tree_close(got, jax.tree.map(lambda t: t.astype(jnp.float32), ref) if dt == jnp.float32 else ref,
+                      rtol=1e-5 if dt == jnp.float32 else 2e-2, what=f"{num_blocks} blocks, window {window}")
+
+
 # --------------------------------------------------------------------------------------------- load balance
 
 def _pairs_per_device(L, C, layout):

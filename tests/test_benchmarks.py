@@ -36,6 +36,22 @@ def test_vs_pytorch_same_model_same_losses():
     assert out["tokens_per_s_ratios"]["jaxpar_over_torch_eager"]["median"] > 0
 
 
+def test_ab_script_compares_variants_in_one_process():
+    """benchmarks/ab.py: the tree, XLA's default compile options and the derived attention backward pass, compiled
+    in one process; every variant trains the same model (the same losses to float32 rounding) and gets a ratio to
+    the first; an unknown variant is refused before anything is built."""
+    import ab
+    out = ab.main(["--variants", "tree,opt:,autodiff_attention", "--rounds", "2", "--steps-per-round", "1",
+                   "--warmup-steps", "2", "--batch", "4", "--seq", "16", "--no-reuse-host-memory", *TINY_GPT])
+    v = out["variants"]
+    assert list(v) == ["tree", "opt:", "autodiff_attention"] and v["tree"]["speedup_over_tree"] == 1.0
+    for name in ("opt:", "autodiff_attention"):
+        np.testing.assert_allclose(v[name]["first_losses"], v["tree"]["first_losses"], rtol=1e-5)
+        assert v[name]["speedup_over_tree"] > 0 and v[name]["ms_per_step"] > 0
+    with pytest.raises(ValueError, match="variant 'nope'"):
+        ab.main(["--variants", "tree,nope", *TINY_GPT])
+
+
 # slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])

@@ -260,11 +260,41 @@ def _scores(q, k, visible):
     return s if visible is None else jnp.where(visible, s, _NEG)
 
 
-def _whole(q, k, v, visible):
+@jax.custom_vjp
+def _whole(q_BQHK, k_BSHK, v_BSHK, visible):
     """A query block that meets all its keys in this one block: the softmax, its probabilities cast to ``v``'s
-    dtype for the second product (the output has ``v``'s dtype, as ``jax.nn.dot_product_attention``'s XLA path)."""
-    p = jax.nn.softmax(_scores(q, k, visible), axis=-1)
-    return jnp.einsum(_PRODUCTS[q.ndim][1], p.astype(v.dtype), v)
+    dtype for the second product (the output has ``v``'s dtype, as ``jax.nn.dot_product_attention``'s XLA path).
+
+    Its backward pass is written out (:func:`_whole_bwd`) rather than derived: the same gradients as automatic
+    differentiation of this forward pass, with every product in the orientation XLA:CPU runs as a library GEMM
+    (the derived ``dV`` and ``dK`` products contract the probabilities' query axis, which XLA:CPU ran through
+    Eigen at a fraction of the rate: the Llama's benchmark step 1.3-4% faster in four in-process A/Bs,
+    ``benchmarks/ab.py``). Forward-mode differentiation (``jax.jvp``) is therefore not defined through it, as for
+    fused attention kernels (cuDNN's, FlashAttention); ``attention="xla"`` keeps it."""
+    return _whole_fwd(q_BQHK, k_BSHK, v_BSHK, visible)[0]
+
+
+def _whole_fwd(q, k, v, visible):
+    p = jax.nn.softmax(_scores(q, k, visible), axis=-1)    # [B, H, Q, S] float32; 0 where masked
+    return jnp.einsum(_PRODUCTS[4][1], p.astype(v.dtype), v), (q, k, v, p)
+
+
+def _whole_bwd(res, do_BQHK):
+    """The softmax attention backward pass (as FlashAttention's, Dao et al. 2022, alg. 4, without its tiling):
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(P * dP))`` (the softmax's own VJP; zero where masked,
+    since ``P`` is), ``dQ = dS K / sqrt(K)``, ``dK = dS^T Q / sqrt(K)``; float32 inside, each gradient in its
+    input's dtype."""
+    q, k, v, p = res
+    f32 = jnp.float32
+    dp = jnp.einsum("bqhk,bshk->bhqs", do_BQHK, v, preferred_element_type=f32)
+    ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * (1.0 / math.sqrt(q.shape[-1]))
+    dq = jnp.einsum("bhqs,bshk->bqhk", ds, k.astype(f32))
+    dk = jnp.einsum("bhqs,bqhk->bshk", ds, q.astype(f32))
+    dv = jnp.einsum("bhqs,bqhk->bshk", p.astype(v.dtype), do_BQHK, preferred_element_type=f32)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)
 
 
 def _partial(q_BQGRK, k_BSGK, v_BSGK, visible):
