@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -92,6 +92,9 @@ class RunFields:
     output_dtype: Any = None       # logits dtype (None: compute dtype)
     vocab_multiple: int = 128
     init_std: float = 0.02
+    # the ids that end generation by default (Decoder.generate's eos_id="config"): a Hugging Face checkpoint's
+    # generation_config.json (else config.json) eos_token_id, set by jaxpar.models.hf.load; none for a new model
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,7 +133,15 @@ class RotaryFields:
 
 
 def check_run_fields(cfg: Any) -> None:
-    """Raises ValueError for a config's ``remat``, ``attention`` or ``context_attention`` outside their choices."""
+    """Raises ValueError for a config's ``remat``, ``attention`` or ``context_attention`` outside their choices, or
+    ``eos_token_ids`` not a tuple of token ids (a list is taken as a tuple)."""
+    eos = getattr(cfg, "eos_token_ids", ())   # a GPTConfig has none
+    if isinstance(eos, list):
+        eos = tuple(eos)
+        object.__setattr__(cfg, "eos_token_ids", eos)
+    if not isinstance(eos, tuple) or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < cfg.vocab_size
+                                         for e in eos):
+        raise ValueError(f"eos_token_ids={eos!r} must be a tuple of token ids in [0, vocab_size={cfg.vocab_size})")
     if cfg.remat not in REMAT:
         raise ValueError(f"remat={cfg.remat!r}; use one of {sorted(REMAT)}")
     if cfg.attention not in ATTENTION:
@@ -544,14 +555,21 @@ class Decoder:
 
     def generate(self, params: dict, prompts: Any, max_new_tokens: int, rng: jax.Array,
                  temperature: float = 0.8, *, top_k: int | None = None, top_p: float | None = None,
-                 eos_id: int | None = None) -> list:
+                 eos_id: int | Sequence[int] | str | None = "config") -> list:
         """Samples up to ``max_new_tokens`` tokens after ``prompts``: one prompt (a list of ids; returns one list,
         the window sliding past ``max_seq_len``) or a batch (a list of id lists of any lengths, left-padded; returns
         a list per prompt). ``temperature=0`` is greedy decoding, through the KV cache; ``top_k``, ``top_p`` and a
-        stop at ``eos_id`` are options (:func:`jaxpar.models.generation.generate_any`).
+        stop at ``eos_id`` are options (:func:`jaxpar.models.generation.generate_any`). ``eos_id="config"`` (the
+        default) stops at the config's ``eos_token_ids`` (a Hugging Face checkpoint's end-of-text ids, as
+        ``transformers``' ``generate`` stops; none for a model built here); None never stops early.
 
         Raises:
           ValueError: as :func:`jaxpar.models.generation.generate_any`; an empty list of prompts.
         """
+        if isinstance(eos_id, str):
+            if eos_id != "config":
+                raise ValueError(f"eos_id={eos_id!r}: use 'config' (the config's eos_token_ids), None, an id or a "
+                                 "list of ids")
+            eos_id = list(getattr(self.cfg, "eos_token_ids", ())) or None
         return generation.generate_any(self, params, prompts, max_new_tokens, rng, temperature, top_k=top_k,
                                        top_p=top_p, eos_id=eos_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -128,8 +128,8 @@ def _prefill(model, takes_start, cache_len, params, tokens_BL, start_B):
 
 def _cached(model, takes_start, cache_len, vocab, num_new, temperature, top_k, top_p, eos_id, params, tokens_BL,
             start_B, rng):
-    """The prefill, then a ``while_loop`` of one-token steps until ``num_new`` tokens or every row has drawn
-    ``eos_id``: the drawn ids ``[B, num_new]`` (-1 after a row's eos)."""
+    """The prefill, then a ``while_loop`` of one-token steps until ``num_new`` tokens or every row has drawn one of
+    ``eos_id`` (a tuple of ids, or None): the drawn ids ``[B, num_new]`` (-1 after a row's eos)."""
     B, P = tokens_BL.shape
     logits_BV, cache = _prefill(model, takes_start, cache_len, params, tokens_BL, start_B)
     step = ((lambda token_B, cache, pos: model.decode_step(params, token_B, cache, pos, start=start_B))
@@ -145,8 +145,8 @@ def _cached(model, takes_start, cache_len, vocab, num_new, temperature, top_k, t
         token_B = sample_logits(logits_BV[:, :vocab], jax.random.fold_in(rng, i), temperature, top_k, top_p)
         token_B = jnp.where(done_B, 0, token_B)
         out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, jnp.where(done_B, -1, token_B)[:, None], i, axis=1)
-        if eos_id is not None:
-            done_B = done_B | (token_B == eos_id)
+        for e in eos_id or ():
+            done_B = done_B | (token_B == e)
         pos = jnp.minimum(P + i, cache_len - 1)   # the last step's write is never read
         logits_BV, cache = step(token_B, cache, pos)
         return i + 1, logits_BV, cache, out_BN, done_B
@@ -186,22 +186,25 @@ def _rows(prompts: Any, vocab: int) -> tuple[list[list[int]], bool]:
     return rows, False
 
 
-def _options(top_k: Any, top_p: Any, eos_id: Any, vocab: int) -> tuple[int | None, float | None, int | None]:
-    """``(top_k, top_p, eos_id)`` checked and as Python numbers (compile-time constants)."""
+def _options(top_k: Any, top_p: Any, eos_id: Any, vocab: int) -> tuple[int | None, float | None, tuple | None]:
+    """``(top_k, top_p, eos_ids)`` checked and as Python numbers (compile-time constants); ``eos_id`` (one id or a
+    non-empty list of them, as Hugging Face's ``eos_token_id``) as a tuple of ids, or None."""
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
                               or not 0 < top_p <= 1):
         raise ValueError(f"top_p={top_p!r} must be None or a number in (0, 1]")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral)
-                               or not 0 <= eos_id < vocab):
-        raise ValueError(f"eos_id={eos_id!r} must be None or a token id in [0, {vocab})")
+    ids = eos_id if isinstance(eos_id, (list, tuple)) else () if eos_id is None else (eos_id,)
+    if (eos_id is not None and not ids) or any(
+            isinstance(e, bool) or not isinstance(e, numbers.Integral) or not 0 <= e < vocab for e in ids):
+        raise ValueError(f"eos_id={eos_id!r} must be None, a token id in [0, {vocab}) or a non-empty list of them")
     return (None if top_k is None else int(top_k), None if top_p is None else float(top_p),
-            None if eos_id is None else int(eos_id))
+            tuple(int(e) for e in ids) or None)
 
 
 def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, temperature: float = 0.8, *,
-                 top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> list:
+                 top_k: int | None = None, top_p: float | None = None,
+                 eos_id: int | Sequence[int] | None = None) -> list:
     """Samples up to ``max_new_tokens`` tokens after each prompt from ``model`` (the protocol's generation parts).
 
     Token ``i`` of every row is drawn by :func:`sample_logits` (greedy at ``temperature == 0``, else
@@ -226,10 +229,11 @@ def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng
       temperature: 0 for greedy decoding (argmax), else a finite number >= :data:`MIN_TEMPERATURE`.
       top_k: None, or keep the ``top_k >= 1`` largest logits.
       top_p: None, or nucleus sampling with ``0 < top_p <= 1``.
-      eos_id: None, or the id that ends a row (kept as its last token).
+      eos_id: None, or the id that ends a row (kept as its last token), or a non-empty list of such ids (as a
+        Hugging Face config's ``eos_token_id``).
 
     Returns:
-      The drawn ids (Python ints, the prompt excluded, ending at ``eos_id`` if drawn): one list for one prompt,
+      The drawn ids (Python ints, the prompt excluded, ending at an ``eos_id`` if one is drawn): one list for one prompt,
       a list of them for a batch.
 
     Raises:
@@ -270,20 +274,21 @@ def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng
                                          top_p, eos_id))
         drawn = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(start), rng))
         out = [[int(t) for t in row if t >= 0] for row in drawn]
-    if cached < num_new and not (eos_id is not None and eos_id in out[0]):   # one prompt past max_seq_len
+    if cached < num_new and not set(eos_id or ()) & set(out[0]):   # one prompt past max_seq_len
         protocol.require(model, "apply", "generation past max_seq_len tokens")
         context, window = rows[0] + out[0], _compiled(_window, model, (vocab, temperature, top_k, top_p))
         for i in range(cached, num_new):
             token = int(window(params, jnp.asarray(context[-max_len:], jnp.int32), jax.random.fold_in(rng, i)))
             out[0].append(token)
             context.append(token)
-            if token == eos_id:
+            if token in (eos_id or ()):
                 break
     return out[0] if flat else out
 
 
 def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, temperature: float = 0.8, *,
-             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> list[int]:
+             top_k: int | None = None, top_p: float | None = None,
+             eos_id: int | Sequence[int] | None = None) -> list[int]:
     """:func:`generate_any` of one prompt: ``num_tokens`` ids after ``prompt`` (a non-empty list, tuple or 1-D
     array of int ids), the window sliding past ``max_seq_len``.
 
@@ -298,7 +303,7 @@ def generate(model: Any, params: Any, prompt: Any, num_tokens: int, rng: Any, te
 
 def generate_batch(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, *,
                    temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None,
-                   eos_id: int | None = None) -> list[list[int]]:
+                   eos_id: int | Sequence[int] | None = None) -> list[list[int]]:
     """:func:`generate_any` of a batch: ``prompts`` a non-empty list of prompts (id sequences of any lengths) or a
     ``[B, P]`` array; one list of drawn ids per prompt.
 

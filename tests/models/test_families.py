@@ -93,6 +93,59 @@ def test_greedy_cached_generation_equals_transformers(loaded):
     assert got == want, (name, got, want)
 
 
+def _eos_checkpoint(tmp_path, eos):
+    """A tiny Qwen3 saved by transformers with ``eos`` as its generation config's ``eos_token_id``."""
+    ref = hf_model("qwen3")
+    ref.generation_config.eos_token_id = eos
+    ref.save_pretrained(tmp_path)
+    return ref
+
+
+@pytest.mark.slow  # two compiles of the cached decode (the stop ids are compile-time constants): ~20 s
+def test_generation_stops_at_the_checkpoints_eos_as_transformers_does(tmp_path):
+    """transformers' ``generate`` stops at the generation config's ``eos_token_id`` (here a list, as Llama 3's):
+    ``hf.load`` reads it into ``eos_token_ids`` and ``model.generate`` stops there too by default; ``eos_id=None``
+    does not stop; ``hf.save`` writes the ids back."""
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, V, 7)]
+    free = transformers_greedy(hf_model("qwen3"), prompt, 12)
+    stop = next(i for i in range(2, 12) if free[i] not in free[:i])   # the first repeat-free token after two
+    unused = next(t for t in range(V) if t not in free)
+    ref = _eos_checkpoint(tmp_path / "ckpt", [unused, free[stop]])
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = want[0, len(prompt):].tolist()
+    assert want == free[:stop + 1]   # transformers stopped at the eos
+    model, params = hf.load(str(tmp_path / "ckpt"))
+    assert model.cfg.eos_token_ids == (unused, free[stop])
+    assert model.generate(params, prompt, 12, jax.random.key(0), temperature=0.0) == want
+    assert model.generate(params, prompt, 12, jax.random.key(0), temperature=0.0, eos_id=None) == free
+    hf.save(model, params, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [unused, free[stop]]
+
+
+def test_eos_is_read_from_generation_config_then_config_and_checked(tmp_path):
+    """``hf.load``'s ``eos_token_ids``: the generation config's ``eos_token_id`` first (an id or a list), else
+    config.json's; an id outside the vocabulary is refused naming the file; an override wins."""
+    _eos_checkpoint(tmp_path, 5)
+    assert hf.load(str(tmp_path))[0].cfg.eos_token_ids == (5,)
+    assert hf.load(str(tmp_path), eos_token_ids=(7, 8))[0].cfg.eos_token_ids == (7, 8)
+    (tmp_path / "generation_config.json").unlink()
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 3}))
+    assert hf.load(str(tmp_path))[0].cfg.eos_token_ids == (3,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": V + 5}))
+    with pytest.raises(ValueError, match=r"generation_config.json has eos_token_id=102"):
+        hf.load(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="generation_config.json' holds a JSON list"):
+        hf.load(str(tmp_path))
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        families.qwen3(vocab_size=V, eos_token_ids=(V,))
+    with pytest.raises(ValueError, match="eos_id='stop'"):
+        model, params = hf.load(str(tmp_path), eos_token_ids=())
+        model.generate(params, [1], 1, 0, eos_id="stop")
+
+
 def test_family_configs_match_their_presets_and_refuse_bad_fields():
     g = families.gemma3(num_layers=8, sliding_window=16)
     assert g.windows == (16,) * 5 + (None,) + (16,) * 2

@@ -19,6 +19,7 @@ Needs the optional ``safetensors`` package (``pip install 'jaxpar[hf]'``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -32,7 +33,7 @@ import numpy as np
 from jaxpar import protocol
 from jaxpar.models.hf import files as hf_files
 from jaxpar.models.hf import families, gpt2, llama, moe
-from jaxpar.models.hf.config import _arch, _read_config
+from jaxpar.models.hf.config import _arch, _read_config, eos_token_ids
 from jaxpar.models.hf.files import INDEX, SINGLE, Reader
 from jaxpar.models.hf.weights import Adapter, span
 from jaxpar.precision import fp8
@@ -91,7 +92,9 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
         compute dtype is the config's ``dtype`` (an override, e.g. ``dtype=jnp.bfloat16`` here sets the params'
         dtype, ``config_overrides`` cannot: pass a policy to the train step instead).
       config_overrides: config fields to set (e.g. ``scan_layers=True``, ``remat="full"``); ``text_only=True``
-        for a ``Gemma3ForConditionalGeneration`` (the vision tower's tensors are left on disk).
+        for a ``Gemma3ForConditionalGeneration`` (the vision tower's tensors are left on disk). The config's
+        ``eos_token_ids`` (where ``model.generate`` stops by default, as ``transformers``' ``generate`` does) are
+        ``generation_config.json``'s ``eos_token_id``, else ``config.json``'s, unless overridden here.
 
     Returns:
       the model and its params ``{"embed", "blocks", "head"}`` (plain ``jax.Array`` leaves), ready for
@@ -109,6 +112,8 @@ def load(path_or_dir: str, *, mesh: Any = None, rules: shd.Rules = shd.DEFAULT_R
     hf_cfg = _read_config(path_or_dir)
     adapter = ADAPTERS[_arch(hf_cfg)]
     cfg = adapter.from_hf(hf_cfg, **config_overrides)
+    if hasattr(cfg, "eos_token_ids") and "eos_token_ids" not in config_overrides:   # generate stops as HF's does
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos_token_ids(path_or_dir, hf_cfg, cfg.vocab_size))
     model = adapter.model(cfg)
     reader = Reader(path_or_dir)
     prefix = adapter.prefix(reader.files)
@@ -222,6 +227,7 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
       like: a Hugging Face checkpoint directory (e.g. the one fine-tuned): its ``bos_token_id``, ``eos_token_id``
         and ``pad_token_id`` go into the new ``config.json``, and its files other than weights and config
         (tokenizer, ``generation_config.json``) are copied, so ``transformers`` tokenizes and stops as before.
+        Without it (or where it has no ``eos_token_id``) the config's ``eos_token_ids`` are written.
 
     Raises:
       ValueError: another model, a GPT with rotary positions (GPT-2 has learned ones), params of other shapes
@@ -276,8 +282,10 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
             index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
             hf_files.write_json(os.path.join(tmp, INDEX), index)
+        eos = list(getattr(cfg, "eos_token_ids", ()))
         hf_files.write_json(os.path.join(tmp, "config.json"),
-                    {**adapter.to_hf(cfg), **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
+                            {**adapter.to_hf(cfg), **({"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos else {}),
+                             **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
         hf_files.swap_in(tmp, os.path.join(parent, base))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

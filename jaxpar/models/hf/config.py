@@ -31,6 +31,34 @@ def _read_config(path: str) -> dict:
     return hf
 
 
+def eos_token_ids(path: str, hf: dict, vocab_size: int) -> tuple[int, ...]:
+    """The ids that end generation: ``generation_config.json``'s ``eos_token_id`` where the directory has that
+    file (what ``transformers``' ``generate`` reads), else ``config.json``'s (``hf``); an id, a list of ids, or
+    none (absent or null).
+
+    Raises:
+      ValueError: ``generation_config.json`` unreadable or not an object, or an id that is not an int in
+        ``[0, vocab_size)`` (naming the file).
+    """
+    name, source = "config.json", hf
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        name = "generation_config.json"
+        try:
+            with open(inside(path, name, "the checkpoint")) as f:
+                source = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{os.path.join(path, name)!r} is not a readable JSON file ({e}); restore or remove "
+                             "it") from None
+        if not isinstance(source, dict):
+            raise ValueError(f"{os.path.join(path, name)!r} holds a JSON {type(source).__name__}, not an object")
+    eos = source.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab_size for e in ids):
+        raise ValueError(f"{name} has eos_token_id={eos!r}; it must be null, a token id in [0, {vocab_size}) or a "
+                         "list of them")
+    return tuple(ids)
+
+
 def _need(hf: dict, key: str) -> Any:
     """``hf[key]``, or a ValueError naming the missing config.json field."""
     if key not in hf:
