@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +34,7 @@ import jax  # noqa: E402
 import jaxpar as jp  # noqa: E402
 import torch_hf  # noqa: E402
 import vs_pytorch  # noqa: E402
-from jaxpar.layers import attention  # noqa: E402
+from jaxpar.layers import attention, attention_blocks  # noqa: E402
 from jaxpar.train import _jit  # noqa: E402
 
 # name -> a context manager factory: the code change, in place while the variant's step is traced and compiled.
@@ -63,8 +62,8 @@ def _setattr(obj, attr: str, value) -> Iterator[None]:
 @patch("autodiff_attention")
 def _autodiff_attention():
     """The one-device attention block's backward pass derived by ``jax.grad`` instead of written out (the
-    comparison behind ``jaxpar.layers.attention._whole``'s custom VJP)."""
-    with _setattr(attention, "_whole", lambda q, k, v, visible: attention._whole_fwd(q, k, v, visible)[0]):
+    comparison behind ``jaxpar.layers.attention_blocks.whole``'s custom VJP)."""
+    with _setattr(attention, "_whole", lambda q, k, v, visible: attention_blocks.whole_fwd(q, k, v, visible)[0]):
         yield
 
 
