@@ -42,7 +42,11 @@ PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
 
 
 def patch(name: str):
-    """Registers a generator function (one ``yield`` between applying and undoing a change) as variant ``name``."""
+    """Registers a generator function (one ``yield`` between applying and undoing a change) as variant ``name``;
+    raises ValueError for a name that ``tree`` or ``opt:`` would shadow, or one with a ``,`` or ``#``."""
+    if name == "tree" or name.startswith("opt:") or any(c in name for c in ",#") or not name:
+        raise ValueError(f"patch name {name!r}: pick another (not 'tree', not 'opt:...', no ',' or '#')")
+
     def register(fn):
         PATCHES[name] = contextlib.contextmanager(fn)
         return fn
@@ -67,18 +71,47 @@ def _autodiff_attention():
         yield
 
 
+def compile_options(spec: str) -> dict[str, str]:
+    """The options of an ``opt:NAME=VALUE[;...]`` variant, each checked by a tiny compile (so a name or value XLA
+    refuses fails here, naming the variant, before any step is built; booleans are ``True`` / ``False``)."""
+    options = {}
+    for item in filter(None, spec[len("opt:"):].split(";")):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"variant {spec!r}: {item!r} is not NAME=VALUE (e.g. opt:xla_cpu_use_onednn=True)")
+        options[name.strip()] = value.strip()
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=options or None).lower(
+            jax.ShapeDtypeStruct((2,), "float32")).compile()
+    except Exception as e:   # noqa: BLE001 - XLA's refusal, reworded with the variant
+        raise ValueError(f"variant {spec!r}: XLA refuses these options ({str(e).splitlines()[0]}); booleans are "
+                         "True / False") from None
+    return options
+
+
 def variant_context(spec: str) -> contextlib.AbstractContextManager:
-    """The context a variant's step is built and compiled in (see the module docstring); raises ValueError for an
-    unknown ``spec``."""
+    """The context a variant's step is built and compiled in (see the module docstring; ``NAME#2`` is ``NAME`` again,
+    for an A/A run); raises ValueError for an unknown ``spec`` or options XLA refuses."""
+    spec = spec.split("#", 1)[0]
     if spec == "tree":
         return contextlib.nullcontext()
     if spec.startswith("opt:"):
-        body = spec[len("opt:"):]
-        options = dict(kv.split("=", 1) for kv in body.split(";") if kv)
+        options = compile_options(spec)
         return _setattr(_jit, "compiler_options", lambda mesh: options or None)
     if spec in PATCHES:
         return PATCHES[spec]()
     raise ValueError(f"variant {spec!r}: use 'tree', 'opt:NAME=VALUE[;...]' or one of {sorted(PATCHES)}")
+
+
+def _variants(text: str) -> list[str]:
+    """``--variants``: comma-separated, a repeated one numbered (``tree,tree`` -> ``tree``, ``tree#2``: an A/A run)."""
+    out = []
+    for v in (v.strip() for v in text.split(",")):
+        if not v:
+            raise argparse.ArgumentTypeError(f"--variants {text!r} has an empty entry")
+        n = sum(1 for o in out if o.split("#", 1)[0] == v)
+        out.append(v if n == 0 else f"{v}#{n + 1}")
+    return out
 
 
 def build_variant(spec: str, model, init_fn, lr: float, warm_batches) -> tuple[Callable, list[float]]:
@@ -132,11 +165,11 @@ def measure(args) -> dict:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", type=lambda s: s.split(","), default=["tree", "opt:"],
-                    help="comma-separated; the first is the baseline of the ratios")
+    ap.add_argument("--variants", type=_variants, default=["tree", "opt:"],
+                    help="comma-separated; the first is the baseline of the ratios; a repeated one runs again (A/A)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps-per-round", type=int, default=4)
-    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--warmup-steps", type=int, default=3, help=">= 1: the first compiles the variant's step")
     ap.add_argument("--clock", choices=list(vs_pytorch.CLOCKS), default="wall")
     ap.add_argument("--no-reuse-host-memory", dest="reuse_host_memory", action="store_false",
                     help="skip jp.tools.cpu.reuse_host_memory() (as vs_pytorch.py)")
@@ -149,6 +182,10 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     args.model_module = None
+    for flag, value in (("--rounds", args.rounds), ("--steps-per-round", args.steps_per_round),
+                        ("--warmup-steps", args.warmup_steps)):
+        if value < 1:   # the first warm-up step compiles the variant inside its context
+            raise ValueError(f"{flag}={value} must be >= 1")
     if args.patches:
         import runpy
         sys.modules.setdefault("ab", sys.modules[__name__])

@@ -50,6 +50,15 @@ def test_ab_script_compares_variants_in_one_process():
         assert v[name]["speedup_over_tree"] > 0 and v[name]["ms_per_step"] > 0
     with pytest.raises(ValueError, match="variant 'nope'"):
         ab.main(["--variants", "tree,nope", *TINY_GPT])
+    with pytest.raises(ValueError, match="variant 'opt:x'.*NAME=VALUE"):
+        ab.main(["--variants", "tree,opt:x", *TINY_GPT])
+    with pytest.raises(ValueError, match="XLA refuses"):
+        ab.main(["--variants", "tree,opt:xla_cpu_use_onednn=yes", *TINY_GPT])
+    with pytest.raises(ValueError, match="--warmup-steps=0"):   # the first warm-up step compiles in the context
+        ab.main(["--variants", "tree,autodiff_attention", "--warmup-steps", "0", *TINY_GPT])
+    assert ab.parse(["--variants", "tree,tree,opt:,tree"]).variants == ["tree", "tree#2", "opt:", "tree#3"]
+    with pytest.raises(ValueError, match="patch name 'tree'"):
+        ab.patch("tree")
 
 
 # slow set: a lighter sibling stays in the fast set (the README's 10-minute budget)

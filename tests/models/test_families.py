@@ -141,6 +141,14 @@ def test_eos_is_read_from_generation_config_then_config_and_checked(tmp_path):
         hf.load(str(tmp_path))
     with pytest.raises(ValueError, match="eos_token_ids"):
         families.qwen3(vocab_size=V, eos_token_ids=(V,))
+    assert families.qwen3(vocab_size=V, eos_token_ids=[np.int64(3)]).eos_token_ids == (3,)
+    from jaxpar.models.hf.config import eos_token_ids   # a multimodal config: its text decoder's ids
+    (tmp_path / "generation_config.json").unlink()
+    assert eos_token_ids(str(tmp_path), {"text_config": {"eos_token_id": [20, 1]}}, V) == (20, 1)
+    (tmp_path / "generation_config.json").write_text("[" * 100_000)
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        eos_token_ids(str(tmp_path), {}, V)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="eos_id='stop'"):
         model, params = hf.load(str(tmp_path), eos_token_ids=())
         model.generate(params, [1], 1, 0, eos_id="stop")

@@ -227,7 +227,8 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
       like: a Hugging Face checkpoint directory (e.g. the one fine-tuned): its ``bos_token_id``, ``eos_token_id``
         and ``pad_token_id`` go into the new ``config.json``, and its files other than weights and config
         (tokenizer, ``generation_config.json``) are copied, so ``transformers`` tokenizes and stops as before.
-        Without it (or where it has no ``eos_token_id``) the config's ``eos_token_ids`` are written.
+        Without it (or where it has no ``eos_token_id``) the config's ``eos_token_ids`` are written; ``like``'s
+        ``eos_token_id`` (and its ``generation_config.json``) win over them.
 
     Raises:
       ValueError: another model, a GPT with rotary positions (GPT-2 has learned ones), params of other shapes

@@ -33,8 +33,8 @@ def _read_config(path: str) -> dict:
 
 def eos_token_ids(path: str, hf: dict, vocab_size: int) -> tuple[int, ...]:
     """The ids that end generation: ``generation_config.json``'s ``eos_token_id`` where the directory has that
-    file (what ``transformers``' ``generate`` reads), else ``config.json``'s (``hf``); an id, a list of ids, or
-    none (absent or null).
+    file (what ``transformers``' ``generate`` reads), else ``config.json``'s (``hf``; a multimodal config's
+    ``text_config`` where its top level has none); an id, a list of ids, or none (absent or null).
 
     Raises:
       ValueError: ``generation_config.json`` unreadable or not an object, or an id that is not an int in
@@ -46,11 +46,13 @@ def eos_token_ids(path: str, hf: dict, vocab_size: int) -> tuple[int, ...]:
         try:
             with open(inside(path, name, "the checkpoint")) as f:
                 source = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{os.path.join(path, name)!r} is not a readable JSON file ({e}); restore or remove "
-                             "it") from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise ValueError(f"{os.path.join(path, name)!r} is not a readable JSON file ({type(e).__name__}: "
+                             f"{str(e)[:200]}); restore or remove it") from None
         if not isinstance(source, dict):
             raise ValueError(f"{os.path.join(path, name)!r} holds a JSON {type(source).__name__}, not an object")
+    if source is hf and "eos_token_id" not in hf and isinstance(hf.get("text_config"), dict):
+        source = hf["text_config"]   # Gemma3ForConditionalGeneration: the text decoder's ids
     eos = source.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab_size for e in ids):
