@@ -2,6 +2,7 @@
 
     python benchmarks/ab.py --model llama --variants tree,autodiff_attention,opt:
                             [--rounds 15] [--steps-per-round 4] [--clock wall|cpu] [--patches my_patches.py]
+                            [vs_pytorch.py's model options: --batch --seq --layers --d-model --heads ...]
 
 Every variant's step is traced and compiled in this one process (the model and data of
 ``benchmarks/vs_pytorch.py``: ``--model gpt|llama|qwen3|gemma3`` at the same sizes, the same batches), then the
@@ -158,8 +159,9 @@ def measure(args) -> dict:
                      "speedup_min_max": [round(min(ratio), 3), round(max(ratio), 3)],
                      "first_losses": [round(x, 6) for x in losses[spec]]}
     return {"cpu_model": vs_pytorch.cpu_model(), "jax": jax.__version__, "model": args.model, "batch": args.batch,
-            "seq": args.seq, "rounds": args.rounds, "steps_per_round": args.steps_per_round, "clock": args.clock,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "variants": out,
+            "seq": args.seq, "layers": model.cfg.num_layers, "d_model": model.cfg.d_model, "rounds": args.rounds, "steps_per_round": args.steps_per_round, "clock": args.clock,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),   # with the rendezvous limit `import jaxpar` sets
+            "variants": out,
             "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
 
 
