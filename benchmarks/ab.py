@@ -159,7 +159,8 @@ def measure(args) -> dict:
                      "speedup_min_max": [round(min(ratio), 3), round(max(ratio), 3)],
                      "first_losses": [round(x, 6) for x in losses[spec]]}
     return {"cpu_model": vs_pytorch.cpu_model(), "jax": jax.__version__, "model": args.model, "batch": args.batch,
-            "seq": args.seq, "layers": model.cfg.num_layers, "d_model": model.cfg.d_model, "rounds": args.rounds, "steps_per_round": args.steps_per_round, "clock": args.clock,
+            "seq": args.seq, "layers": model.cfg.num_layers, "d_model": model.cfg.d_model, "rounds": args.rounds,
+            "steps_per_round": args.steps_per_round, "clock": args.clock,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),   # with the rendezvous limit `import jaxpar` sets
             "variants": out,
             "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}

@@ -159,9 +159,9 @@ def windowed_dense_attention(q, k, v, segment_ids=None, window=None):
                                                             (3, 5, False, "float32"), (2, 4, True, "float32"),
                                                             (2, None, False, "bfloat16")])
 def test_one_device_kernel_gradients_match_dense_attention(num_blocks, window, packed, dtype):
-    """The one-device kernel's written-out backward pass (``jaxpar.layers.attention_blocks.whole``'s custom VJP): gradients of q, k and v
-    against automatic differentiation of :func:`windowed_dense_attention`, with query blocks, a sliding window,
-    packed segments, and bfloat16 inputs (gradients in bfloat16, as the inputs)."""
+    """The one-device kernel's written-out backward pass (``jaxpar.layers.attention_blocks.whole``'s custom VJP):
+    gradients of q, k and v against automatic differentiation of :func:`windowed_dense_attention`, with query
+    blocks, a sliding window, packed segments, and bfloat16 inputs (gradients in bfloat16, as the inputs)."""
     rng = np.random.default_rng(SEED + num_blocks)
     dt = jnp.dtype(dtype)
     q, k, v, g = (jnp.asarray(rng.normal(size=(2, 12, 3, 8)), dt) for _ in range(4))

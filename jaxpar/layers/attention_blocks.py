@@ -69,8 +69,8 @@ def whole_fwd(q, k, v, visible):
 def whole_bwd(res, do_BQHK):
     """The softmax attention backward pass (as FlashAttention's, Dao et al. 2022, alg. 4, without its tiling):
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(P * dP))`` (the softmax's own VJP; zero where masked,
-    since ``P`` is there in every row that sees a key, as every row of the kernel does: its own), ``dQ = dS K / sqrt(K)``, ``dK = dS^T Q / sqrt(K)``; float32 inside, each gradient in its
-    input's dtype."""
+    since ``P`` is there in every row that sees a key, as every row of the kernel does: its own),
+    ``dQ = dS K / sqrt(K)``, ``dK = dS^T Q / sqrt(K)``; float32 inside, each gradient in its input's dtype."""
     q, k, v, p = res
     f32 = jnp.float32
     dp = jnp.einsum("bqhk,bshk->bhqs", do_BQHK, v, preferred_element_type=f32)

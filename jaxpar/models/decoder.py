@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import warnings
 from typing import Any, Sequence
 
@@ -135,14 +134,10 @@ class RotaryFields:
 
 def check_run_fields(cfg: Any) -> None:
     """Raises ValueError for a config's ``remat``, ``attention`` or ``context_attention`` outside their choices, or
-    ``eos_token_ids`` not a tuple of token ids (a list is taken as a tuple)."""
-    given = getattr(cfg, "eos_token_ids", ())   # a GPTConfig has none
-    if not isinstance(given, (tuple, list)) or any(
-            isinstance(e, (bool, np.bool_)) or not isinstance(e, numbers.Integral) or not 0 <= e < cfg.vocab_size
-            for e in given):
-        raise ValueError(f"eos_token_ids={given!r} must be a tuple of token ids in [0, vocab_size={cfg.vocab_size})")
-    if given != ():
-        object.__setattr__(cfg, "eos_token_ids", tuple(int(e) for e in given))
+    ``eos_token_ids`` not token ids (:func:`jaxpar.models.generation.token_ids`; stored as a tuple of ints)."""
+    if hasattr(cfg, "eos_token_ids"):   # a GPTConfig has none
+        object.__setattr__(cfg, "eos_token_ids", generation.token_ids(cfg.eos_token_ids, cfg.vocab_size,
+                                                                      f"{type(cfg).__name__}.eos_token_ids"))
     if cfg.remat not in REMAT:
         raise ValueError(f"remat={cfg.remat!r}; use one of {sorted(REMAT)}")
     if cfg.attention not in ATTENTION:

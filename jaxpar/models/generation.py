@@ -186,6 +186,19 @@ def _rows(prompts: Any, vocab: int) -> tuple[list[list[int]], bool]:
     return rows, False
 
 
+def token_ids(value: Any, vocab: int, what: str) -> tuple[int, ...]:
+    """``value`` (None, one token id, or a list or tuple of them, as a Hugging Face config's ``eos_token_id``) as a
+    tuple of Python ints.
+
+    Raises:
+      ValueError: an id that is not an int in ``[0, vocab)`` (a bool included), naming ``what`` and the value.
+    """
+    ids = tuple(value) if isinstance(value, (list, tuple)) else () if value is None else (value,)
+    if any(isinstance(e, (bool, np.bool_)) or not isinstance(e, numbers.Integral) or not 0 <= e < vocab for e in ids):
+        raise ValueError(f"{what}={value!r}: token ids must be ints in [0, {vocab}), one or a list of them (or None)")
+    return tuple(int(e) for e in ids)
+
+
 def _options(top_k: Any, top_p: Any, eos_id: Any, vocab: int) -> tuple[int | None, float | None, tuple | None]:
     """``(top_k, top_p, eos_ids)`` checked and as Python numbers (compile-time constants); ``eos_id`` (one id or a
     non-empty list of them, as Hugging Face's ``eos_token_id``) as a tuple of ids, or None."""
@@ -194,12 +207,10 @@ def _options(top_k: Any, top_p: Any, eos_id: Any, vocab: int) -> tuple[int | Non
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
                               or not 0 < top_p <= 1):
         raise ValueError(f"top_p={top_p!r} must be None or a number in (0, 1]")
-    ids = eos_id if isinstance(eos_id, (list, tuple)) else () if eos_id is None else (eos_id,)
-    if (eos_id is not None and not ids) or any(
-            isinstance(e, bool) or not isinstance(e, numbers.Integral) or not 0 <= e < vocab for e in ids):
-        raise ValueError(f"eos_id={eos_id!r} must be None, a token id in [0, {vocab}) or a non-empty list of them")
+    if isinstance(eos_id, (list, tuple)) and not eos_id:
+        raise ValueError(f"eos_id={eos_id!r} is empty: give None (no stop), an id or a non-empty list of ids")
     return (None if top_k is None else int(top_k), None if top_p is None else float(top_p),
-            tuple(int(e) for e in ids) or None)
+            token_ids(eos_id, vocab, "eos_id") or None)
 
 
 def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng: Any, temperature: float = 0.8, *,
@@ -233,8 +244,8 @@ def generate_any(model: Any, params: Any, prompts: Any, max_new_tokens: int, rng
         Hugging Face config's ``eos_token_id``).
 
     Returns:
-      The drawn ids (Python ints, the prompt excluded, ending at an ``eos_id`` if one is drawn): one list for one prompt,
-      a list of them for a batch.
+      The drawn ids (Python ints, the prompt excluded, ending at an ``eos_id`` if one is drawn): one list for one
+      prompt, a list of them for a batch.
 
     Raises:
       TypeError: the model lacks a generation part (named), its ``decode_step`` returns something other than

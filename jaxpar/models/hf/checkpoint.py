@@ -284,9 +284,9 @@ def save(model: Any, params: dict, dir: str, *, max_shard_bytes: int = 5 * 2**30
                      "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
             hf_files.write_json(os.path.join(tmp, INDEX), index)
         eos = list(getattr(cfg, "eos_token_ids", ()))
+        own = {"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos else {}
         hf_files.write_json(os.path.join(tmp, "config.json"),
-                            {**adapter.to_hf(cfg), **({"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos else {}),
-                             **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
+                            {**adapter.to_hf(cfg), **own, **{k: extra[k] for k in _TOKEN_IDS if k in extra}})
         hf_files.swap_in(tmp, os.path.join(parent, base))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

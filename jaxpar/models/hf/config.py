@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+from jaxpar.models.generation import token_ids
 from jaxpar.models.gpt import GPTConfig
 from jaxpar.models.hf.files import inside
 from jaxpar.models.llama import LlamaConfig
@@ -17,18 +18,24 @@ def _read_config(path: str) -> dict:
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory; pass a Hugging Face checkpoint directory (config.json and "
                          "model*.safetensors, as save_pretrained writes)")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path!r} has no config.json; it is not a Hugging Face checkpoint directory")
-    inside(path, "config.json", "the checkpoint")
+    return _read_json(path, "config.json")
+
+
+def _read_json(path: str, name: str) -> dict:
+    """The JSON object in file ``name`` of checkpoint directory ``path`` (inside it once links are resolved);
+    ValueError when it is unreadable, not JSON, nested too deep, or not an object."""
+    file = inside(path, name, "the checkpoint")
     try:
-        with open(cfg_path) as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{cfg_path!r} is not a readable JSON file ({e}); restore the checkpoint's config.json") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{cfg_path!r} holds a JSON {type(hf).__name__}, not an object of config fields")
-    return hf
+        with open(file) as f:
+            obj = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{os.path.join(path, name)!r} is not a readable JSON file ({type(e).__name__}: "
+                         f"{str(e)[:200]}); restore the checkpoint's {name}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{os.path.join(path, name)!r} holds a JSON {type(obj).__name__}, not an object of fields")
+    return obj
 
 
 def eos_token_ids(path: str, hf: dict, vocab_size: int) -> tuple[int, ...]:
@@ -43,22 +50,10 @@ def eos_token_ids(path: str, hf: dict, vocab_size: int) -> tuple[int, ...]:
     name, source = "config.json", hf
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         name = "generation_config.json"
-        try:
-            with open(inside(path, name, "the checkpoint")) as f:
-                source = json.load(f)
-        except (OSError, ValueError, RecursionError) as e:
-            raise ValueError(f"{os.path.join(path, name)!r} is not a readable JSON file ({type(e).__name__}: "
-                             f"{str(e)[:200]}); restore or remove it") from None
-        if not isinstance(source, dict):
-            raise ValueError(f"{os.path.join(path, name)!r} holds a JSON {type(source).__name__}, not an object")
-    if source is hf and "eos_token_id" not in hf and isinstance(hf.get("text_config"), dict):
+        source = _read_json(path, name)
+    elif "eos_token_id" not in hf and isinstance(hf.get("text_config"), dict):
         source = hf["text_config"]   # Gemma3ForConditionalGeneration: the text decoder's ids
-    eos = source.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab_size for e in ids):
-        raise ValueError(f"{name} has eos_token_id={eos!r}; it must be null, a token id in [0, {vocab_size}) or a "
-                         "list of them")
-    return tuple(ids)
+    return token_ids(source.get("eos_token_id"), vocab_size, f"{name} has eos_token_id")
 
 
 def _need(hf: dict, key: str) -> Any:
