@@ -2,7 +2,7 @@
 
 The effect is measured in fresh processes (the settings must precede JAX's backends): a jitted function whose
 temporary buffer is larger than glibc's mmap limits faults in every page of it on every call without the
-settings, and none with them (slow). The fast test checks the refusals in this process, whose backends started.
+settings; with them most calls fault none (slow). The fast test checks the refusals in this process, whose backends started.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax, jax.numpy as jnp
 f = jax.jit(lambda x: (jnp.sin(x[:, None] * x[None, :]) @ x).sum())    # a [N, N] float32 temporary: 100 MiB
 x = jnp.linspace(0, 1, 5120, dtype=jnp.float32)
 faults = []
-for _ in range(16):
+for _ in range(40):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -55,7 +55,7 @@ def test_refuses_after_backends_started_on_gpus_and_without_glibc(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
-def test_no_page_faults_per_call_with_the_settings():
+def test_most_calls_fault_no_pages_with_the_settings():
     def run(mode):
         out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300,
                              env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
@@ -64,11 +64,13 @@ def test_no_page_faults_per_call_with_the_settings():
     pages = 5120 * 5120 * 4 // 4096
     plain, reused = run("plain"), run("reuse")
     assert not plain["applied"] and reused["applied"]
-    # without: glibc maps the buffer afresh for every call and every page faults; with: the heap grows over the first
-    # calls (small blocks allocated between two calls land in the freed buffer, so the next one does not fit there),
-    # then every call reuses what the heap holds
+    # without: glibc maps the buffer afresh for every call and every page faults. With: the freed buffer stays in the
+    # heap and the next call takes it, except when a small block allocated between two calls has landed in it and
+    # outlives the next call: then the heap grows by one buffer. Measured over 39 calls after the first, in 18
+    # processes idle and with two busy loops: 0-9 such calls, often a few in a row, none on most calls.
     assert min(plain["faults"]) > 0.5 * pages, plain
-    assert max(reused["faults"][-6:]) < 0.02 * pages, reused
+    grown = [f for f in reused["faults"][1:] if f > 0.02 * pages]
+    assert len(grown) <= len(reused["faults"][1:]) // 2, reused
     assert jp.tools.cpu.reuse_host_memory is cpu.reuse_host_memory
 
 

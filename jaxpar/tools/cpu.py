@@ -13,11 +13,17 @@ every 4 KiB page of the buffer again, each zero-filled by the kernel: 70,082 min
 system time in a step of 480-640 ms of CPU time on one core. With one arena, no ``mmap`` and no trimming of the
 heap's top, the buffer freed by one step is the next step's: no page faults, 360-370 ms a step.
 
+It is not a guarantee on every step: a small block that is allocated between two executions inside the freed buffer
+and outlives the next one leaves too little room there, and the heap grows by one buffer (whose pages fault once).
+On a 100 MiB buffer over 40 calls (``tests/test_host_memory.py``, 18 processes, idle and with two busy loops) that
+happened on 0-9 of the 39 calls after the first, often on a few in a row, and on none of the others; each time the
+process keeps one more buffer (peak resident memory 550 MB without the settings, 550-1,350 MB with them).
+
 What it sets, through glibc's ``mallopt`` (mallopt(3)): ``M_ARENA_MAX`` 1, ``M_MMAP_MAX`` 0 and
 ``M_TRIM_THRESHOLD`` 2**31 - 1, the same as starting the process with the environment
 ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647``. The costs: the process keeps its peak
-heap (freed memory is not returned to the OS until it exits), and threads that allocate at once share one arena
-(no slowdown measured with XLA:CPU's pool on 2 cores).
+heap (freed memory is not returned to the OS until it exits; it can hold several copies of the buffer, above), and
+threads that allocate at once share one arena (no slowdown measured with XLA:CPU's pool on 2 cores).
 """
 
 from __future__ import annotations

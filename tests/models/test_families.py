@@ -148,6 +148,11 @@ def test_eos_is_read_from_generation_config_then_config_and_checked(tmp_path):
     (tmp_path / "generation_config.json").write_text("[" * 100_000)
     with pytest.raises(ValueError, match="not a readable JSON file"):
         eos_token_ids(str(tmp_path), {}, V)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "generation_config.json").mkdir()               # not the config.json fallback: refused
+    with pytest.raises(ValueError, match="generation_config.json' is not a readable JSON file"):
+        eos_token_ids(str(tmp_path), {"eos_token_id": 1}, V)
+    (tmp_path / "generation_config.json").rmdir()
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="eos_id='stop'"):
         model, params = hf.load(str(tmp_path), eos_token_ids=())

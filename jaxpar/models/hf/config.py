@@ -44,11 +44,11 @@ def eos_token_ids(path: str, hf: dict, vocab_size: int) -> tuple[int, ...]:
     ``text_config`` where its top level has none); an id, a list of ids, or none (absent or null).
 
     Raises:
-      ValueError: ``generation_config.json`` unreadable or not an object, or an id that is not an int in
-        ``[0, vocab_size)`` (naming the file).
+      ValueError: ``generation_config.json`` present but unreadable (a folder, a broken link) or not an object,
+        or an id that is not an int in ``[0, vocab_size)`` (naming the file).
     """
     name, source = "config.json", hf
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
+    if os.path.lexists(os.path.join(path, "generation_config.json")):   # a folder or a broken link: refused
         name = "generation_config.json"
         source = _read_json(path, name)
     elif "eos_token_id" not in hf and isinstance(hf.get("text_config"), dict):
