@@ -79,6 +79,27 @@ def test_charlm_failed_resume_leaves_no_directory(tmp_path):
     assert list(empty.iterdir()) == [] and not (tmp_path / "missing").exists()
 
 
+def test_resume_is_refused_with_steps_below_the_checkpoint_and_other_settings(tmp_path):
+    """A rerun in the same --out-dir with --steps below its latest checkpoint (the README's quick check after the
+    default 800-step run) exits naming both steps and the fixes, before anything starts; so does a changed setting
+    outside the resumable ones; --steps at or past the checkpoint, and a directory without checkpoints, pass."""
+    charlm = load("charlm")
+    out = tmp_path / "run"
+    (out / "checkpoints" / "800").mkdir(parents=True)
+    (out / "checkpoints" / "400.orbax-checkpoint-tmp-1").mkdir()      # an unfinished write: not a step
+    (out / "config.json").write_text(json.dumps(experiment.flat_config(charlm.Config(out_dir=str(out)))))
+    with pytest.raises(SystemExit, match=r"checkpoint at step 800, past --steps 30: pass --steps 800 or more.*"
+                                         r"new --out-dir"):
+        experiment.check_resumed_config(out, charlm.Config(steps=30, out_dir=str(out)), charlm.RESUMABLE_CHANGES)
+    for steps in (800, 1600):
+        experiment.check_resumed_config(out, charlm.Config(steps=steps, out_dir=str(out)), charlm.RESUMABLE_CHANGES)
+    with pytest.raises(SystemExit, match=r"--d-model 128 -> 64"):
+        experiment.check_resumed_config(out, charlm.Config(d_model=64, out_dir=str(out)), charlm.RESUMABLE_CHANGES)
+    (out / "checkpoints" / "800").rmdir()
+    experiment.check_resumed_config(out, charlm.Config(steps=30, d_model=64, out_dir=str(out)),
+                                    charlm.RESUMABLE_CHANGES)
+
+
 @pytest.mark.slow  # heavy (subprocesses or several compiles); .ci/run runs it
 def test_charlm_with_pruning_and_fp16(tmp_path):
     charlm = load("charlm")

@@ -106,18 +106,24 @@ def flat_config(cfg: Any) -> dict[str, Any]:
 
 
 def check_resumed_config(out_dir: str | os.PathLike, cfg: Any, may_change: frozenset[str]) -> None:
-    """Refuses to resume a run whose ``<out_dir>/config.json`` differs from ``cfg`` outside ``may_change``.
+    """Refuses to resume a run whose ``<out_dir>/config.json`` differs from ``cfg`` outside ``may_change``, or
+    whose latest checkpoint is past ``cfg.steps`` (where ``cfg`` has ``steps``).
 
     A checkpoint in ``<out_dir>/checkpoints`` would otherwise silently continue the old run under new
     settings (model, optimizer, data, seed), or fail to restore. Nothing is checked when that directory
     holds no checkpoint.
 
     Raises:
-      SystemExit: with a message naming each changed flag (old -> new) and the two ways out.
+      SystemExit: with a message naming each changed flag (old -> new), or the checkpoint's step and
+        ``--steps``, and the ways out.
     """
     out_dir = Path(out_dir)
     saved_path, ckpt_dir = out_dir / "config.json", out_dir / "checkpoints"
-    if not saved_path.is_file() or not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+    steps = [int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()] if ckpt_dir.is_dir() else []
+    if steps and isinstance(getattr(cfg, "steps", None), int) and cfg.steps < max(steps):
+        raise SystemExit(f"{out_dir} holds a checkpoint at step {max(steps)}, past --steps {cfg.steps}: pass "
+                         f"--steps {max(steps)} or more to resume that run, or a new --out-dir for a new run")
+    if not saved_path.is_file() or not steps:
         return
     saved, now = json.loads(saved_path.read_text()), flat_config(cfg)
     changed = sorted(k for k in now if k not in may_change and k in saved and saved[k] != now[k])
